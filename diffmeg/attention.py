@@ -1,0 +1,152 @@
+"""Differential attention as megatron-core's `core_attention` submodule.
+
+megatron-core's `SelfAttention` keeps doing the fused QKV projection, RoPE, the KV cache and the
+output projection; this module receives its per-partition q/k/v and returns the concatenated heads:
+
+    lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init
+    head_i = RMSNorm((softmax(Q1 K1^T / sqrt d) - lambda softmax(Q2 K2^T / sqrt d)) V) * (1 - lambda_init)
+
+The lambda vectors and the head-norm weight are replicated on every tensor-parallel rank while each
+rank only sees its own heads, so their gradients are partial sums: they carry
+`SUM_GRAD_OVER_TP_ATTR` and `diffmeg.training.grads.finalize_diff_model_grads` sums them over TP once
+per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from diffmeg.config import DiffTransformerConfig
+from diffmeg.errors import DiffmegError
+from diffmeg.kernels import resolve_backend
+from diffmeg.kernels.reference import diff_attention_reference
+from diffmeg.norm import rms_norm
+
+logger = logging.getLogger(__name__)
+
+SUM_GRAD_OVER_TP_ATTR = "diffmeg_sum_grad_over_tp"
+"""Marks a TP-replicated parameter whose per-rank gradient covers only that rank's heads."""
+
+
+class HeadRMSNorm(torch.nn.Module):
+    """RMSNorm of each head's 2d-wide output; one weight shared by all heads of the layer."""
+
+    def __init__(self, width: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(width, dtype=dtype))
+        setattr(self.weight, SUM_GRAD_OVER_TP_ATTR, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class DiffCoreAttention(MegatronModule):
+    """Differential attention core: q/k/v per partition in, `[sq, b, h_p * 2d]` out."""
+
+    def __init__(
+        self,
+        config: DiffTransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if not isinstance(config, DiffTransformerConfig) or not config.diff_attention:
+            raise DiffmegError("DiffCoreAttention needs a DiffTransformerConfig with diff_attention=True")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise DiffmegError(f"differential attention is causal-only, got mask type {attn_mask_type}")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.tp_group = pg_collection.tp
+        tp = self.tp_group.size()
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        self.heads_per_partition = config.num_diff_heads // tp
+        self.kv_heads_per_partition = config.num_diff_kv_heads // tp
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.lambda_init = config.lambda_init_at(layer_number)
+        self.backend_name = config.attention_backend_diff
+        device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else "cuda"
+        self.backend_name, self._backend = resolve_backend(self.backend_name, device)
+
+        # lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init, vectors of size d shared by the layer's heads.
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            p = torch.nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32, device=device))
+            if config.perform_initialization:
+                torch.nn.init.normal_(p, mean=0.0, std=config.lambda_std)
+            setattr(p, SUM_GRAD_OVER_TP_ATTR, True)
+            self.register_parameter(name, p)
+        self.head_norm = HeadRMSNorm(2 * self.head_dim, config.head_norm_eps)
+        self.head_norm.to(device)
+
+    def lambda_full(self) -> torch.Tensor:
+        """The scalar lambda of this layer (fp32 or wider, differentiable in the four vectors)."""
+        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
+        lam1 = torch.exp(torch.dot(self.lambda_q1.to(dtype), self.lambda_k1.to(dtype)))
+        lam2 = torch.exp(torch.dot(self.lambda_q2.to(dtype), self.lambda_k2.to(dtype)))
+        return lam1 - lam2 + self.lambda_init
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise DiffmegError("differential attention does not support packed sequences or attention bias")
+        sq, b = query.shape[0], query.shape[1]
+        sk = key.shape[0]
+        h, g, d = self.heads_per_partition, self.kv_heads_per_partition, self.head_dim
+        # [sq, b, 2h, d] -> [sq, b, h, 2, d] -> [b, h, sq, d] for each of Q1, Q2
+        q = query.view(sq, b, h, 2, d).permute(3, 1, 2, 0, 4)  # [2, b, h, sq, d]
+        # [sk, b, 2g, d] -> [sk, b, g, 2, d] -> [2, b, g, sk, d] for K1, K2
+        k = key.view(sk, b, g, 2, d).permute(3, 1, 2, 0, 4)
+        # V of head pair j is sub-heads 2j, 2j+1 side by side: [sk, b, 2g, d] -> [b, g, sk, 2d]
+        v = value.reshape(sk, b, g, 2 * d).permute(1, 2, 0, 3)
+        mask = attention_mask  # None in training (causal); megatron's inference paths may pass one
+
+        dropout_p = self.dropout_p if self.training else 0.0
+        backend = self._backend
+        if mask is not None or dropout_p > 0.0:
+            # The fused paths are causal-only and would drop A1 and A2 separately: use the exact math.
+            backend = diff_attention_reference
+        lam = self.lambda_full()
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = backend(
+                    q[0],
+                    q[1],
+                    k[0],
+                    k[1],
+                    v,
+                    lam,
+                    scale=self.softmax_scale,
+                    dropout_p=dropout_p,
+                    attention_mask=mask,
+                )
+        else:
+            kwargs = {"attention_mask": mask} if mask is not None else {}
+            out = backend(
+                q[0], q[1], k[0], k[1], v, lam, scale=self.softmax_scale, dropout_p=dropout_p, **kwargs
+            )
+        # out: [b, h, sq, 2d]
+        out = self.head_norm(out) * (1.0 - self.lambda_init)
+        # [b, h, sq, 2d] -> [sq, b, h, 2d] -> [sq, b, h * 2d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, h * 2 * d)

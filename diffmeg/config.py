@@ -1,0 +1,116 @@
+"""Model configuration: megatron-core's `TransformerConfig` plus the Differential Transformer fields.
+
+Head bookkeeping (the one place it is defined): megatron-core's `SelfAttention` is configured with
+`num_attention_heads = 2h` *sub-heads* of `kv_channels = d`. Sub-heads `2i` and `2i+1` are Q1/Q2 of
+differential head `i`, and V of head `i` is sub-heads `2i, 2i+1` of V concatenated (width 2d). GQA
+works in KV *pairs*: `num_query_groups = 2g` sub-groups, differential KV head `j` is sub-groups
+`2j, 2j+1`. So the projections have exactly the shapes of a Transformer with 2h heads of size d.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from diffmeg.errors import DiffmegError
+
+ATTENTION_BACKENDS = ("auto", "reference", "sdpa", "flash", "te", "triton")
+
+
+def lambda_init_for_layer(layer_index: int) -> float:
+    """The paper's depth schedule `0.8 - 0.6 * exp(-0.3 * (l - 1))` for 0-based `layer_index = l - 1`."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
+
+
+@dataclass
+class DiffTransformerConfig(TransformerConfig):
+    """`TransformerConfig` for DIFF (or, with `diff_attention=False`, the FLOP-matched baseline)."""
+
+    diff_attention: bool = True
+    """Use differential attention. False builds the plain Transformer baseline from the same code."""
+
+    lambda_init: str | float = "exp"
+    """`"exp"`: the paper's layer-wise schedule from the global layer number; a float: a constant
+    lambda_init for every layer (the paper's ablation). Must lie in [0, 1)."""
+
+    lambda_std: float = 0.1
+    """Std of the normal init of the four lambda reparameterization vectors (lq1, lk1, lq2, lk2)."""
+
+    head_norm_eps: float = 1e-5
+    """Epsilon of the per-head RMSNorm applied to each differential head's output (width 2d)."""
+
+    attention_backend_diff: str = "auto"
+    """Differential attention core: reference (plain math), sdpa (torch), flash / te / triton on GPU,
+    or auto (the fastest available)."""
+
+    def __post_init__(self) -> None:
+        if self.diff_attention:
+            self._validate_diff()
+        super().__post_init__()
+
+    def _validate_diff(self) -> None:
+        tp = self.tensor_model_parallel_size
+        if self.num_attention_heads % 2:
+            raise DiffmegError(
+                f"differential attention needs an even number of sub-heads (2 x DIFF heads), got "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        heads = self.num_attention_heads // 2
+        if heads % tp:
+            raise DiffmegError(
+                f"{heads} differential heads cannot be split over tensor-model-parallel-size {tp}: "
+                f"choose a TP size that divides the head count"
+            )
+        groups = self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+        if groups % 2 or (groups // 2) == 0 or heads % (groups // 2):
+            raise DiffmegError(
+                f"num_query_groups={groups // 2 if groups % 2 == 0 else groups} differential KV heads must "
+                f"divide the {heads} differential heads"
+            )
+        if (groups // 2) % tp:
+            raise DiffmegError(
+                f"{groups // 2} differential KV heads cannot be split over tensor-model-parallel-size {tp}: "
+                f"each rank needs whole K1/K2 pairs; use a TP size dividing the KV head count"
+            )
+        if isinstance(self.lambda_init, str):
+            if self.lambda_init != "exp":
+                try:
+                    self.lambda_init = float(self.lambda_init)
+                except ValueError:
+                    raise DiffmegError(
+                        f"lambda_init must be 'exp' or a number in [0, 1), got {self.lambda_init!r}"
+                    ) from None
+        if not isinstance(self.lambda_init, str) and not 0.0 <= self.lambda_init < 1.0:
+            raise DiffmegError(f"constant lambda_init must lie in [0, 1), got {self.lambda_init}")
+        if self.lambda_std < 0:
+            raise DiffmegError(f"lambda_std must be >= 0, got {self.lambda_std}")
+        if self.head_norm_eps <= 0:
+            raise DiffmegError(f"head_norm_eps must be > 0, got {self.head_norm_eps}")
+        if self.attention_backend_diff not in ATTENTION_BACKENDS:
+            raise DiffmegError(
+                f"unknown differential attention backend {self.attention_backend_diff!r}; "
+                f"choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.context_parallel_size != 1:
+            raise DiffmegError(
+                "context parallelism is not supported by differential attention yet; "
+                "use --context-parallel-size 1"
+            )
+
+    @property
+    def num_diff_heads(self) -> int:
+        """Number of differential heads h (each owns two sub-heads of d and a V of 2d)."""
+        return self.num_attention_heads // 2
+
+    @property
+    def num_diff_kv_heads(self) -> int:
+        """Number of differential KV heads g (each a K1/K2 pair plus a V of 2d)."""
+        return self.num_query_groups // 2
+
+    def lambda_init_at(self, layer_number: int) -> float:
+        """lambda_init for megatron-core's global, 1-based `layer_number` (identical on every PP stage)."""
+        if isinstance(self.lambda_init, str):
+            return lambda_init_for_layer(layer_number - 1)
+        return float(self.lambda_init)

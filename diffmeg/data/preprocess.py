@@ -1,0 +1,609 @@
+"""Tokenize corpora into megatron-core indexed datasets: the logic behind tools/preprocess_data.py.
+
+Inputs: JSON lines (``.jsonl``, or ``.json`` holding one object per line as in Megatron-LM) and
+plain text (``.txt``: the whole file is one document), each optionally ``.gz`` or ``.zst``.
+Every input record becomes one document stored as one sequence, in input order, so document i of
+every ``{prefix}_{key}_document`` dataset is record i. Empty texts are kept as empty documents
+(or a lone EOD with ``--append-eod``) to keep that alignment; blank lines are not records.
+
+Parallelism, from the outside in:
+- ranks (mpirun/srun) take contiguous, byte-balanced slices of the input and write per-rank shards
+  ``{prefix}-rankRRRRR-of-NNNNN_{key}_document``, merged afterwards by tools/merge_datasets.py;
+- ``--partitions`` processes each take a contiguous slice and write a scratch shard that is merged
+  into the output at the end;
+- ``--workers`` (in total, shared among partitions) encode batches of lines; the reading process
+  writes their results in order. With one worker per partition, encoding runs in that process.
+Uncompressed JSON lines are split at line boundaries; compressed and text files go whole.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from diffmeg.data.indexed import IndexedWriter, check_can_write
+from diffmeg.data.tokenizer import EOD_ID, load_tokenizer
+from diffmeg.errors import DiffmegError
+
+SUPPORTED = ".jsonl, .json (one object per line), .txt (one document per file), each optionally .gz/.zst"
+_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text"}
+_COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
+BATCH_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str
+    kind: str
+    """"jsonl" or "text"."""
+    compression: str
+    """"", "gz" or "zst"."""
+    size: int
+
+    @property
+    def splittable(self) -> bool:
+        """Whether byte ranges of the file can be read on their own (plain JSON lines only)."""
+        return self.kind == "jsonl" and not self.compression
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[start, end)`` of a stored file; starts and ends on line boundaries."""
+
+    file: InputFile
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def find_inputs(patterns: Iterable[str]) -> list[InputFile]:
+    """Files named by paths or globs, globs sorted, each file once, in the order given."""
+    paths: list[str] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise DiffmegError(f"--input {pattern!r} matches no file")
+        for path in matches:
+            if os.path.isdir(path):
+                raise DiffmegError(f"--input {path} is a directory; pass a glob such as '{path}/*.jsonl'")
+            if not os.path.isfile(path):
+                raise DiffmegError(f"--input {path} does not exist")
+            if path not in paths:
+                paths.append(path)
+    files = []
+    for path in paths:
+        name = os.path.basename(path).lower()
+        stem, ext = os.path.splitext(name)
+        compression = _COMPRESSIONS.get(ext, "")
+        if compression:
+            stem, ext = os.path.splitext(stem)
+        if ext not in _KINDS:
+            raise DiffmegError(f"--input {path}: unsupported file type; supported: {SUPPORTED}")
+        files.append(InputFile(path, _KINDS[ext], compression, os.path.getsize(path)))
+    return files
+
+
+def split_segments(segments: list[Segment], n: int) -> list[list[Segment]]:
+    """``n`` contiguous runs of the input with about equal bytes, cut only at line starts.
+
+    Splittable segments are cut at the ``n - 1`` byte targets (moved forward to the next line
+    start); every piece then goes to the part its midpoint falls in. Midpoints only grow along the
+    input, so each part is a contiguous run and concatenating the parts restores the input order.
+    """
+    total = sum(s.nbytes for s in segments)
+    targets = [total * k // n for k in range(1, n)]
+    pieces: list[tuple[Segment, float]] = []
+    offset = 0
+    for seg in segments:
+        start = seg.start
+        if seg.file.splittable:
+            for target in targets:
+                local = seg.start + target - offset
+                if start < local < seg.end:
+                    cut = _next_line_start(seg.file.path, local, seg.end)
+                    if cut > start:
+                        pieces.append((Segment(seg.file, start, cut), offset + (start + cut) / 2 - seg.start))
+                        start = cut
+        if start < seg.end or seg.nbytes == 0:
+            pieces.append((Segment(seg.file, start, seg.end), offset + (start + seg.end) / 2 - seg.start))
+        offset += seg.nbytes
+    parts: list[list[Segment]] = [[] for _ in range(n)]
+    for piece, middle in pieces:
+        index = min(n - 1, int(middle * n // total)) if total else 0
+        parts[index].append(piece)
+    return parts
+
+
+def _next_line_start(path: str, offset: int, limit: int) -> int:
+    """The first line start at or after ``offset`` (at most ``limit``)."""
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        pos = offset - 1
+        while pos < limit:
+            chunk = f.read(1 << 16)
+            if not chunk:
+                return limit
+            newline = chunk.find(b"\n")
+            if newline >= 0:
+                return min(limit, pos + newline + 1)
+            pos += len(chunk)
+    return limit
+
+
+def _lines_before(path: str, offset: int) -> int:
+    """Newlines in the first ``offset`` bytes (only needed to name a bad line)."""
+    count = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            chunk = f.read(min(offset, 1 << 20))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            offset -= len(chunk)
+    return count
+
+
+def detect_rank() -> tuple[int, int, str]:
+    """(rank, world size, source) when launched by mpirun/srun, else (0, 1, "single process").
+
+    mpi4py answers under an MPI launcher when installed; otherwise the launcher's variables do.
+    Slurm counts only inside an ``srun`` step (SLURM_STEP_NUM_TASKS): a batch script also sees
+    SLURM_PROCID=0 and SLURM_NTASKS>1 while running a single copy.
+    """
+    env = os.environ
+    if any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+        try:
+            from mpi4py import MPI
+
+            return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), "mpi4py"
+        except ImportError:
+            pass
+    for rank_var, size_var, source in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI environment"),
+        ("PMI_RANK", "PMI_SIZE", "PMI environment"),
+        ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "srun environment"),
+    ):
+        if rank_var in env and size_var in env:
+            return int(env[rank_var]), int(env[size_var]), source
+    return 0, 1, "single process"
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM (Slurm's time limit, ``kill``) into SystemExit so temporary outputs are removed."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def output_prefix(prefix: str, key: str) -> str:
+    """Megatron-LM's naming: ``{prefix}_{key}_document``."""
+    return f"{prefix}_{key}_document"
+
+
+def rank_prefix(prefix: str, rank: int, world_size: int) -> str:
+    """The per-rank shard prefix (zero-padded so shards sort by rank)."""
+    return f"{prefix}-rank{rank:05d}-of-{world_size:05d}"
+
+
+@dataclass
+class PreprocessConfig:
+    inputs: list[str]
+    """Files or globs."""
+    output_prefix: str
+    """Outputs are ``{output_prefix}_{key}_document.bin/.idx``."""
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    """JSON fields to tokenize; one dataset per key. A record missing any of them is a bad line."""
+    append_eod: bool = False
+    """Append ``<|endoftext|>`` (100257) after every document."""
+    workers: int = 1
+    """Encoding processes in total."""
+    partitions: int = 1
+    """Independent reader/writer processes, each with ``workers // partitions`` workers."""
+    log_interval: int = 1000
+    """Print progress every this many documents (0: only the summary)."""
+    tokenizer_file: str | None = None
+    skip_bad_lines: bool = False
+    """Skip (and count) malformed lines instead of stopping at the first."""
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise DiffmegError("no --input given")
+        if not self.json_keys or len(set(self.json_keys)) != len(self.json_keys):
+            raise DiffmegError(f"--json-keys must name distinct keys, got {self.json_keys}")
+        for key in self.json_keys:
+            if not key or "/" in key or os.sep in key:
+                raise DiffmegError(f"--json-keys {key!r} cannot be part of a file name")
+        if self.workers < 1 or self.partitions < 1:
+            raise DiffmegError("--workers and --partitions must be at least 1")
+        if self.log_interval < 0:
+            raise DiffmegError("--log-interval must be >= 0")
+
+
+@dataclass
+class PreprocessResult:
+    outputs: dict[str, str]
+    """key -> dataset prefix written."""
+    documents: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    """Tokens written for the first key."""
+    input_bytes: int = 0
+    seconds: float = 0.0
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def preprocess(
+    cfg: PreprocessConfig, rank: int = 0, world_size: int = 1, log: Callable[[str], None] = _stderr
+) -> PreprocessResult:
+    """Tokenize this rank's slice of ``cfg.inputs`` into its output datasets."""
+    files = find_inputs(cfg.inputs)
+    if any(f.kind == "text" for f in files) and cfg.json_keys != ["text"]:
+        raise DiffmegError("plain-text inputs carry only the 'text' field; drop --json-keys or use JSONL")
+    base = cfg.output_prefix if world_size == 1 else rank_prefix(cfg.output_prefix, rank, world_size)
+    prefixes = {key: output_prefix(base, key) for key in cfg.json_keys}
+    check_can_write(prefixes.values(), cfg.overwrite)
+    tokenizer = load_tokenizer(cfg.tokenizer_file)  # fail fast, before any process starts
+    segments = split_segments([Segment(f, 0, f.size) for f in files], world_size)[rank]
+    tag = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
+    progress = _Progress(sum(s.nbytes for s in segments), cfg.log_interval, log, tag)
+    start = time.time()
+    if cfg.partitions == 1:
+        with _Writers(prefixes) as writers:
+            skipped = _encode_part(segments, writers, cfg, tokenizer.source, cfg.workers, progress.update)
+            writers.commit()
+    else:
+        skipped = _run_partitions(segments, prefixes, cfg, tokenizer.source, progress)
+    result = _result(prefixes, skipped, progress.done_bytes, time.time() - start)
+    log(
+        f"{tag}done: {result.documents} documents, {result.tokens} tokens, "
+        f"{result.input_bytes / 1e6:.1f} MB in {result.seconds:.1f} s "
+        f"({result.documents / max(result.seconds, 1e-9):.0f} docs/s, "
+        f"{result.tokens / max(result.seconds, 1e-9):.0f} tokens/s)"
+        + (f"; skipped {result.skipped} bad lines" if cfg.skip_bad_lines else "")
+    )
+    for prefix in prefixes.values():
+        log(f"{tag}wrote {prefix}.bin/.idx")
+    return result
+
+
+def _result(prefixes: dict[str, str], skipped: int, nbytes: int, seconds: float) -> PreprocessResult:
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    first = next(iter(prefixes.values()))
+    index = _IndexReader(first + ".idx", multimodal=False)
+    return PreprocessResult(
+        outputs=dict(prefixes),
+        documents=len(index.document_indices) - 1,
+        skipped=skipped,
+        tokens=int(index.sequence_lengths.sum(dtype=np.int64)),
+        input_bytes=nbytes,
+        seconds=seconds,
+    )
+
+
+class _Writers:
+    """One IndexedWriter per key, committed together."""
+
+    def __init__(self, prefixes: dict[str, str]) -> None:
+        self.by_key: dict[str, IndexedWriter] = {}
+        try:
+            for key, prefix in prefixes.items():
+                self.by_key[key] = IndexedWriter(prefix)
+        except BaseException:
+            self.abort()
+            raise
+
+    def commit(self) -> None:
+        for writer in self.by_key.values():
+            writer.commit()
+
+    def abort(self) -> None:
+        for writer in self.by_key.values():
+            writer.abort()
+
+    def __enter__(self) -> _Writers:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.abort()
+
+
+class _Progress:
+    """Documents/s, MB/s of stored input and an ETA, every ``interval`` documents."""
+
+    def __init__(self, total_bytes: int, interval: int, log: Callable[[str], None], tag: str) -> None:
+        self.total_bytes, self.interval, self.log, self.tag = total_bytes, interval, log, tag
+        self.docs = self.done_bytes = 0
+        self.start = time.time()
+        self._next = interval
+
+    def update(self, docs: int, nbytes: int) -> None:
+        self.docs += docs
+        self.done_bytes += nbytes
+        if self.interval and self.docs >= self._next:
+            self._next = (self.docs // self.interval + 1) * self.interval
+            elapsed = max(time.time() - self.start, 1e-9)
+            rate = self.done_bytes / elapsed
+            left = max(self.total_bytes - self.done_bytes, 0)
+            eta = time.strftime("%H:%M:%S", time.gmtime(left / rate)) if rate > 0 else "?"
+            pct = 100.0 * self.done_bytes / self.total_bytes if self.total_bytes else 100.0
+            self.log(
+                f"{self.tag}processed {self.docs} documents ({self.docs / elapsed:.0f} docs/s, "
+                f"{rate / 1e6:.2f} MB/s), {pct:.1f}% of input, ETA {eta}"
+            )
+
+
+# ----- reading -------------------------------------------------------------------------------
+# A batch: (segment number, 1-based line of its first record within the segment, kind,
+# records as bytes, stored bytes it covers).
+_Batch = tuple[int, int, str, list[bytes], int]
+
+
+def _open_stream(raw: io.BufferedReader, f: InputFile) -> io.BufferedIOBase:
+    if f.compression == "gz":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if f.compression == "zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise DiffmegError(
+                f"{f.path}: reading .zst needs the zstandard package (pip install zstandard)"
+            ) from None
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        return io.BufferedReader(reader, buffer_size=1 << 20)
+    return raw
+
+
+def _iter_batches(segments: list[Segment]) -> Iterator[_Batch]:
+    for number, seg in enumerate(segments):
+        f = seg.file
+        try:
+            with open(f.path, "rb") as raw:
+                raw.seek(seg.start)
+                stream = _open_stream(raw, f)
+                if f.kind == "text":
+                    yield number, 1, "text", [stream.read()], seg.nbytes
+                    continue
+                lines: list[bytes] = []
+                size, first, pos, reported = 0, 1, seg.start, seg.start
+                for line in stream:
+                    lines.append(line)
+                    size += len(line)
+                    pos += len(line)
+                    done = not f.compression and pos >= seg.end
+                    if size >= BATCH_BYTES or done:
+                        now = pos if not f.compression else min(raw.tell(), seg.end)
+                        yield number, first, "jsonl", lines, now - reported
+                        first, lines, size, reported = first + len(lines), [], 0, now
+                    if done:
+                        break
+                yield number, first, "jsonl", lines, seg.end - reported
+        except (OSError, EOFError) as exc:
+            raise DiffmegError(f"cannot read {f.path}: {exc}") from None
+
+
+# ----- encoding (runs in worker processes, or inline) ---------------------------------------
+_WORKER: dict = {}
+
+
+def _init_worker_process(tokenizer_source: str | None, keys: list[str], append_eod: bool) -> None:
+    # Ctrl-C and termination are handled by the parent, which terminates the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _init_worker(tokenizer_source, keys, append_eod)
+
+
+def _init_worker(tokenizer_source: str | None, keys: list[str], append_eod: bool) -> None:
+    source = None if tokenizer_source == "<tiktoken cache>" else tokenizer_source
+    _WORKER.update(encoding=load_tokenizer(source).encoding, keys=keys, append_eod=append_eod)
+
+
+def _encode_batch(batch: _Batch) -> tuple[int, int, list[tuple[int, str]], dict, int]:
+    """Parse and tokenize one batch; returns its bad lines instead of raising on them."""
+    number, first, kind, records, nbytes = batch
+    encoding, keys, append_eod = _WORKER["encoding"], _WORKER["keys"], _WORKER["append_eod"]
+    ids: dict[str, list[int]] = {k: [] for k in keys}
+    lengths: dict[str, list[int]] = {k: [] for k in keys}
+    bad: list[tuple[int, str]] = []
+    for offset, record in enumerate(records):
+        texts = _texts(record, kind, keys, first + offset, bad)
+        if texts is None:
+            continue
+        for key, text in zip(keys, texts, strict=True):
+            tokens = encoding.encode_ordinary(text)
+            if append_eod:
+                tokens.append(EOD_ID)
+            ids[key].extend(tokens)
+            lengths[key].append(len(tokens))
+    arrays = {k: (np.array(ids[k], dtype=np.int32), np.array(lengths[k], dtype=np.int64)) for k in keys}
+    return number, first, bad, arrays, nbytes
+
+
+def _texts(record: bytes, kind: str, keys: list[str], line: int, bad: list) -> list[str] | None:
+    if kind == "text":
+        try:
+            return [record.decode("utf-8")]
+        except UnicodeDecodeError as exc:
+            bad.append((line, f"not valid UTF-8 at byte {exc.start}"))
+            return None
+    if not record.strip():
+        return None  # blank line: not a record
+    try:
+        obj = json.loads(record)
+    except UnicodeDecodeError as exc:
+        bad.append((line, f"not valid UTF-8 at byte {exc.start}"))
+        return None
+    except ValueError as exc:
+        bad.append(
+            (line, f"invalid JSON ({getattr(exc, 'msg', exc)} at column {getattr(exc, 'colno', '?')})")
+        )
+        return None
+    if not isinstance(obj, dict):
+        bad.append((line, f"expected a JSON object, got {type(obj).__name__}"))
+        return None
+    texts = []
+    for key in keys:
+        if key not in obj:
+            bad.append((line, f"missing key {key!r}"))
+            return None
+        if not isinstance(obj[key], str):
+            bad.append((line, f"key {key!r} is {type(obj[key]).__name__}, not a string"))
+            return None
+        texts.append(obj[key])
+    return texts
+
+
+def _ordered_map(pool, fn, items: Iterable, max_in_flight: int) -> Iterator:
+    """Like ``pool.imap`` but reads ahead only ``max_in_flight`` items (imap reads everything)."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= max_in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _mp_context() -> mp.context.BaseContext:
+    # fork: workers inherit the loaded tokenizer and imports instead of redoing ~3 s of imports
+    return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
+def _encode_part(
+    segments: list[Segment],
+    writers: _Writers,
+    cfg: PreprocessConfig,
+    tokenizer_source: str | None,
+    workers: int,
+    report: Callable[[int, int], None],
+) -> int:
+    """Encode ``segments`` in order into ``writers``; returns the number of skipped lines."""
+    init_args = (tokenizer_source, cfg.json_keys, cfg.append_eod)
+    skipped = 0
+    pool = None
+    try:
+        if workers > 1:
+            pool = _mp_context().Pool(workers, initializer=_init_worker_process, initargs=init_args)
+            results = _ordered_map(pool, _encode_batch, _iter_batches(segments), 2 * workers + 2)
+        else:
+            _init_worker(*init_args)
+            results = map(_encode_batch, _iter_batches(segments))
+        for number, _first, bad, arrays, nbytes in results:
+            if bad:
+                if not cfg.skip_bad_lines:
+                    seg = segments[number]
+                    line, reason = bad[0]
+                    line += _lines_before(seg.file.path, seg.start) if seg.start else 0
+                    raise DiffmegError(f"{seg.file.path}:{line}: {reason}; fix it or pass --skip-bad-lines")
+                skipped += len(bad)
+            for key, writer in writers.by_key.items():
+                writer.add_documents(*arrays[key])
+            report(len(arrays[cfg.json_keys[0]][1]), nbytes)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return skipped
+
+
+# ----- partitions -----------------------------------------------------------------------------
+def _run_partitions(
+    segments: list[Segment],
+    prefixes: dict[str, str],
+    cfg: PreprocessConfig,
+    tokenizer_source: str | None,
+    progress: _Progress,
+) -> int:
+    """Encode ``cfg.partitions`` slices in parallel processes into scratch shards, then merge."""
+    parts = split_segments(segments, cfg.partitions)
+    workers = max(1, cfg.workers // cfg.partitions)
+    first = next(iter(prefixes.values()))
+    scratch = tempfile.mkdtemp(
+        prefix=os.path.basename(first) + ".tmp-", dir=os.path.dirname(os.path.abspath(first))
+    )
+    ctx = _mp_context()
+    messages = ctx.Queue()
+    procs = []
+    try:
+        part_prefixes = [
+            {key: os.path.join(scratch, f"part{i:05d}_{key}") for key in prefixes} for i in range(len(parts))
+        ]
+        for i, part in enumerate(parts):
+            args = (i, part, part_prefixes[i], cfg, tokenizer_source, workers, messages)
+            procs.append(ctx.Process(target=_partition_main, args=args, daemon=False))
+            procs[-1].start()
+        skipped, pending = 0, set(range(len(parts)))
+        while pending:
+            try:
+                message = messages.get(timeout=0.5)
+            except queue.Empty:
+                for i in pending:
+                    if procs[i].exitcode not in (None, 0):
+                        raise DiffmegError(f"partition {i} died with exit code {procs[i].exitcode}") from None
+                continue
+            if message[0] == "progress":
+                progress.update(message[1], message[2])
+            elif message[0] == "done":
+                pending.discard(message[1])
+                skipped += message[2]
+            else:
+                raise DiffmegError(message[2])
+        for proc in procs:
+            proc.join()
+        with _Writers(prefixes) as writers:
+            for key, writer in writers.by_key.items():
+                for part in part_prefixes:
+                    writer.add_dataset(part[key])
+            writers.commit()
+        return skipped
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _partition_main(
+    index: int,
+    segments: list[Segment],
+    prefixes: dict[str, str],
+    cfg: PreprocessConfig,
+    tokenizer_source: str | None,
+    workers: int,
+    messages,
+) -> None:
+    try:
+        with _Writers(prefixes) as writers:
+            report = lambda docs, nbytes: messages.put(("progress", docs, nbytes))
+            skipped = _encode_part(segments, writers, cfg, tokenizer_source, workers, report)
+            writers.commit()
+        messages.put(("done", index, skipped))
+    except DiffmegError as exc:
+        messages.put(("error", index, str(exc)))
+    except (KeyboardInterrupt, SystemExit):
+        pass  # the parent is stopping us; the writers have removed their files
+    except BaseException as exc:
+        traceback.print_exc()
+        messages.put(("error", index, f"partition {index} failed: {type(exc).__name__}: {exc}"))

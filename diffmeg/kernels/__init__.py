@@ -1,0 +1,43 @@
+"""Differential attention backends behind one signature (see `reference.diff_attention_reference`).
+
+Every backend takes batch-first tensors:
+  q1, q2: [b, h, sq, d]   the two query maps of each differential head
+  k1, k2: [b, g, sk, d]   the two key maps of each differential KV head (g divides h; GQA)
+  v:      [b, g, sk, 2d]  the values of each differential KV head
+  lam:    0-dim tensor     lambda (its gradient flows back through the backend)
+and returns `(softmax(q1 k1^T s) - lam * softmax(q2 k2^T s)) v` as [b, h, sq, 2d], causal with the
+queries aligned to the *end* of the keys (so a KV-cache decode step with sq < sk is causal too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from diffmeg.errors import DiffmegError
+from diffmeg.kernels.reference import diff_attention_reference
+from diffmeg.kernels.sdpa import diff_attention_sdpa, flash_attn_available
+
+DiffAttentionFn = Callable[..., torch.Tensor]
+
+
+def resolve_backend(name: str, device_type: str) -> tuple[str, DiffAttentionFn]:
+    """Map a backend name (or `auto`) to its function, with a clear error when it cannot run here."""
+    if name == "auto":
+        name = "sdpa"
+    if name == "reference":
+        return name, diff_attention_reference
+    if name == "sdpa":
+        return name, diff_attention_sdpa
+    if name == "flash":
+        if device_type != "cuda" or not flash_attn_available():
+            raise DiffmegError(
+                "attention backend 'flash' needs a CUDA GPU and the flash-attn package; use 'sdpa'"
+            )
+        from functools import partial
+
+        return name, partial(diff_attention_sdpa, use_flash_attn=True)
+    raise DiffmegError(
+        f"attention backend {name!r} is not available in this build; use 'sdpa' or 'reference'"
+    )

@@ -1,0 +1,52 @@
+"""Plain-math differential attention: the readable definition, used by tests and as a fallback."""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_keep_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """[sq, sk] bool, True where query i (at absolute position sk - sq + i) may see key j."""
+    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)  # [sq, 1]
+    k_pos = torch.arange(sk, device=device).unsqueeze(0)  # [1, sk]
+    return k_pos <= q_pos
+
+
+def diff_attention_reference(
+    q1: torch.Tensor,
+    q2: torch.Tensor,
+    k1: torch.Tensor,
+    k2: torch.Tensor,
+    v: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`(A1 - lam * A2) V` by explicit softmaxes (fp32 or wider), causal, optional extra mask.
+
+    `attention_mask` follows megatron-core's convention: True marks a position that is masked OUT;
+    it broadcasts to [b, h, sq, sk] and is applied on top of the causal mask.
+    """
+    b, h, sq, d = q1.shape
+    g, sk = k1.shape[1], k1.shape[2]
+    rep = h // g
+    # GQA: differential head i reads KV head i // rep.  [b, g, sk, *] -> [b, h, sk, *]
+    k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
+    compute_dtype = torch.promote_types(q1.dtype, torch.float32)
+    keep = causal_keep_mask(sq, sk, q1.device)  # [sq, sk]
+    if attention_mask is not None:
+        keep = keep & ~attention_mask.bool()
+
+    def attention_map(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        scores = (
+            torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-1, -2)) * scale
+        )  # [b,h,sq,sk]
+        scores = scores.masked_fill(~keep, float("-inf"))
+        return torch.softmax(scores, dim=-1)
+
+    diff_map = attention_map(q1, k1) - lam.to(compute_dtype) * attention_map(q2, k2)  # [b, h, sq, sk]
+    if dropout_p > 0.0:
+        diff_map = torch.nn.functional.dropout(diff_map, p=dropout_p)
+    return torch.matmul(diff_map, v.to(compute_dtype)).to(q1.dtype)  # [b, h, sq, 2d]

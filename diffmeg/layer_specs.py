@@ -1,0 +1,64 @@
+"""ModuleSpecs that plug differential attention into megatron-core's `TransformerLayer`.
+
+Both specs keep megatron-core's layer (pre-norm, fused QKV, RoPE, SwiGLU MLP, residuals) and swap only
+the attention core. The baseline Transformer (`diff_attention=False`) keeps megatron-core's own core.
+Checkpoint keys of the local and TE specs agree (megatron-core maps the fused-norm names), so a run can
+move between CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+from diffmeg.attention import DiffCoreAttention
+from diffmeg.config import DiffTransformerConfig
+from diffmeg.errors import DiffmegError
+from diffmeg.norm import RMSNorm
+
+
+def transformer_engine_available() -> bool:
+    """TE is usable only with CUDA; on CPU its modules refuse to build."""
+    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+
+
+def get_diff_layer_local_spec(config: DiffTransformerConfig) -> ModuleSpec:
+    """megatron-core modules only (runs on CPU and GPU), with our fp32 RMSNorm (SP-capable)."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    if config.diff_attention:
+        spec.submodules.self_attention.submodules.core_attention = DiffCoreAttention
+    return spec
+
+
+def get_diff_layer_te_spec(config: DiffTransformerConfig) -> ModuleSpec:
+    """Transformer Engine linears with the input/pre-MLP RMSNorm fused in (FP8-capable)."""
+    if not transformer_engine_available():
+        raise DiffmegError(
+            "the Transformer Engine spec needs transformer_engine and a CUDA GPU; use --spec local"
+        )
+    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec())
+    if config.diff_attention:
+        spec.submodules.self_attention.submodules.core_attention = DiffCoreAttention
+    return spec
+
+
+def get_diff_block_spec(config: DiffTransformerConfig, use_te: bool, vp_stage: int | None = None):
+    """Block spec for this pipeline stage: its layers plus the final norm."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer, final_norm = get_diff_layer_te_spec(config), TENorm
+    else:
+        layer, final_norm = get_diff_layer_local_spec(config), RMSNorm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)

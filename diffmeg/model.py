@@ -1,0 +1,58 @@
+"""megatron-core's `GPTModel` built from our specs: RMSNorm, SwiGLU, no biases, RoPE, untied output."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from diffmeg.compat import apply_cpu_compat
+from diffmeg.config import DiffTransformerConfig
+from diffmeg.init import initialize_parameters
+from diffmeg.layer_specs import get_diff_block_spec
+
+
+def build_model(
+    config: DiffTransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    rotary_base: float = 10000,
+    use_te: bool = False,
+    seed: int = 1234,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+) -> GPTModel:
+    """This pipeline stage's part of the model, initialised independently of the parallel layout."""
+    apply_cpu_compat()
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_diff_block_spec(config, use_te=use_te),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=rotary_base,
+        parallel_output=True,
+    )
+    if not config.use_cpu_initialization and torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    initialize_parameters(model, config, seed)
+    return model
+
+
+def lambda_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Current lambda of every differential layer, keyed by global layer number (for logs and tests)."""
+    from diffmeg.attention import DiffCoreAttention
+
+    return {
+        f"layer{m.layer_number}": m.lambda_full().detach()
+        for m in model.modules()
+        if isinstance(m, DiffCoreAttention)
+    }

@@ -1,0 +1,150 @@
+"""Named model and training recipes: the paper's table (DESIGN.md), plus CPU-sized `*-tiny`.
+
+A preset is a flat dict of `pretrain_diff.py` argument names to values; explicit command-line flags
+override it. `--num-attention-heads` counts *differential* heads for DIFF models (the paper's count) and
+ordinary heads for Transformer baselines; the baselines have twice the heads of size 128, so
+parameters and FLOPs outside the attention core match exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+from diffmeg.errors import DiffmegError
+
+PADDED_VOCAB_SIZE = 100288  # cl100k_base (100277 ids) padded to a multiple of 64
+HEAD_DIM = 128
+
+
+def swiglu_ffn_size(hidden: int) -> int:
+    """8/3 h rounded down to a multiple of 64, as Megatron-LM sizes SwiGLU when no FFN size is given."""
+    return int(4 * hidden * 2 / 3 / 64) * 64
+
+
+def _tokens_to_iters(tokens: float, global_batch: int, seq: int) -> int:
+    return math.ceil(tokens / (global_batch * seq))
+
+
+def _model(layers: int, hidden: int, diff_heads: int, ffn: int, seq: int) -> dict:
+    return {
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": diff_heads,
+        "kv_channels": hidden // (2 * diff_heads),
+        "ffn_hidden_size": ffn,
+        "seq_length": seq,
+        "max_position_embeddings": seq,
+    }
+
+
+# The 3B run: 1T tokens, 4M-token batches (1024 x 4096), 1000 warmup, linear 3.2e-4 -> 1.28e-5.
+_RUN_3B = {
+    "global_batch_size": 1024,
+    "lr": 3.2e-4,
+    "min_lr": 1.28e-5,
+    "lr_warmup_iters": 1000,
+    "lr_decay_style": "linear",
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "weight_decay": 0.1,
+    "train_iters": _tokens_to_iters(1e12, 1024, 4096),
+    "train_tokens": int(1e12),
+}
+
+# The scaling sweep: 40K steps of 0.25M tokens (128 x 2048), 375 warmup, linear decay.
+_RUN_SCALING = {
+    "global_batch_size": 128,
+    "lr_warmup_iters": 375,
+    "lr_decay_style": "linear",
+    "min_lr": 0.0,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.98,
+    "weight_decay": 0.05,
+    "train_iters": 40000,
+}
+
+_SCALING = {  # name: (layers, hidden, DIFF heads, lr)
+    "830m": (24, 1536, 8, 1.5e-4),  # the table gives 8 heads: d = 1536 / 16 = 96 here
+    "1.4b": (24, 2048, 8, 1.5e-4),
+    "2.8b": (32, 2560, 10, 1.5e-4),
+    "6.8b": (32, 4096, 16, 7.5e-5),
+    "13b": (40, 5120, 20, 7.5e-5),
+}
+
+
+def _build_presets() -> dict[str, dict]:
+    presets: dict[str, dict] = {}
+    diff = {
+        "3b": {**_model(28, 3072, 12, 8192, 4096), **_RUN_3B},
+        "tiny": {
+            **_model(4, 256, 4, swiglu_ffn_size(256), 256),
+            # 1024 tokens a step keeps a CPU step near 1.5 s with the full 100288-entry vocabulary.
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "lr": 1e-3,
+            "min_lr": 1e-4,
+            "lr_warmup_iters": 20,
+            "lr_decay_style": "cosine",
+            "adam_beta1": 0.9,
+            "adam_beta2": 0.95,
+            "weight_decay": 0.1,
+            "train_iters": 300,
+            "eval_interval": 100,
+            "eval_iters": 4,
+            "log_interval": 10,
+        },
+    }
+    for size, (layers, hidden, heads, lr) in _SCALING.items():
+        diff[size] = {
+            **_model(layers, hidden, heads, swiglu_ffn_size(hidden), 2048),
+            **_RUN_SCALING,
+            "lr": lr,
+        }
+    for size, recipe in diff.items():
+        presets[f"diff-{size}"] = {**recipe, "diff_attention": True}
+        baseline = dict(recipe, diff_attention=False, num_attention_heads=2 * recipe["num_attention_heads"])
+        presets[f"transformer-{size}"] = baseline
+    presets["diff-13.1b"] = presets["diff-13b"]
+    presets["transformer-13.1b"] = presets["transformer-13b"]
+    for recipe in presets.values():
+        recipe.setdefault("vocab_size", PADDED_VOCAB_SIZE)
+    return presets
+
+
+PRESETS: dict[str, dict] = _build_presets()
+
+
+def get_preset(name: str) -> dict:
+    """A copy of the named recipe, or a one-line error listing the known names."""
+    if name not in PRESETS:
+        raise DiffmegError(f"unknown model preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}")
+    return dict(PRESETS[name])
+
+
+def count_parameters(
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    vocab_size: int,
+    num_attention_heads: int,
+    kv_channels: int,
+    num_query_groups: int | None = None,
+    diff_attention: bool = True,
+    untie_embeddings: bool = True,
+) -> int:
+    """Exact parameter count of the GPT model built from these sizes (for dry runs and tests)."""
+    sub_heads = 2 * num_attention_heads if diff_attention else num_attention_heads
+    groups = (
+        sub_heads
+        if num_query_groups is None
+        else (2 * num_query_groups if diff_attention else num_query_groups)
+    )
+    q = sub_heads * kv_channels
+    kv = 2 * groups * kv_channels
+    attn = hidden_size * (q + kv) + q * hidden_size
+    mlp = 3 * hidden_size * ffn_hidden_size
+    norms = 2 * hidden_size
+    diff_extra = (4 * kv_channels + 2 * kv_channels) if diff_attention else 0  # lambdas + head norm
+    per_layer = attn + mlp + norms + diff_extra
+    embeddings = vocab_size * hidden_size * (2 if untie_embeddings else 1)
+    return num_layers * per_layer + embeddings + hidden_size

@@ -1,0 +1,307 @@
+"""Command-line arguments: Megatron-LM's flag names, `--model` presets, one-line validation errors.
+
+Resolution order for every value: an explicit flag, else the `--model` preset, else the default here.
+Flags covered by presets therefore default to `None` in the parser and are filled in `resolve_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Sequence
+
+from diffmeg.errors import DiffmegError
+from diffmeg.presets import PRESETS, get_preset
+
+# Defaults for everything a preset may set (Megatron-LM's defaults where it has one).
+DEFAULTS: dict[str, object] = {
+    "num_layers": None,
+    "hidden_size": None,
+    "ffn_hidden_size": None,
+    "num_attention_heads": None,
+    "num_query_groups": None,
+    "kv_channels": None,
+    "seq_length": None,
+    "max_position_embeddings": None,
+    "vocab_size": None,
+    "diff_attention": True,
+    "micro_batch_size": 1,
+    "global_batch_size": None,
+    "lr": None,
+    "min_lr": 0.0,
+    "lr_warmup_iters": 0,
+    "lr_decay_iters": None,
+    "lr_decay_style": "linear",
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "weight_decay": 0.01,
+    "train_iters": None,
+    "train_tokens": None,
+}
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+def _bool_flag(parser: argparse.ArgumentParser, name: str, dest: str, help: str) -> None:
+    parser.add_argument(name, dest=dest, action="store_true", default=None, help=help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_diff.py",
+        description="Pretrain a Differential Transformer (or its Transformer baseline) on megatron-core.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help=f"preset: {', '.join(sorted(PRESETS))}")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument(
+        "--num-attention-heads",
+        type=int,
+        help="DIFF: differential heads h (each 2 sub-heads of kv-channels, V of 2x); baseline: heads",
+    )
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, help="DIFF: differential KV heads (K1/K2 pairs)")
+    g.add_argument(
+        "--kv-channels", type=int, help="head dim d (default hidden / (2h) for DIFF, hidden / h else)"
+    )
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--vocab-size", type=int, help="padded vocabulary size (default: the tokenizer's, 100288)")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--diff-attention", dest="diff_attention", action="store_true", default=None)
+    g.add_argument(
+        "--no-diff-attention",
+        dest="diff_attention",
+        action="store_false",
+        help="build the FLOP-matched Transformer baseline",
+    )
+    g.add_argument("--lambda-init", default="exp", help="'exp' (layer-wise schedule) or a constant in [0, 1)")
+    g.add_argument("--lambda-std", type=float, default=0.1)
+    g.add_argument("--diff-attn-backend", default="auto", choices=["auto", "reference", "sdpa", "flash"])
+    g.add_argument(
+        "--transformer-impl",
+        default="auto",
+        choices=["auto", "local", "transformer_engine"],
+        help="auto: Transformer Engine when installed and on GPU, else megatron-core local",
+    )
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="accepted for Megatron-LM compatibility; output weights are always untied",
+    )
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--distributed-backend", default="auto", choices=["auto", "nccl", "gloo"])
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--global-batch-size", type=int)
+    g.add_argument("--train-iters", type=int)
+    g.add_argument("--train-tokens", type=int, help="alternative to --train-iters: total training tokens")
+    g.add_argument("--lr", type=float)
+    g.add_argument("--min-lr", type=float)
+    g.add_argument("--lr-warmup-iters", type=int)
+    g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters (at least warmup + 1)")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES)
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--adam-beta1", type=float)
+    g.add_argument("--adam-beta2", type=float)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None)
+    g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise"], default="delayed")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--exit-interval", type=int, default=None, help="exit (after saving) at this iteration")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None, help="prefix, or 'w1 p1 w2 p2 ...', or 'builtin'")
+    g.add_argument("--mock-data", action="store_true", help="synthetic data (no tokenizer needed)")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument(
+        "--tokenizer-file", default=None, help="local cl100k_base BPE file (else $DIFFMEG_TOKENIZER_FILE)"
+    )
+    g.add_argument("--num-workers", type=int, default=0)
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument(
+        "--finetune", action="store_true", help="load weights only; reset iteration, optimizer and scheduler"
+    )
+    g.add_argument(
+        "--override-opt-param-scheduler",
+        action="store_true",
+        help="take the LR schedule from these flags, not the checkpoint",
+    )
+
+    g = p.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--metrics-file", default=None, help="also write every logged iteration as a JSON line")
+    g.add_argument("--dry-run", action="store_true", help="print the resolved configuration as JSON and exit")
+    return p
+
+
+def _explicit(argv: Sequence[str] | None) -> dict[str, object]:
+    """Only the flags the user typed (parser defaults blanked), so presets can sit between the two."""
+    parser = build_parser()
+    for action in parser._actions:
+        if action.dest != "help":
+            action.default = None
+    return {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+
+
+def resolve_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse, apply the preset, fill defaults, derive sizes, and validate (without distributed state)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    explicit = _explicit(argv)
+    values: dict[str, object] = dict(vars(ns))
+    values.update({k: v for k, v in DEFAULTS.items() if values.get(k) is None})
+    if ns.model is not None:
+        values.update(get_preset(ns.model))
+    values.update(explicit)
+    args = argparse.Namespace(**values)
+    args.explicit_flags = sorted(k for k in explicit if k != "model")
+    _derive(args)
+    validate_args(args, world_size=int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
+    return args
+
+
+def _derive(args: argparse.Namespace) -> None:
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(args, name) is None:
+            raise DiffmegError(f"--{name.replace('_', '-')} is required (or pick a preset with --model)")
+    if args.kv_channels is None:
+        width = 2 * args.num_attention_heads if args.diff_attention else args.num_attention_heads
+        if args.hidden_size % width:
+            raise DiffmegError(
+                f"hidden size {args.hidden_size} is not divisible by {width} sub-heads; pass --kv-channels"
+            )
+        args.kv_channels = args.hidden_size // width
+    if args.ffn_hidden_size is None:
+        from diffmeg.presets import swiglu_ffn_size
+
+        args.ffn_hidden_size = swiglu_ffn_size(args.hidden_size)
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.vocab_size is None:
+        if args.mock_data:
+            args.vocab_size = 1024
+        else:
+            from diffmeg.presets import PADDED_VOCAB_SIZE
+
+            args.vocab_size = PADDED_VOCAB_SIZE
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size
+    if args.train_iters is None:
+        if args.train_tokens is None:
+            raise DiffmegError("give --train-iters or --train-tokens")
+        args.train_iters = math.ceil(args.train_tokens / (args.global_batch_size * args.seq_length))
+    if args.lr is None:
+        raise DiffmegError("--lr is required (or pick a preset with --model)")
+    if args.lr_decay_iters is None:
+        # A run shorter than its warmup (a smoke test of a big recipe) simply stays in warmup.
+        args.lr_decay_iters = max(args.train_iters, args.lr_warmup_iters + 1)
+    if args.data_path is None and not args.mock_data:
+        args.data_path = ["builtin"]
+    if args.transformer_impl == "auto":
+        from diffmeg.layer_specs import transformer_engine_available
+
+        args.transformer_impl = "transformer_engine" if transformer_engine_available() else "local"
+    if args.save_interval is None:
+        args.save_interval = args.train_iters
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Every impossible combination gets one line saying what is wrong and what to change."""
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
+    for name, value in (("tensor", tp), ("pipeline", pp), ("context", cp)):
+        if value < 1:
+            raise DiffmegError(f"--{name}-model-parallel-size must be >= 1, got {value}")
+    if world_size % (tp * pp * cp):
+        raise DiffmegError(
+            f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}; "
+            f"change the parallel sizes or the number of processes"
+        )
+    dp = world_size // (tp * pp * cp)
+    args.data_parallel_size = dp
+    if args.num_layers % pp:
+        raise DiffmegError(f"{args.num_layers} layers cannot be split into {pp} pipeline stages evenly")
+    heads = args.num_attention_heads
+    if heads % tp:
+        raise DiffmegError(f"{heads} attention heads cannot be split over tensor-model-parallel-size {tp}")
+    if args.num_query_groups % tp or heads % args.num_query_groups:
+        raise DiffmegError(
+            f"--num-query-groups {args.num_query_groups} must divide the {heads} heads "
+            f"and be divisible by TP {tp}"
+        )
+    if args.vocab_size % tp:
+        raise DiffmegError(
+            f"vocab size {args.vocab_size} is not divisible by tensor-model-parallel-size {tp}"
+        )
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron-LM: SP is a TP feature
+    if args.sequence_parallel and args.seq_length % tp:
+        raise DiffmegError(f"--sequence-parallel needs seq length {args.seq_length} divisible by TP {tp}")
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise DiffmegError(
+            f"global batch {args.global_batch_size} is not divisible by "
+            f"micro batch {args.micro_batch_size} x "
+            f"data-parallel size {dp}"
+        )
+    if args.bf16 and args.fp16:
+        raise DiffmegError("choose one of --bf16 and --fp16")
+    if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
+        raise DiffmegError(
+            "--fp8-format needs Transformer Engine on a GPU (--transformer-impl transformer_engine)"
+        )
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise DiffmegError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay horizon {args.lr_decay_iters}"
+        )
+    if args.min_lr > args.lr:
+        raise DiffmegError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        args.recompute_method = "uniform"
+    if args.recompute_method is not None and args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+    if args.finetune and args.load is None:
+        raise DiffmegError("--finetune needs --load")
+
+
+def args_to_json(args: argparse.Namespace) -> str:
+    return json.dumps({k: v for k, v in sorted(vars(args).items())}, indent=2, default=str)

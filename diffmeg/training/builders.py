@@ -1,0 +1,90 @@
+"""From resolved arguments to the config, the wrapped model, optimizer and scheduler."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.module import Float16Module
+
+from diffmeg.config import DiffTransformerConfig
+from diffmeg.model import build_model
+from diffmeg.training.grads import finalize_diff_model_grads
+from diffmeg.training.optim import build_optimizer, build_scheduler, params_dtype
+
+
+def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
+    """The LLaMA macro layout (pre-RMSNorm, SwiGLU, no biases) with the run's sizes and parallelism."""
+    on_gpu = torch.cuda.is_available()
+    sub = 2 if args.diff_attention else 1  # megatron-core counts sub-heads for DIFF
+    dtype = params_dtype(args)
+    return DiffTransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=sub * args.num_attention_heads,
+        num_query_groups=sub * args.num_query_groups,
+        kv_channels=args.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        use_cpu_initialization=not on_gpu,
+        # megatron-core sets the TP attributes inside its init; diffmeg.init then redraws every parameter
+        # layout-independently.
+        perform_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        fp8=args.fp8_format,
+        fp8_recipe=args.fp8_recipe,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        masked_softmax_fusion=on_gpu,
+        bias_activation_fusion=on_gpu,
+        apply_rope_fusion=False,
+        diff_attention=args.diff_attention,
+        lambda_init=args.lambda_init,
+        lambda_std=args.lambda_std,
+        attention_backend_diff=args.diff_attn_backend,
+    )
+
+
+def build_training_objects(args: argparse.Namespace):
+    """(config, DDP model, optimizer, scheduler) for this rank; parallel state must be initialised."""
+    config = config_from_args(args)
+    model = build_model(
+        config,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        rotary_base=args.rotary_base,
+        use_te=args.transformer_impl == "transformer_engine",
+        seed=args.seed,
+    )
+    if args.bf16 or args.fp16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config, ddp_config, model)
+    optimizer = build_optimizer(args, [model])
+    scheduler = build_scheduler(args, optimizer)
+    config.finalize_model_grads_func = finalize_diff_model_grads
+    config.no_sync_func = model.no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    return config, model, optimizer, scheduler

@@ -1,0 +1,319 @@
+"""megatron-core distributed checkpoints: save, resume exactly, and only ever point at complete ones.
+
+Layout (Megatron-LM's): `{dir}/iter_{N:07d}/` holds one checkpoint (model, optimizer, scheduler, RNG,
+iteration, consumed samples, arguments); `{dir}/latest_checkpointed_iteration.txt` names the newest
+*complete* one. It is written (atomically) only after every rank has finished writing, so a run killed
+mid-save resumes from the previous checkpoint. Model weights are layout-free: a checkpoint saved at
+any TP/PP loads into any other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from diffmeg.errors import DiffmegError
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+ARGS_FILE = "args.json"
+# megatron-core's distributed optimizer without TE/apex saves and reloads exactly in this format
+# (same TP/PP; DP may change); the default `fully_sharded_model_space` fails without them.
+DISTOPT_SHARDING = "dp_reshardable"
+
+
+@dataclass
+class LoadedState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    loaded: bool = False
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / Float16Module wrappers down to the GPTModel."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def checkpoint_path(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """Iteration of the newest complete checkpoint under `root`, or None if there is none."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise DiffmegError(f"{path} should hold an iteration number, found {text[:40]!r}; fix or delete it")
+    return int(text)
+
+
+def _layout() -> dict[str, int]:
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+    }
+
+
+def _rng_object() -> ShardedObject:
+    from megatron.core import tensor_parallel
+
+    state = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    pp, tp = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+    return ShardedObject(
+        "rng_state",
+        state,
+        (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        ),
+        (pp, tp),
+        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+    )
+
+
+def _prefill_distributed_optimizer_state(optimizer: MegatronOptimizer) -> None:
+    """Allocate Adam state before loading a distributed-optimizer checkpoint into it.
+
+    Without TE/apex, megatron-core's `DistributedOptimizer.state_dict()` needs per-param Adam state
+    (it reads `step` from it), which exists only after a first step. One step with zero gradients and
+    zero lr/weight decay allocates it without touching the parameters; loading then overwrites it.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or len(opt.optimizer.state) > 0:
+            continue
+        saved = [(g["lr"], g["weight_decay"]) for g in opt.optimizer.param_groups]
+        for g in opt.optimizer.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        opt.optimizer.step()
+        opt.optimizer.zero_grad()
+        for g, (lr, wd) in zip(opt.optimizer.param_groups, saved, strict=True):
+            g["lr"], g["weight_decay"] = lr, wd
+
+
+def _restore_distributed_optimizer_step(optimizer: MegatronOptimizer) -> None:
+    """Copy the loaded Adam step count into the pre-filled per-parameter state.
+
+    megatron-core restores `step` into the param groups but keeps already-allocated per-parameter
+    state (ours, from the pre-fill) whose `step` torch's Adam actually reads for bias correction.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        for group in opt.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                state = opt.optimizer.state.get(p)
+                if state and "step" in state:
+                    state["step"] = torch.tensor(
+                        float(group["step"]), dtype=state["step"].dtype, device=state["step"].device
+                    )
+
+
+def _state_dict(
+    model: torch.nn.Module,
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
+    *,
+    is_loading: bool,
+    with_rng: bool,
+) -> dict:
+    model_sd = unwrap_model(model).sharded_state_dict()
+    state: dict = {"model": model_sd}
+    if optimizer is not None:
+        if is_loading:
+            _prefill_distributed_optimizer_state(optimizer)
+        metadata = {"distrib_optim_sharding_type": DISTOPT_SHARDING}
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _rng_object()
+    return state
+
+
+def save_checkpoint(
+    args: argparse.Namespace,
+    iteration: int,
+    consumed_samples: int,
+    model: torch.nn.Module,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+) -> str:
+    """Write `iter_N` on all ranks, then mark it latest. Returns the checkpoint directory."""
+    root = args.save
+    path = checkpoint_path(root, iteration)
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(path):  # an earlier, unfinished save of this iteration (never marked latest)
+            shutil.rmtree(path)
+        os.makedirs(path)
+    torch.distributed.barrier()
+    state = _state_dict(model, optimizer, scheduler, is_loading=False, with_rng=True)
+    state.update(
+        iteration=iteration,
+        consumed_samples=consumed_samples,
+        layout=_layout(),
+        args=json.dumps(vars(args), default=str),
+    )
+    dist_checkpointing.save(state, path)
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(os.path.join(path, ARGS_FILE), "w") as f:
+            json.dump(vars(args), f, indent=2, default=str)
+        tmp = os.path.join(root, TRACKER_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, TRACKER_FILE))
+    torch.distributed.barrier()
+    return path
+
+
+def _load(state: dict, path: str) -> dict:
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        return dist_checkpointing.load(state, path)
+    except (Exception, CheckpointException) as exc:  # many types for a damaged or foreign checkpoint
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DiffmegError(
+            f"cannot load checkpoint {path}: {first[:300]} (is it complete and from pretrain_diff.py? "
+            f"point --load elsewhere or remove the directory)"
+        ) from exc
+
+
+def load_checkpoint(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+) -> LoadedState:
+    """Restore from `args.load` (latest complete checkpoint). Returns where training resumes."""
+    root = args.load
+    if not os.path.isdir(root):
+        raise DiffmegError(f"--load {root} does not exist")
+    iteration = read_tracker(root)
+    if iteration is None:
+        if any(name.startswith("iter_") for name in os.listdir(root)):
+            raise DiffmegError(
+                f"{root} has checkpoint directories but no {TRACKER_FILE}: the last save did not finish; "
+                f"write the iteration to resume from into {TRACKER_FILE}"
+            )
+        return LoadedState()  # an empty directory: start from scratch, as Megatron-LM does
+    path = checkpoint_path(root, iteration)
+    if not os.path.isdir(path):
+        raise DiffmegError(f"{TRACKER_FILE} in {root} names iteration {iteration} but {path} is missing")
+
+    common = dist_checkpointing.load_common_state_dict(path)
+    saved_layout = common.get("layout", {})
+    same_model_layout = (
+        saved_layout.get("tp") == _layout()["tp"] and saved_layout.get("pp") == _layout()["pp"]
+    )
+    load_optim = not (args.no_load_optim or args.finetune)
+    if load_optim and args.use_distributed_optimizer and not same_model_layout:
+        raise DiffmegError(
+            f"distributed-optimizer state in {path} was saved at TP={saved_layout.get('tp')} "
+            f"PP={saved_layout.get('pp')} and cannot be resharded to this layout; add --no-load-optim"
+        )
+    load_rng = not (args.no_load_rng or args.finetune) and same_model_layout
+    state = _state_dict(
+        model,
+        optimizer if load_optim else None,
+        scheduler if load_optim else None,
+        is_loading=True,
+        with_rng=load_rng,
+    )
+    with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
+        loaded = _load(state, path)
+        unwrap_model(model).load_state_dict(loaded["model"])
+        if load_optim:
+            if "optimizer" not in loaded:
+                raise DiffmegError(f"{path} has no optimizer state; add --no-load-optim")
+            optimizer.load_state_dict(loaded["optimizer"])
+            _restore_distributed_optimizer_step(optimizer)
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if load_rng:
+        from megatron.core import tensor_parallel
+
+        rng = loaded["rng_state"]
+        torch.set_rng_state(rng["torch"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    if args.finetune:
+        return LoadedState(loaded=True)
+    return LoadedState(
+        iteration=int(common["iteration"]), consumed_samples=int(common["consumed_samples"]), loaded=True
+    )
+
+
+def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argparse.Namespace, str]:
+    """The resolved arguments a checkpoint was trained with, and its directory."""
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise DiffmegError(f"{root} holds no complete checkpoint ({TRACKER_FILE} is missing)")
+    path = checkpoint_path(root, iteration)
+    args_file = os.path.join(path, ARGS_FILE)
+    if not os.path.isfile(args_file):
+        raise DiffmegError(f"{path} is not a complete pretrain_diff.py checkpoint ({ARGS_FILE} is missing)")
+    with open(args_file) as f:
+        return argparse.Namespace(**json.load(f)), path
+
+
+def load_model_weights(root: str, iteration: int | None = None, dtype: torch.dtype = torch.float32):
+    """A single-rank (TP=PP=1) model with a checkpoint's weights, for inference, export and tests.
+
+    Needs torch.distributed and megatron-core's parallel state initialised with TP=PP=1. Returns
+    (model, args); the model is in eval mode, in `dtype`.
+    """
+    from diffmeg.training.builders import config_from_args
+
+    args, path = read_checkpoint_args(root, iteration)
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = args.context_parallel_size = 1
+    args.sequence_parallel = args.use_distributed_optimizer = False
+    args.bf16 = args.fp16 = False
+    args.fp8_format = None
+    args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
+    from diffmeg.model import build_model
+
+    model = build_model(
+        config_from_args(args),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        rotary_base=args.rotary_base,
+        use_te=False,
+        seed=args.seed,
+        pre_process=True,
+        post_process=True,
+    )
+    sharded = model.sharded_state_dict()
+    with torch.no_grad():
+        loaded = _load({"model": sharded}, path)
+    model.load_state_dict(loaded["model"])
+    return model.to(dtype).eval(), args

@@ -1,0 +1,82 @@
+"""Training batches: datasets (real, builtin or mock) and the per-rank slice of each global batch.
+
+Batch layout follows Megatron-LM's pretraining sampler: global batch `n` covers dataset samples
+`[n * G, (n + 1) * G)`; micro-step `m` of data-parallel rank `r` reads the `r`-th block of `mbs`
+samples of the m-th chunk of `mbs * dp`. Any DP size therefore sees the same samples per global batch,
+and resuming from `consumed_samples` continues exactly where the run stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+
+
+class MockTokenDataset(torch.utils.data.Dataset):
+    """Deterministic synthetic sequences with learnable structure (each repeats a random segment)."""
+
+    def __init__(self, vocab_size: int, seq_length: int, seed: int, size: int = 10**9) -> None:
+        self.vocab_size, self.seq_length, self.seed, self.size = vocab_size, seq_length, seed, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        rng = np.random.default_rng((self.seed, idx))
+        period = int(rng.integers(8, 33))
+        segment = rng.integers(0, self.vocab_size, size=period)
+        text = np.resize(segment, self.seq_length + 1)  # repeats the segment
+        tokens = torch.from_numpy(text.astype(np.int64))
+        return {
+            "tokens": tokens[:-1],
+            "labels": tokens[1:],
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.int64),
+        }
+
+
+def build_datasets(args: argparse.Namespace, tokenizer=None):
+    """(train, valid, test) datasets for the run; valid/test may be None."""
+    if args.mock_data:
+        return (
+            MockTokenDataset(args.vocab_size, args.seq_length, args.seed),
+            MockTokenDataset(args.vocab_size, args.seq_length, args.seed + 1),
+            None,
+        )
+    from diffmeg.data.gpt_datasets import build_gpt_datasets
+
+    eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_iters > 0 else 0
+    num_samples = (
+        args.train_iters * args.global_batch_size,
+        eval_runs * args.eval_iters * args.global_batch_size,
+        args.eval_iters * args.global_batch_size,
+    )
+    return build_gpt_datasets(
+        data_path=args.data_path,
+        split=args.split,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        num_samples=num_samples,
+        tokenizer=tokenizer,
+        cache_path=args.data_cache_path,
+    )
+
+
+def microbatches(
+    dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of the global batch starting at `consumed_samples`."""
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    for m in range(global_batch_size // (micro_batch_size * dp)):
+        start = consumed_samples + m * micro_batch_size * dp + rank * micro_batch_size
+        samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
+        yield {
+            key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+            for key in samples[0]
+            if key in ("tokens", "labels", "loss_mask", "position_ids")
+        }

@@ -1,0 +1,72 @@
+"""Model FLOPs per training step, counting the DIFF attention core correctly.
+
+Per token and layer (forward, multiply-add = 2 FLOPs, causal attention counted as half the square):
+  QKV projection        2 H (2h d + 2 * 2g d)       (2h sub-heads of d; 2g KV sub-heads)
+  scores Q K^T          2 * (s/2) * 2h d            the same as a 2h-head Transformer
+  context A V           2 * (s/2) * h * 2 * 2d      DIFF: two maps, each against V of width 2d
+                        2 * (s/2) * 2h d            baseline
+  output projection     2 * 2h d * H
+  SwiGLU MLP            2 * 3 H F
+plus the logits 2 H V once per token. Training = 3 x forward (backward is twice the forward); activation
+recompute is not counted (model FLOPs, as MFU is defined). DIFF's core is 1.5x the baseline's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FlopsBreakdown:
+    linear: float
+    attention_core: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention_core + self.logits
+
+
+def forward_flops_per_token(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    kv_channels: int,
+    seq_length: int,
+    vocab_size: int,
+    diff_attention: bool,
+) -> FlopsBreakdown:
+    """Forward FLOPs per token; head counts as on the command line (DIFF heads for DIFF models)."""
+    d, H = kv_channels, hidden_size
+    sub_heads = 2 * num_attention_heads if diff_attention else num_attention_heads
+    kv_sub = 2 * num_query_groups if diff_attention else num_query_groups
+    qkv = 2 * H * (sub_heads * d + 2 * kv_sub * d)
+    proj = 2 * sub_heads * d * H
+    mlp = 2 * 3 * H * ffn_hidden_size
+    half = seq_length / 2  # causal
+    scores = 2 * half * sub_heads * d
+    context = 2 * half * (num_attention_heads * 2 * (2 * d) if diff_attention else sub_heads * d)
+    return FlopsBreakdown(
+        linear=num_layers * (qkv + proj + mlp),
+        attention_core=num_layers * (scores + context),
+        logits=2 * H * vocab_size,
+    )
+
+
+def train_flops_per_iteration(args) -> float:
+    """Model FLOPs of one optimizer step of the run described by resolved `args`."""
+    per_token = forward_flops_per_token(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        diff_attention=args.diff_attention,
+    )
+    return 3.0 * per_token.total * args.global_batch_size * args.seq_length

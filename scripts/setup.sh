@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install diffmeg with its CPU test dependencies into the current Python. Idempotent; safe to re-run.
+#
+#   bash scripts/setup.sh            # core + dev + MPI extras
+#
+# torch is installed first and only if missing, so an existing (CUDA) torch is kept and pip never
+# resolves a multi-GB CUDA build on a CPU machine. If a local cl100k_base BPE file is available
+# ($DIFFMEG_TOKENIZER_FILE, or ../shared/data/cl100k_base.tiktoken beside the checkout), it is placed
+# in tiktoken's cache so offline machines tokenize without a download.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[dev,mpi]"
+
+# Seed tiktoken's cache (file name = sha1 of the BPE URL, contents checked against tiktoken's sha256).
+bpe=${DIFFMEG_TOKENIZER_FILE:-../shared/data/cl100k_base.tiktoken}
+cache=${TIKTOKEN_CACHE_DIR:-${DATA_GYM_CACHE_DIR:-/tmp/data-gym-cache}}
+if [ -f "$bpe" ] && [ ! -f "$cache/9b5ad71b2ce5302211f9c61530b329a4922fc6a4" ]; then
+    if echo "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7  $bpe" | sha256sum -c --status; then
+        mkdir -p "$cache" && cp "$bpe" "$cache/9b5ad71b2ce5302211f9c61530b329a4922fc6a4"
+        echo "setup: cl100k_base placed in tiktoken's cache ($cache)"
+    else
+        echo "setup: $bpe is not the cl100k_base file tiktoken expects (sha256 mismatch); ignoring it" >&2
+    fi
+fi
+echo "setup: done ($("$PY" -c 'import diffmeg, torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"

@@ -1,0 +1,52 @@
+"""Shared fixtures: a single-process gloo group with megatron-core's parallel state (TP=PP=1)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def single_rank_parallel_state():
+    """torch.distributed (gloo, world 1) and megatron-core model-parallel groups, for the session."""
+    import torch
+
+    from diffmeg.compat import apply_cpu_compat, model_parallel_manual_seed
+
+    apply_cpu_compat()
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    model_parallel_manual_seed(1234)
+    yield parallel_state
+
+
+@pytest.fixture
+def tokenizer_file() -> str:
+    """The cl100k_base BPE file shipped beside the checkout (never committed into it)."""
+    path = os.environ.get("DIFFMEG_TOKENIZER_FILE") or str(
+        REPO_ROOT.parent / "shared" / "data" / "cl100k_base.tiktoken"
+    )
+    if not Path(path).is_file():
+        pytest.skip(f"cl100k_base BPE file not found at {path}; set DIFFMEG_TOKENIZER_FILE")
+    return path

@@ -1,0 +1,38 @@
+"""Helpers shared by the data and tools tests."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def find_bpe_file() -> str | None:
+    """$DIFFMEG_TOKENIZER_FILE, else ../shared/data/cl100k_base.tiktoken beside the checkout."""
+    path = os.environ.get("DIFFMEG_TOKENIZER_FILE") or str(
+        REPO_ROOT.parent / "shared" / "data" / "cl100k_base.tiktoken"
+    )
+    return path if Path(path).is_file() else None
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    """One line per record, raw UTF-8 (escaped only where UTF-8 cannot carry it, e.g. a lone
+    surrogate); str records are written verbatim (for malformed lines)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            line = record if isinstance(record, str) else json.dumps(record, ensure_ascii=False)
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError:
+                line = json.dumps(record)
+            f.write(line + "\n")
+    return path
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Files that would look like (part of) a dataset: .bin/.idx and temporary outputs."""
+    return sorted(
+        p.name for p in Path(directory).rglob("*") if p.suffix in (".bin", ".idx") or ".tmp-" in p.name
+    )

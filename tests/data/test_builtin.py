@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+from diffmeg.data import builtin
+from diffmeg.data.indexed import read_documents
+from diffmeg.data.tokenizer import EOD_ID, load_tokenizer
+
+
+def _build_in_child(bpe_file: str, cache_dir: str, results) -> None:
+    try:
+        results.put(("ok", builtin.builtin_corpus(load_tokenizer(bpe_file), cache_dir=cache_dir)))
+    except BaseException as exc:  # report, do not hang the test
+        results.put(("error", repr(exc)))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, bpe_file):
+    """Two processes build the corpus into one empty cache at the same time."""
+    cache = str(tmp_path_factory.mktemp("diffmeg-cache"))
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    start = time.time()
+    procs = [ctx.Process(target=_build_in_child, args=(bpe_file, cache, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join()
+    return cache, outcomes, time.time() - start
+
+
+def test_concurrent_first_build(built):
+    cache, outcomes, seconds = built
+    assert [o[0] for o in outcomes] == ["ok", "ok"], outcomes
+    assert outcomes[0][1] == outcomes[1][1]
+    prefix = outcomes[0][1]
+    assert prefix.startswith(os.path.join(cache, "builtin")) and prefix.endswith("builtin_text_document")
+    entry = os.path.dirname(prefix)
+    assert sorted(os.listdir(entry)) == [
+        "builtin.jsonl",
+        "builtin_text_document.bin",
+        "builtin_text_document.idx",
+    ]
+    assert seconds < 60
+
+
+def test_corpus_is_real_text_tokenized_with_eod(built, tokenizer):
+    prefix = built[1][0][1]
+    documents = read_documents(prefix)
+    with open(os.path.join(os.path.dirname(prefix), "builtin.jsonl"), encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    assert len(documents) == len(texts) > 1000
+    assert sum(len(t.encode()) for t in texts) > 1_000_000  # megabytes of English prose
+    assert sum(len(d) for d in documents) > 300_000
+    for i in (0, 1, len(texts) // 2, len(texts) - 1):
+        assert documents[i].tolist() == tokenizer.tokenize(texts[i]) + [EOD_ID]
+
+
+def test_cached_after_first_build(built, tokenizer):
+    cache, outcomes, _ = built
+    prefix = outcomes[0][1]
+    mtime = os.stat(prefix + ".bin").st_mtime_ns
+    start = time.time()
+    assert builtin.builtin_corpus(tokenizer, cache_dir=cache) == prefix
+    assert time.time() - start < 5
+    assert os.stat(prefix + ".bin").st_mtime_ns == mtime
+
+
+def test_generation_is_deterministic():
+    first = list(itertools.islice(builtin.iter_documents(), 300))
+    again = list(itertools.islice(builtin.iter_documents(), 300))
+    assert first == again and all(doc.strip() for doc in first)
+    assert builtin.corpus_key() == builtin.corpus_key()
+
+
+def test_data_path_builtin(built, gloo, tokenizer, monkeypatch, tmp_path):
+    from diffmeg.data.gpt_datasets import build_gpt_datasets
+
+    monkeypatch.setenv(builtin.CACHE_DIR_ENV, built[0])
+    train, valid, test = build_gpt_datasets(
+        ["builtin"], "969,30,1", 64, 1234, (100, 10, 10), tokenizer, str(tmp_path / "idx-cache")
+    )
+    assert len(train) >= 100 and len(valid) >= 10 and len(test) >= 10
+    assert train[0]["tokens"].shape == (64,)

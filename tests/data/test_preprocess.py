@@ -1,0 +1,209 @@
+from __future__ import annotations
+
+import gzip
+import sys
+
+import pytest
+
+from diffmeg.data import preprocess as pp
+from diffmeg.data.indexed import merge_datasets, read_documents
+from diffmeg.data.preprocess import (
+    PreprocessConfig,
+    Segment,
+    detect_rank,
+    find_inputs,
+    preprocess,
+    split_segments,
+)
+from diffmeg.data.tokenizer import EOD_ID
+from diffmeg.errors import DiffmegError
+from tests.data.helpers import leftovers, write_jsonl
+
+LONG = " ".join(f"word{i % 997} ünïcödé {i}" for i in range(40_000))  # ~1 MB, about 180K tokens
+RECORDS = [
+    {"text": "Hello world.", "title": "greeting", "id": 1},
+    {"text": "", "title": "empty text"},
+    {"text": "naïve café — 日本語 🙂 \u2028 and a lone surrogate \ud800 <|endoftext|>", "title": ""},
+    {"text": LONG, "title": "long"},
+    *({"text": f"document {i}: " + "lorem ipsum " * (i % 50), "title": f"t{i}"} for i in range(300)),
+]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_jsonl(tmp_path / "corpus.jsonl", RECORDS)
+
+
+def expected(tokenizer, records, key, append_eod):
+    return [tokenizer.tokenize(r[key]) + ([EOD_ID] if append_eod else []) for r in records]
+
+
+def run(tmp_path, inputs, name="out", **kwargs):
+    kwargs.setdefault("log_interval", 0)
+    cfg = PreprocessConfig(inputs=[str(p) for p in inputs], output_prefix=str(tmp_path / name), **kwargs)
+    return preprocess(cfg, log=lambda line: None)
+
+
+def docs(prefix):
+    return [d.tolist() for d in read_documents(prefix)]
+
+
+@pytest.mark.parametrize(
+    "workers,partitions,append_eod", [(1, 1, True), (2, 1, False), (2, 2, True), (3, 2, False)]
+)
+def test_round_trip(tmp_path, corpus, tokenizer, bpe_file, monkeypatch, workers, partitions, append_eod):
+    monkeypatch.setattr(pp, "BATCH_BYTES", 4096)  # many batches, and cuts inside the file
+    result = run(
+        tmp_path,
+        [corpus],
+        json_keys=["text", "title"],
+        append_eod=append_eod,
+        workers=workers,
+        partitions=partitions,
+        tokenizer_file=bpe_file,
+    )
+    assert result.documents == len(RECORDS) and result.skipped == 0
+    for key in ("text", "title"):
+        assert result.outputs[key] == str(tmp_path / f"out_{key}_document")
+        assert docs(result.outputs[key]) == expected(tokenizer, RECORDS, key, append_eod)
+    assert result.tokens == sum(map(len, expected(tokenizer, RECORDS, "text", append_eod)))
+    assert leftovers(tmp_path) == sorted(
+        f"out_{k}_document.{e}" for k in ("text", "title") for e in ("bin", "idx")
+    )
+
+
+def test_compressed_text_and_blank_lines(tmp_path, tokenizer, bpe_file):
+    zstandard = pytest.importorskip("zstandard", reason="zstandard not installed (dev extra)")
+    lines = [{"text": f"record {i} é"} for i in range(50)]
+    write_jsonl(tmp_path / "a.jsonl", lines[:10] + ["", "   "])  # blank lines are not records
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(f'{{"text": "{r["text"]}"}}\n' for r in lines[10:30])
+    raw = "".join(f'{{"text": "{r["text"]}"}}\n' for r in lines[30:]).encode()
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    (tmp_path / "d.txt").write_text("A whole file\n\nis one document.\n", encoding="utf-8")
+    inputs = [tmp_path / n for n in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.txt")]
+    result = run(tmp_path, inputs, append_eod=True, tokenizer_file=bpe_file)
+    texts = [r["text"] for r in lines] + ["A whole file\n\nis one document.\n"]
+    assert docs(result.outputs["text"]) == [tokenizer.tokenize(t) + [EOD_ID] for t in texts]
+
+
+def test_ranks_split_the_input_and_merge_to_the_single_process_result(tmp_path, bpe_file, monkeypatch):
+    monkeypatch.setattr(pp, "BATCH_BYTES", 2048)
+    files = [write_jsonl(tmp_path / f"f{i}.jsonl", RECORDS[4 + 60 * i : 64 + 60 * i]) for i in range(4)]
+    single = run(tmp_path, files, name="single", tokenizer_file=bpe_file, append_eod=True)
+    shards = []
+    for rank in range(3):
+        cfg = PreprocessConfig(
+            inputs=[str(f) for f in files],
+            output_prefix=str(tmp_path / "multi"),
+            append_eod=True,
+            tokenizer_file=bpe_file,
+            log_interval=0,
+        )
+        shards.append(preprocess(cfg, rank=rank, world_size=3, log=lambda line: None).outputs["text"])
+    assert shards[1] == str(tmp_path / "multi-rank00001-of-00003_text_document")
+    merge_datasets(shards, str(tmp_path / "merged"))
+    assert docs(str(tmp_path / "merged")) == docs(single.outputs["text"])
+
+
+def test_split_segments_is_contiguous_and_cuts_at_lines(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "x" * (i % 37)} for i in range(500)])
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write('{"text": "gz"}\n')
+    (tmp_path / "c.txt").write_text("")  # empty file: still one (empty) document
+    files = find_inputs([str(tmp_path / "*")])
+    data = (tmp_path / "a.jsonl").read_bytes()
+    whole = [Segment(f, 0, f.size) for f in files]
+    for n in (1, 2, 3, 7, 600):
+        parts = split_segments(whole, n)
+        assert len(parts) == n
+        flat = [s for part in parts for s in part]
+        assert [s.file.path for s in flat if s.file.path.endswith(".gz")] == [str(tmp_path / "b.jsonl.gz")]
+        a = [s for s in flat if s.file.path.endswith("a.jsonl")]
+        assert a[0].start == 0 and a[-1].end == len(data)
+        assert all(x.end == y.start for x, y in zip(a, a[1:], strict=False))
+        assert all(data[s.start - 1 : s.start] == b"\n" for s in a if s.start)
+        assert [s.file.path for s in flat][-1].endswith("c.txt")
+    sizes = [sum(s.nbytes for s in part) for part in split_segments(whole[:1], 4)]
+    assert max(sizes) - min(sizes) < 200  # balanced to within a line or so
+
+
+def test_bad_line_names_file_and_line(tmp_path, bpe_file, monkeypatch):
+    monkeypatch.setattr(pp, "BATCH_BYTES", 512)
+    good = [{"text": f"ok {i}"} for i in range(200)]
+    path = write_jsonl(tmp_path / "in.jsonl", good[:150] + ['{"text": "unterminated'] + good[150:])
+    for workers, partitions in ((1, 1), (2, 2)):  # line 151 is in the second partition
+        with pytest.raises(DiffmegError, match=r"in\.jsonl:151: invalid JSON .*--skip-bad-lines"):
+            run(tmp_path, [path], tokenizer_file=bpe_file, workers=workers, partitions=partitions)
+        assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "line,reason",
+    [
+        ('{"title": "no text"}', "missing key 'text'"),
+        ('{"text": 42}', "key 'text' is int, not a string"),
+        ('["text"]', "expected a JSON object, got list"),
+        (b'{"text": "\xff\xfe"}', "not valid UTF-8"),
+    ],
+)
+def test_bad_record_kinds(tmp_path, bpe_file, line, reason):
+    path = tmp_path / "in.jsonl"
+    raw = line if isinstance(line, bytes) else line.encode()
+    path.write_bytes(b'{"text": "fine"}\n' + raw + b"\n")
+    with pytest.raises(DiffmegError, match=rf"in\.jsonl:2: {reason}"):
+        run(tmp_path, [path], tokenizer_file=bpe_file)
+
+
+def test_skip_bad_lines_counts_and_keeps_keys_aligned(tmp_path, tokenizer, bpe_file):
+    records = ['{"text": "a", "title": "A"}', "{oops", '{"text": "b"}', '{"text": "c", "title": "C"}']
+    path = write_jsonl(tmp_path / "in.jsonl", records)
+    result = run(tmp_path, [path], json_keys=["text", "title"], skip_bad_lines=True, tokenizer_file=bpe_file)
+    assert (result.documents, result.skipped) == (2, 2)
+    assert docs(result.outputs["text"]) == [tokenizer.tokenize("a"), tokenizer.tokenize("c")]
+    assert docs(result.outputs["title"]) == [tokenizer.tokenize("A"), tokenizer.tokenize("C")]
+
+
+def test_refuses_to_overwrite_before_doing_work(tmp_path, corpus, bpe_file):
+    run(tmp_path, [corpus], tokenizer_file=bpe_file)
+    before = (tmp_path / "out_text_document.bin").stat().st_mtime_ns
+    with pytest.raises(DiffmegError, match="out_text_document.bin already exists; pass --overwrite"):
+        run(tmp_path, [corpus], tokenizer_file=bpe_file, append_eod=True)
+    assert (tmp_path / "out_text_document.bin").stat().st_mtime_ns == before
+    result = run(tmp_path, [corpus], tokenizer_file=bpe_file, append_eod=True, overwrite=True)
+    assert docs(result.outputs["text"])[0][-1] == EOD_ID
+
+
+def test_input_errors(tmp_path, bpe_file):
+    with pytest.raises(DiffmegError, match="matches no file"):
+        find_inputs([str(tmp_path / "*.jsonl")])
+    with pytest.raises(DiffmegError, match="does not exist"):
+        find_inputs([str(tmp_path / "missing.jsonl")])
+    (tmp_path / "data.parquet").write_bytes(b"")
+    with pytest.raises(DiffmegError, match="unsupported file type"):
+        find_inputs([str(tmp_path / "data.parquet")])
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(DiffmegError, match="plain-text inputs carry only the 'text' field"):
+        run(tmp_path, [tmp_path / "a.txt"], json_keys=["body"], tokenizer_file=bpe_file)
+    with pytest.raises(DiffmegError, match="--json-keys"):
+        PreprocessConfig(inputs=["x"], output_prefix="y", json_keys=["a", "a"])
+    with pytest.raises(DiffmegError, match="--workers"):
+        PreprocessConfig(inputs=["x"], output_prefix="y", workers=0)
+
+
+def test_detect_rank_from_launcher_variables(monkeypatch):
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(var, raising=False)
+    assert detect_rank() == (0, 1, "single process")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # an sbatch script, not an srun step: one process
+    assert detect_rank()[:2] == (0, 1)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    assert detect_rank()[:2] == (3, 4)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # no mpi4py: the launcher's variables
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert detect_rank() == (1, 2, "Open MPI environment")

@@ -1,0 +1,60 @@
+"""DiffTransformerConfig validation: each impossible layout is one clear DiffmegError."""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn.functional as F
+
+from diffmeg.config import DiffTransformerConfig, lambda_init_for_layer
+from diffmeg.errors import DiffmegError
+
+
+def cfg(**kw):
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        kv_channels=8,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+    )
+    base.update(kw)
+    return DiffTransformerConfig(**base)
+
+
+def test_valid_config_properties():
+    c = cfg(num_query_groups=4)
+    assert c.num_diff_heads == 4 and c.num_diff_kv_heads == 2
+    assert c.lambda_init_at(1) == pytest.approx(0.2)
+    assert c.lambda_init_at(3) == pytest.approx(lambda_init_for_layer(2))
+    assert cfg(lambda_init="0.8").lambda_init_at(5) == 0.8
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(num_attention_heads=7, kv_channels=8), "even number of sub-heads"),
+        (dict(tensor_model_parallel_size=8), "cannot be split over tensor-model-parallel-size 8"),
+        (dict(num_query_groups=6), "divide"),
+        (dict(lambda_init="bogus"), "lambda_init must be"),
+        (dict(lambda_init=1.0), r"\[0, 1\)"),
+        (dict(attention_backend_diff="magic"), "unknown differential attention backend"),
+        (dict(context_parallel_size=2), "context parallelism"),
+    ],
+)
+def test_invalid_configs(kw, match):
+    with pytest.raises(DiffmegError, match=match):
+        cfg(**kw)
+
+
+def test_kv_pairs_must_stay_on_one_rank():
+    # 4 DIFF heads, 1 KV head (2 sub-groups): TP=2 would split K1 from K2.
+    with pytest.raises(DiffmegError, match="whole K1/K2 pairs"):
+        cfg(num_query_groups=2, tensor_model_parallel_size=2)
+
+
+def test_baseline_skips_diff_validation():
+    c = cfg(diff_attention=False, num_attention_heads=7, kv_channels=8, hidden_size=56)
+    assert c.num_attention_heads == 7

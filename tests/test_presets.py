@@ -1,0 +1,106 @@
+"""Presets reproduce DESIGN.md's table, and the parameter counter matches the built model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffmeg.presets import PRESETS, count_parameters, get_preset, swiglu_ffn_size
+
+# The paper names its models by parameters counting the embedding matrix once (its models have no
+# separate output matrix in the count): counted that way the scaling sizes land on their names.
+PAPER_SIZES = {
+    "diff-830m": 0.83e9,
+    "diff-1.4b": 1.4e9,
+    "diff-2.8b": 2.8e9,
+    "diff-6.8b": 6.8e9,
+    "diff-13b": 13.1e9,
+}
+
+
+def _count(p, untie=True):
+    return count_parameters(
+        p["num_layers"],
+        p["hidden_size"],
+        p["ffn_hidden_size"],
+        p["vocab_size"],
+        p["num_attention_heads"],
+        p["kv_channels"],
+        diff_attention=p["diff_attention"],
+        untie_embeddings=untie,
+    )
+
+
+@pytest.mark.parametrize("name,size", sorted(PAPER_SIZES.items()))
+def test_scaling_sizes_match_paper_names(name, size):
+    assert _count(get_preset(name), untie=False) == pytest.approx(size, rel=0.02)
+
+
+def test_3b_recipe_is_the_paper_table():
+    p = get_preset("diff-3b")
+    assert (
+        p["num_layers"],
+        p["hidden_size"],
+        p["ffn_hidden_size"],
+        p["num_attention_heads"],
+        p["kv_channels"],
+    ) == (28, 3072, 8192, 12, 128)
+    assert p["seq_length"] == 4096 and p["global_batch_size"] * 4096 == 4 * 2**20
+    assert (p["lr"], p["min_lr"], p["lr_warmup_iters"], p["lr_decay_style"]) == (
+        3.2e-4,
+        1.28e-5,
+        1000,
+        "linear",
+    )
+    assert (p["adam_beta1"], p["adam_beta2"], p["weight_decay"]) == (0.9, 0.95, 0.1)
+    assert p["train_iters"] * 1024 * 4096 >= 1e12 > (p["train_iters"] - 1) * 1024 * 4096
+    assert p["vocab_size"] == 100288
+    # 3.17B non-embedding + 0.31B embedding (3.48B counted as the paper counts; 3.79B untied)
+    assert _count(p, untie=False) == pytest.approx(3.48e9, rel=0.01)
+
+
+def test_baselines_are_flop_matched():
+    for name, p in PRESETS.items():
+        if not name.startswith("diff-"):
+            continue
+        t = PRESETS["transformer-" + name[len("diff-") :]]
+        assert t["num_attention_heads"] == 2 * p["num_attention_heads"]
+        assert t["kv_channels"] == p["kv_channels"] and not t["diff_attention"]
+        # identical but for the 6d lambda/head-norm parameters per layer
+        assert _count(p) - _count(t) == p["num_layers"] * 6 * p["kv_channels"]
+
+
+def test_scaling_schedule():
+    for size, lr in (("830m", 1.5e-4), ("1.4b", 1.5e-4), ("2.8b", 1.5e-4), ("6.8b", 7.5e-5), ("13b", 7.5e-5)):
+        p = get_preset(f"diff-{size}")
+        assert (p["train_iters"], p["lr_warmup_iters"], p["lr"], p["seq_length"]) == (40000, 375, lr, 2048)
+        assert p["global_batch_size"] * 2048 == 2**18 and (p["adam_beta2"], p["weight_decay"]) == (0.98, 0.05)
+        assert p["ffn_hidden_size"] == swiglu_ffn_size(p["hidden_size"])
+
+
+def test_count_matches_built_model(single_rank_parallel_state):
+    import torch.nn.functional as F
+
+    from diffmeg.config import DiffTransformerConfig
+    from diffmeg.model import build_model
+
+    for diff in (True, False):
+        heads = 2 if diff else 4
+        cfg = DiffTransformerConfig(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            kv_channels=16,
+            ffn_hidden_size=96,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            use_cpu_initialization=True,
+            diff_attention=diff,
+        )
+        model = build_model(cfg, vocab_size=128, max_sequence_length=16)
+        built = sum(p.numel() for p in model.parameters())
+        assert built == count_parameters(2, 64, 96, 128, heads, 16, 1 if diff else 2, diff_attention=diff)
+        assert isinstance(next(model.parameters()), torch.Tensor)

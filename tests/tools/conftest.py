@@ -1,0 +1,3 @@
+"""Fixtures for the tool tests: the same BPE file and tokenizer as the data tests."""
+
+from tests.data.conftest import bpe_file, tokenizer  # noqa: F401

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import numpy as np
+
+from diffmeg.data.gpt_datasets import parse_data_path
+from diffmeg.data.indexed import IndexedWriter
+from tests.tools.helpers import run_tool
+
+
+def test_prints_the_data_path_and_writes_the_weights_file(tmp_path):
+    lengths = [10, 300, 20, 500, 30]
+    with IndexedWriter(str(tmp_path / "corpus")) as w:
+        for n in lengths:
+            w.add_document(np.ones(n, dtype=np.int32))
+        w.commit()
+    args = f"--input {tmp_path}/corpus --output-prefix {tmp_path}/up --target-length 256 --long-factor 2"
+    proc = run_tool("length_upsample", *args.split(), "--train-tokens", "10000")
+    assert proc.returncode == 0, proc.stderr
+    values = proc.stdout.split()
+    assert values == (tmp_path / "up_weights.txt").read_text().split()
+    prefixes, weights = parse_data_path(values)
+    assert prefixes == [str(tmp_path / "up_short"), str(tmp_path / "up_long")]
+    short, long = 60, 800
+    assert np.allclose(weights, [short / (short + 2 * long), 2 * long / (short + 2 * long)], rtol=1e-5)
+    assert "epochs" in proc.stderr and "long [256, inf): 2 docs, 800 tokens" in proc.stderr
+
+    args = f"--input {tmp_path}/corpus --output-prefix {tmp_path}/up2 --edges 100 200 --factors 1 2"
+    proc = run_tool("length_upsample", *args.split())
+    assert proc.returncode == 2 and "--factors needs 3 values" in proc.stderr

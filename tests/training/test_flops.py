@@ -1,0 +1,54 @@
+"""FLOP accounting: DIFF's attention core is 1.5x the baseline's; everything else is identical."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffmeg.presets import get_preset
+from diffmeg.training.flops import forward_flops_per_token
+
+
+def _flops(name: str, seq: int):
+    p = get_preset(name)
+    return forward_flops_per_token(
+        num_layers=p["num_layers"],
+        hidden_size=p["hidden_size"],
+        ffn_hidden_size=p["ffn_hidden_size"],
+        num_attention_heads=p["num_attention_heads"],
+        num_query_groups=p["num_attention_heads"],
+        kv_channels=p["kv_channels"],
+        seq_length=seq,
+        vocab_size=p["vocab_size"],
+        diff_attention=p["diff_attention"],
+    )
+
+
+@pytest.mark.parametrize("seq", [2048, 4096])
+def test_diff_core_is_one_and_a_half_times_baseline(seq):
+    diff, base = _flops("diff-3b", seq), _flops("transformer-3b", seq)
+    assert diff.linear == base.linear and diff.logits == base.logits
+    assert diff.attention_core == pytest.approx(1.5 * base.attention_core)
+
+
+def test_equal_efficiency_throughput_bound_for_3b():
+    """At equal MFU DIFF-3B runs at base/diff FLOPs of the baseline's tokens/s: ~0.976 (2K), ~0.956 (4K)."""
+    ratio = {s: _flops("transformer-3b", s).total / _flops("diff-3b", s).total for s in (2048, 4096)}
+    assert ratio[2048] == pytest.approx(0.976, abs=0.002)
+    assert ratio[4096] == pytest.approx(0.956, abs=0.002)
+
+
+def test_hand_count_tiny():
+    f = forward_flops_per_token(
+        num_layers=1,
+        hidden_size=8,
+        ffn_hidden_size=16,
+        num_attention_heads=2,
+        num_query_groups=2,
+        kv_channels=2,
+        seq_length=4,
+        vocab_size=10,
+        diff_attention=True,
+    )
+    # 4 sub-heads of 2: QKV 2*8*(8 q + 8 k + 8 v)=384, proj 2*8*8=128, mlp 2*3*8*16=768;
+    # scores 2*(4/2)*8=32, context 2*(4/2)*(2 heads * 2 maps * V width 4)=64
+    assert (f.linear, f.attention_core, f.logits) == (1280, 96, 160)

@@ -1,0 +1,89 @@
+"""Tokenize JSONL / text corpora with cl100k_base into megatron-core indexed datasets.
+
+    python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' --output-prefix data/corpus \
+        --append-eod --workers 16 --tokenizer-file cl100k_base.tiktoken
+
+writes data/corpus_text_document.bin/.idx (one per --json-keys key); pass
+``--data-path data/corpus_text_document`` to pretrain_diff.py. Under ``mpirun``/``srun`` every
+rank tokenizes its slice of the input into ``{prefix}-rankRRRRR-of-NNNNN_{key}_document``; merge
+those with tools/merge_datasets.py. See diffmeg/data/preprocess.py for formats and ordering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron-core compiles fusions at import; not needed here
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from diffmeg.data.preprocess import (  # noqa: E402
+    SUPPORTED,
+    PreprocessConfig,
+    detect_rank,
+    exit_cleanly_on_sigterm,
+    preprocess,
+)
+from diffmeg.data.tokenizer import TOKENIZER_FILE_ENV  # noqa: E402
+from diffmeg.errors import cli_errors  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, help=f"files or globs ({SUPPORTED})")
+    p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize (default: text)")
+    p.add_argument(
+        "--append-eod", action="store_true", help="append <|endoftext|> (100257) to every document"
+    )
+    p.add_argument("--workers", type=int, default=1, help="encoding processes in total (default 1)")
+    p.add_argument("--partitions", type=int, default=1, help="parallel reader/writer processes (default 1)")
+    p.add_argument("--log-interval", type=int, default=1000, help="progress every N documents (0: off)")
+    p.add_argument(
+        "--tokenizer-file", default=None, help=f"cl100k_base.tiktoken (else ${TOKENIZER_FILE_ENV})"
+    )
+    p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed lines")
+    p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    return p.parse_args(argv)
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    exit_cleanly_on_sigterm()
+    rank, world_size, source = detect_rank()
+    cfg = PreprocessConfig(
+        inputs=args.input,
+        output_prefix=args.output_prefix,
+        json_keys=args.json_keys,
+        append_eod=args.append_eod,
+        workers=args.workers,
+        partitions=args.partitions,
+        log_interval=args.log_interval,
+        tokenizer_file=args.tokenizer_file,
+        skip_bad_lines=args.skip_bad_lines,
+        overwrite=args.overwrite,
+    )
+    if world_size > 1:
+        print(f"[rank {rank}/{world_size}] ranks from {source}", file=sys.stderr, flush=True)
+    preprocess(cfg, rank=rank, world_size=world_size)
+    if world_size > 1 and rank == 0:
+        for key in cfg.json_keys:
+            shards = f"{args.output_prefix}-rank*-of-{world_size:05d}_{key}_document"
+            print(
+                f"when all {world_size} ranks are done, merge with: python tools/merge_datasets.py "
+                f"--input '{shards}' --output-prefix {args.output_prefix}_{key}_document",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("error: interrupted; incomplete outputs were removed", file=sys.stderr)
+        sys.exit(130)
