@@ -18,12 +18,13 @@ import logging
 import math
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from diffmeg.config import DiffTransformerConfig
+from diffmeg.context_parallel import head_to_sequence_shards, sequence_to_head_shards
 from diffmeg.errors import DiffmegError
 from diffmeg.kernels import resolve_backend
 from diffmeg.kernels.reference import diff_attention_reference
@@ -70,6 +71,10 @@ class DiffCoreAttention(MegatronModule):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.tp_group = pg_collection.tp
+        cp_group = getattr(pg_collection, "cp", None)
+        if cp_group is None and config.context_parallel_size > 1:
+            cp_group = parallel_state.get_context_parallel_group()
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         tp = self.tp_group.size()
         self.layer_number = layer_number
         self.head_dim = config.kv_channels
@@ -111,9 +116,13 @@ class DiffCoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise DiffmegError("differential attention does not support packed sequences or attention bias")
+        cp_group = self.cp_group
+        if cp_group is not None:
+            # Ulysses: trade sequence shards for head shards (whole heads and K1/K2 pairs per rank).
+            query, key, value = (sequence_to_head_shards(t, cp_group) for t in (query, key, value))
         sq, b = query.shape[0], query.shape[1]
         sk = key.shape[0]
-        h, g, d = self.heads_per_partition, self.kv_heads_per_partition, self.head_dim
+        h, g, d = query.shape[2] // 2, key.shape[2] // 2, self.head_dim
         # [sq, b, 2h, d] -> [sq, b, h, 2, d] -> [b, h, sq, d] for each of Q1, Q2
         q = query.view(sq, b, h, 2, d).permute(3, 1, 2, 0, 4)  # [2, b, h, sq, d]
         # [sk, b, 2g, d] -> [sk, b, g, 2, d] -> [2, b, g, sk, d] for K1, K2
@@ -148,5 +157,8 @@ class DiffCoreAttention(MegatronModule):
             )
         # out: [b, h, sq, 2d]
         out = self.head_norm(out) * (1.0 - self.lambda_init)
-        # [b, h, sq, 2d] -> [sq, b, h, 2d] -> [sq, b, h * 2d]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, h * 2 * d)
+        out = out.permute(2, 0, 1, 3)  # [b, h, sq, 2d] -> [sq, b, h, 2d]
+        if cp_group is not None:
+            out = head_to_sequence_shards(out.contiguous(), cp_group)  # [sq/cp, b, h*cp, 2d]
+        # [sq', b, h', 2d] -> [sq', b, h' * 2d]
+        return out.reshape(out.shape[0], b, -1)

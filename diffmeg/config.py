@@ -93,10 +93,12 @@ class DiffTransformerConfig(TransformerConfig):
                 f"unknown differential attention backend {self.attention_backend_diff!r}; "
                 f"choose one of {', '.join(ATTENTION_BACKENDS)}"
             )
-        if self.context_parallel_size != 1:
+        cp = self.context_parallel_size
+        if cp > 1 and ((heads // tp) % cp or (groups // 2 // tp) % cp):
             raise DiffmegError(
-                "context parallelism is not supported by differential attention yet; "
-                "use --context-parallel-size 1"
+                f"context parallelism {cp} shards whole differential heads inside attention: the "
+                f"{heads // tp} heads and {groups // 2 // tp} KV heads per TP rank must be divisible by it; "
+                f"choose TP x CP dividing both"
             )
 
     @property

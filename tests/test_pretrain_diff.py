@@ -95,3 +95,27 @@ def test_unfinished_save_is_not_marked_latest(tmp_path):
     proc = run_training(tmp_path, "b", ["--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt)])
     assert "at iteration 2" in proc.stdout
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_recompute_and_bf16_match_the_plain_run(tmp_path):
+    from tests.distributed.runner import read_losses
+
+    base = ["--train-iters", "3"]
+    run_training(tmp_path, "plain", [*base, "--tensorboard-dir", str(tmp_path / "tb")])
+    run_training(tmp_path, "full", [*base, "--recompute-granularity", "full"])
+    run_training(tmp_path, "selective", [*base, "--recompute-granularity", "selective"])
+    run_training(tmp_path, "bf16", [*base, "--bf16"])
+    plain = read_losses(tmp_path, "plain")
+    assert read_losses(tmp_path, "full") == plain
+    assert read_losses(tmp_path, "selective") == plain
+    for it, loss in read_losses(tmp_path, "bf16").items():
+        assert loss == pytest.approx(plain[it], rel=1e-3)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"lm loss", "learning-rate", "grad-norm", "throughput/tflops-per-gpu"} <= set(tags)
+    assert any(t.startswith("lambda/layer") for t in tags)
+    assert [e.value for e in events.Scalars("lm loss")] == pytest.approx([plain[i] for i in (1, 2, 3)])

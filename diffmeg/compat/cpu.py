@@ -50,7 +50,7 @@ def _redirect_cuda(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.
     def wrapper(*args, **kwargs):
         if _names_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
-            kwargs.pop("pin_memory", None)
+        kwargs.pop("pin_memory", None)  # pinning needs CUDA (RoPE's CP slicing pins a CPU index)
         return factory(*args, **kwargs)
 
     wrapper.__diffmeg_cpu_patch__ = True  # type: ignore[attr-defined]

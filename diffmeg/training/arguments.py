@@ -269,6 +269,22 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--num-query-groups {args.num_query_groups} must divide the {heads} heads "
             f"and be divisible by TP {tp}"
         )
+    if cp > 1:
+        if args.diff_attention:
+            per_rank = heads // tp
+            kv_per_rank = args.num_query_groups // tp
+            if per_rank % cp or kv_per_rank % cp:
+                raise DiffmegError(
+                    f"--context-parallel-size {cp} shards whole differential heads inside attention: "
+                    f"{per_rank} heads and {kv_per_rank} KV heads per TP rank must both be divisible by it"
+                )
+        elif args.transformer_impl != "transformer_engine":
+            raise DiffmegError(
+                "context parallelism for the Transformer baseline uses megatron-core's ring attention, "
+                "which needs Transformer Engine on a GPU; use --context-parallel-size 1"
+            )
+        if args.seq_length % (2 * cp):
+            raise DiffmegError(f"--seq-length {args.seq_length} must be divisible by 2 x CP = {2 * cp}")
     if args.vocab_size % tp:
         raise DiffmegError(
             f"vocab size {args.vocab_size} is not divisible by tensor-model-parallel-size {tp}"

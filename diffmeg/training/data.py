@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 
+from diffmeg.context_parallel import slice_sequence_for_cp
+
 
 class MockTokenDataset(torch.utils.data.Dataset):
     """Deterministic synthetic sequences with learnable structure (each repeats a random segment)."""
@@ -72,11 +74,15 @@ def microbatches(
     """This rank's micro-batches of the global batch starting at `consumed_samples`."""
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
+    cp_size = parallel_state.get_context_parallel_world_size()
+    cp_rank = parallel_state.get_context_parallel_rank()
     for m in range(global_batch_size // (micro_batch_size * dp)):
         start = consumed_samples + m * micro_batch_size * dp + rank * micro_batch_size
         samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
-        yield {
+        batch = {
             key: torch.stack([torch.as_tensor(s[key]) for s in samples])
-            for key in samples[0]
-            if key in ("tokens", "labels", "loss_mask", "position_ids")
-        }
+            for key in ("tokens", "labels", "loss_mask", "position_ids")
+        }  # each [mbs, s]
+        if cp_size > 1:  # this CP rank's tokens, in megatron-core's load-balanced layout
+            batch = {k: slice_sequence_for_cp(v, 1, cp_rank, cp_size) for k, v in batch.items()}
+        yield batch

@@ -35,18 +35,33 @@ def _forward_step(data_iterator, model):
     )
 
     def loss_func(per_token_loss: torch.Tensor):
-        loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-        # clone: the schedule divides the returned loss in place by the number of micro-batches
-        return loss, {"lm loss": loss.detach().clone()}
+        # Mean over the whole sequence. Under context parallelism this rank holds only some tokens:
+        # divide its sum by the CP-global token count (megatron-core's schedule then multiplies by the
+        # CP size and DDP averages over DP x CP, so the gradient is that of the global mean).
+        local_sum = (per_token_loss.float() * loss_mask).sum()
+        count = loss_mask.sum()
+        cp_group = parallel_state.get_context_parallel_group()
+        if cp_group.size() > 1:
+            count = count.clone()
+            torch.distributed.all_reduce(count, group=cp_group)
+        loss = local_sum / count.clamp(min=1)
+        reported = loss.detach().clone()  # clone: the schedule scales the returned loss in place
+        if cp_group.size() > 1:
+            torch.distributed.all_reduce(reported, group=cp_group)
+        return loss, {"lm loss": reported}
 
     return output, loss_func
 
 
 def _mean_loss(losses: list[dict]) -> torch.Tensor:
-    """Mean over this rank's micro-batches, then over the data-parallel group (last stage only)."""
+    """Mean over this rank's micro-batches, then over data- and context-parallel ranks (last stage only).
+
+    Every CP rank holds the same number of tokens, so the mean of their means is the sequence mean.
+    """
     value = torch.stack([d["lm loss"] for d in losses]).mean()
-    torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
-    return value / parallel_state.get_data_parallel_world_size()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    torch.distributed.all_reduce(value, group=group)
+    return value / torch.distributed.get_world_size(group)
 
 
 def _share_from_last_stage(value: float | None) -> float:

@@ -21,6 +21,7 @@ CALL_SITES = {
     "megatron.core.transformer.utils": "def get_default_causal_mask",
     "megatron.core.fusions.fused_softmax": "get_default_causal_mask",
     "megatron.core.pipeline_parallel.p2p_communication": "torch.cuda.synchronize",
+    "megatron.core.models.common.embeddings.rope_utils": "pin_memory=True",
 }
 
 
@@ -39,6 +40,7 @@ def test_patches_make_cuda_call_sites_work_on_cpu(single_rank_parallel_state):
     assert torch.zeros(3, device="cuda").device.type == "cpu"
     assert torch.arange(4, device=torch.device("cuda")).device.type == "cpu"
     assert torch.cuda.current_device() == torch.device("cpu")
+    assert torch.tensor([1, 2], device="cpu", pin_memory=True).tolist() == [1, 2]
     assert torch.ones(2).type() == "torch.cuda.FloatTensor"
     assert torch.ones(2).type(torch.float64).dtype == torch.float64
     import megatron.core.transformer.utils as tu
