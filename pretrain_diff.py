@@ -18,6 +18,7 @@ def dry_run_summary(args) -> dict:
     """The fully resolved run, as a user checks it before queueing."""
     from diffmeg.presets import count_parameters
     from diffmeg.training.flops import train_flops_per_iteration
+    from diffmeg.training.memory import estimate_memory
 
     tokens_per_batch = args.global_batch_size * args.seq_length
     return {
@@ -83,6 +84,7 @@ def dry_run_summary(args) -> dict:
             diff_attention=args.diff_attention,
         ),
         "flops_per_step": train_flops_per_iteration(args),
+        "memory_per_gpu_gib": estimate_memory(args, on_gpu=True).as_gib(),
         "data": {"data_path": args.data_path, "mock_data": args.mock_data, "split": args.split},
         "checkpointing": {"save": args.save, "load": args.load, "save_interval": args.save_interval},
     }

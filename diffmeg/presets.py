@@ -104,6 +104,24 @@ def _build_presets() -> dict[str, dict]:
         presets[f"diff-{size}"] = {**recipe, "diff_attention": True}
         baseline = dict(recipe, diff_attention=False, num_attention_heads=2 * recipe["num_attention_heads"])
         presets[f"transformer-{size}"] = baseline
+    # The 64K extension of the 3B run: 1.5B tokens of 64 x 65536-token batches (4M tokens), RoPE theta
+    # 640000, lr 8e-5, started from the 3B checkpoint (--pretrained-checkpoint) on the upsampled blend.
+    # Layout for H100x8 nodes (the Slurm recipe): TP 2 x CP 2, sequence parallel, full recompute, the
+    # distributed optimizer: ~33 GiB per GPU by the dry-run plan (selective recompute: ~102 GiB).
+    for arch in ("diff", "transformer"):
+        presets[f"{arch}-3b-64k"] = {
+            **presets[f"{arch}-3b"],
+            "seq_length": 65536,
+            "max_position_embeddings": 65536,
+            "rotary_base": 640000.0,
+            "global_batch_size": 64,
+            "lr": 8e-5,
+            "min_lr": 8e-6,
+            "lr_warmup_iters": 20,
+            "lr_decay_style": "cosine",
+            "train_iters": _tokens_to_iters(1.5e9, 64, 65536),
+            "train_tokens": int(1.5e9),
+        }
     presets["diff-13.1b"] = presets["diff-13b"]
     presets["transformer-13.1b"] = presets["transformer-13b"]
     for recipe in presets.values():

@@ -15,7 +15,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[dev,mpi,hf]"
+"$PY" -m pip install -q -e ".[dev,mpi,hf,eval]"
 
 # Seed tiktoken's cache (file name = sha1 of the BPE URL, contents checked against tiktoken's sha256).
 bpe=${DIFFMEG_TOKENIZER_FILE:-../shared/data/cl100k_base.tiktoken}

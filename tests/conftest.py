@@ -32,6 +32,8 @@ def single_rank_parallel_state():
     from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():
+        if parallel_state.model_parallel_is_initialized():  # stale groups of a destroyed process group
+            parallel_state.destroy_model_parallel()
         torch.distributed.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0
         )

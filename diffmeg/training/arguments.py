@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--finetune", action="store_true", help="load weights only; reset iteration, optimizer and scheduler"
     )
     g.add_argument(
+        "--pretrained-checkpoint",
+        default=None,
+        help="initialise weights from this checkpoint when --load holds none yet (continued training, "
+        "e.g. the 64K extension); a requeued job then resumes from --load",
+    )
+    g.add_argument(
         "--override-opt-param-scheduler",
         action="store_true",
         help="take the LR schedule from these flags, not the checkpoint",

@@ -272,6 +272,22 @@ def load_checkpoint(
     )
 
 
+def load_pretrained_weights(root: str, model: torch.nn.Module) -> int:
+    """Weights only (no optimizer, scheduler, RNG or counters) from `root`'s latest checkpoint.
+
+    The checkpoint may have been trained at another sequence length, RoPE base, LR schedule or parallel
+    layout: weights are layout-free and none of those change their shapes. Returns its iteration.
+    """
+    iteration = read_tracker(root) if os.path.isdir(root) else None
+    if iteration is None:
+        raise DiffmegError(f"--pretrained-checkpoint {root} holds no complete checkpoint ({TRACKER_FILE})")
+    path = checkpoint_path(root, iteration)
+    with torch.no_grad():
+        loaded = _load({"model": unwrap_model(model).sharded_state_dict()}, path)
+        unwrap_model(model).load_state_dict(loaded["model"])
+    return iteration
+
+
 def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argparse.Namespace, str]:
     """The resolved arguments a checkpoint was trained with, and its directory."""
     if iteration is None:

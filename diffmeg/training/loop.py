@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import time
 
@@ -16,7 +17,13 @@ from diffmeg.errors import DiffmegError
 from diffmeg.model import lambda_parameters
 from diffmeg.training.arguments import args_to_json
 from diffmeg.training.builders import build_training_objects
-from diffmeg.training.checkpointing import LoadedState, load_checkpoint, save_checkpoint, unwrap_model
+from diffmeg.training.checkpointing import (
+    LoadedState,
+    load_checkpoint,
+    load_pretrained_weights,
+    save_checkpoint,
+    unwrap_model,
+)
 from diffmeg.training.data import build_datasets, microbatches
 from diffmeg.training.distributed import initialize_distributed
 from diffmeg.training.flops import train_flops_per_iteration
@@ -158,12 +165,21 @@ def pretrain(args: argparse.Namespace) -> dict:
                 f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )
 
+    rss_before_model = _rss_bytes("VmRSS")
     config, model, optimizer, scheduler = build_training_objects(args)
     state = LoadedState()
-    if args.load is not None:
+    if args.load is not None and (os.path.isdir(args.load) or args.pretrained_checkpoint is None):
         state = load_checkpoint(args, model, optimizer, scheduler)
         if rank == 0 and state.loaded:
             print(f" loaded checkpoint from {args.load} at iteration {state.iteration}", flush=True)
+    if not state.loaded and args.pretrained_checkpoint is not None:
+        source_iteration = load_pretrained_weights(args.pretrained_checkpoint, model)
+        if rank == 0:
+            print(
+                f" initialised weights from pretrained checkpoint {args.pretrained_checkpoint} "
+                f"(iteration {source_iteration}); optimizer, schedule and counters start fresh",
+                flush=True,
+            )
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
 
     is_logging_rank = rank == world - 1
@@ -228,7 +244,38 @@ def pretrain(args: argparse.Namespace) -> dict:
                 break
     finally:
         log.close()
-    return {"iteration": iteration, "consumed_samples": consumed, "lm_loss": last_loss}
+    memory = _memory_report(args, rss_before_model)
+    if is_logging_rank:
+        print(
+            f" memory (MiB) | measured peak: {memory['measured_peak_mib']:.1f} | "
+            f"estimated: {memory['estimated_mib']:.1f} | ({memory['what']})",
+            flush=True,
+        )
+    return {"iteration": iteration, "consumed_samples": consumed, "lm_loss": last_loss, "memory": memory}
+
+
+def _rss_bytes(field: str) -> int:
+    """VmRSS / VmHWM (peak) of this process from /proc, in bytes (0 where /proc is unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _memory_report(args: argparse.Namespace, rss_before_model: int) -> dict:
+    """Measured peak vs `diffmeg.training.memory` estimate (GPU: allocator peak; CPU: RSS growth)."""
+    from diffmeg.training.memory import estimate_memory
+
+    estimate = estimate_memory(args)
+    if torch.cuda.is_available():
+        measured, what = torch.cuda.max_memory_allocated(), "GPU max allocated"
+    else:
+        measured, what = _rss_bytes("VmHWM") - rss_before_model, "CPU peak RSS growth since model build"
+    return {"measured_peak_mib": measured / 2**20, "estimated_mib": estimate.total / 2**20, "what": what}
 
 
 def shutdown() -> None:

@@ -1,0 +1,141 @@
+"""Per-GPU memory plan: weights, gradients, optimizer state and activations, before anything is queued.
+
+Activation terms count what autograd keeps for backward in *our* layer (checked tensor by tensor with
+`torch.autograd.graph.saved_tensors_hooks` in tests/training/test_memory.py), per token and layer:
+  local RMSNorm (x, normed, output; fp32 internals)       3 x H  (x2: input norm and pre-MLP norm)
+  attention, fused kernels (GPU: q, k, v, both map outputs, head-norm input/normed, proj input)
+                                                           6 Q + K + V       (Q = 2h d, K = V = 2g d)
+  attention, math path (CPU SDPA when V is 2d wide, reference): q1/q2, k1/k2 and V expanded to
+  every head, both probability maps, o2, head-norm input/normed, proj input
+                                                           7 Q + 2 h s
+  SwiGLU MLP (fc1 output, silu, product, fc2 input)        5 F
+Selective recompute keeps only the core's inputs; full recompute keeps each layer's input. The loss
+adds the logits, the fp32 softmax and its gradient ([tokens, V / TP] each) at its peak. Tensor
+parallelism divides attention/MLP terms (and the norm terms under sequence parallelism); context
+parallelism divides tokens; the first pipeline stage holds min(PP, micro-batches) micro-batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+import torch
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU on the busiest rank (the first pipeline stage, or the only one)."""
+
+    parameters: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    loss_peak: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.loss_peak
+
+    def as_gib(self) -> dict[str, float]:
+        out = {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "parameters"}
+        out["total"] = round(self.total / GIB, 3)
+        out["parameters_per_gpu"] = self.parameters
+        return out
+
+
+def _param_bytes(args: argparse.Namespace) -> int:
+    return 2 if (args.bf16 or args.fp16) else 4
+
+
+def parameters_per_rank(args: argparse.Namespace) -> int:
+    """Parameters held by the largest pipeline stage of one tensor-parallel rank."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    d, H, F, V = args.kv_channels, args.hidden_size, args.ffn_hidden_size, args.vocab_size
+    sub = 2 if args.diff_attention else 1
+    q_width = sub * args.num_attention_heads * d
+    kv_width = 2 * sub * args.num_query_groups * d
+    sharded = H * (q_width + kv_width) + q_width * H + 3 * H * F
+    replicated = 2 * H + (6 * d if args.diff_attention else 0)
+    per_layer = sharded // tp + replicated
+    layers = args.num_layers // pp
+    first = layers * per_layer + V * H // tp
+    last = layers * per_layer + V * H // tp + H
+    return max(first, last) if pp > 1 else layers * per_layer + 2 * V * H // tp + H
+
+
+def activation_bytes_per_microbatch(args: argparse.Namespace, on_gpu: bool) -> float:
+    """Bytes autograd keeps for one micro-batch on one rank (all layers of the stage)."""
+    return _activations(args, on_gpu)[0]
+
+
+def _activations(args: argparse.Namespace, on_gpu: bool) -> tuple[float, float]:
+    """(bytes kept for one micro-batch, bytes of one layer's activations per micro-batch)."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    b_act = _param_bytes(args)
+    tokens = args.micro_batch_size * args.seq_length / cp
+    d, H, F = args.kv_channels, args.hidden_size, args.ffn_hidden_size
+    sub = 2 if args.diff_attention else 1
+    heads = args.num_attention_heads  # DIFF heads, or baseline heads
+    q = sub * heads * d / tp
+    k = sub * args.num_query_groups * d / tp
+    te = args.transformer_impl == "transformer_engine"
+    # Norm blocks: TE fuses the norm into the next linear (keeps input and normalised input); ours keeps
+    # x, the fp32 normalised tensor and the output (fp32 internals cost 4 bytes under bf16 too).
+    norm = 2 * b_act * H if te else (4 + 4 + b_act) * H if b_act == 2 else 12 * H
+    if args.sequence_parallel:
+        norm /= tp
+    fused_attention = on_gpu or args.diff_attn_backend == "flash"
+    if args.recompute_granularity == "selective":
+        # The checkpoint keeps its inputs: post-RoPE q and k, and v, a view that keeps the whole fused
+        # QKV output (q + 2k wide) alive; plus the projection input.
+        attn = b_act * (2 * q + 3 * k + q)
+    elif args.diff_attention and fused_attention:
+        # q, k, v, o1, o2 and the projection input in the activation dtype; head-norm input and
+        # normalised tensor in fp32.
+        attn = b_act * (q + k + k + 2 * q + q) + 8 * q
+    elif args.diff_attention:
+        per_head_scores = 2 * (heads / tp / cp) * args.seq_length * cp  # two maps, full sequence
+        attn = 4 * (7 * q) + 4 * per_head_scores  # the math path runs in fp32
+    elif fused_attention:
+        attn = b_act * (q + 2 * k + q + q)  # q, k, v, output, projection input
+    else:  # megatron-core's DotProductAttention: probabilities saved twice (softmax, dropout/bmm)
+        attn = b_act * (3 * q + q) + b_act * 2 * (heads / tp) * args.seq_length
+    mlp = 5 * b_act * F / tp
+    rope = 2 * 2 * 4 * d * cp / args.micro_batch_size  # fp32 cos/sin for q and k, per sequence
+    per_layer_per_token = 2 * norm + attn + mlp + rope
+    layers = args.num_layers // args.pipeline_model_parallel_size
+    if args.recompute_granularity == "full":
+        # Only each layer's input is kept; one layer's activations exist again while it is recomputed
+        # in backward, after the loss's logits are gone (counted with the loss peak, not here).
+        stored = layers * b_act * H * (1 / tp if args.sequence_parallel else 1) * tokens
+    else:
+        stored = layers * per_layer_per_token * tokens
+    stored += (b_act * H + 2 * norm) * tokens  # embedding output, final norm, output-layer input
+    return stored, per_layer_per_token * tokens
+
+
+def estimate_memory(args: argparse.Namespace, on_gpu: bool | None = None) -> MemoryEstimate:
+    """The plan for the busiest rank of the run described by resolved `args`."""
+    if on_gpu is None:
+        on_gpu = torch.cuda.is_available()
+    params = parameters_per_rank(args)
+    weights = params * _param_bytes(args)
+    gradients = params * 4  # DDP reduces gradients in an fp32 buffer
+    master = 4 if (args.bf16 or args.fp16) else 0  # fp32 main params next to bf16/fp16 weights
+    optimizer = params * (8 + master)  # Adam's two moments in fp32
+    if args.use_distributed_optimizer:
+        optimizer /= args.data_parallel_size * args.context_parallel_size
+    num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    in_flight = min(args.pipeline_model_parallel_size, num_micro)
+    stored, one_layer = _activations(args, on_gpu)
+    activations = in_flight * stored
+    tokens = args.micro_batch_size * args.seq_length / args.context_parallel_size
+    vocab = args.vocab_size / args.tensor_model_parallel_size
+    loss_peak = tokens * vocab * (_param_bytes(args) + 4 + 4)  # logits, fp32 softmax, its gradient
+    if args.recompute_granularity == "full":
+        loss_peak = max(loss_peak, one_layer)  # the recomputed layer lives only after the loss
+    return MemoryEstimate(params, weights, gradients, optimizer, activations, loss_peak)

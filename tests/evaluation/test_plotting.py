@@ -1,0 +1,26 @@
+"""diffmeg.evaluation.plotting: tick labels and an atomically written PNG."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from diffmeg.evaluation.plotting import Curve, count_label, plot_curves
+
+
+@pytest.mark.parametrize(
+    "value,text", [(1, "1"), (512, "512"), (1024, "1K"), (65536, "64K"), (3072, "3K"), (1 << 20, "1M"),
+                   (1500, "1500"), (0.5, "0.5")],
+)  # fmt: skip
+def test_count_labels_read_like_context_lengths(value, text):
+    assert count_label(value) == text
+
+
+def test_plot_writes_one_png_and_no_temporary_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    x = np.arange(1, 65537)
+    curves = [Curve("DIFF", x, 3 + 1 / np.sqrt(x)), Curve("Transformer", x, 3.1 + 1 / np.sqrt(x))]
+    path = tmp_path / "p.png"
+    plot_curves(curves, str(path), xlabel="x", ylabel="y", logx=True, vlines=[(4096, "trained length")])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["p.png"]
