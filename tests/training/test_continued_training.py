@@ -27,28 +27,9 @@ def test_longer_context_and_new_rotary_base(tmp_path, single_rank_parallel_state
     short = str(tmp_path / "seq64")
     run_training(tmp_path, "short", ["--train-iters", "3", "--seq-length", "64", "--save", short])
     long = str(tmp_path / "seq128")
-    proc = run_training(
-        tmp_path,
-        "long",
-        [
-            "--train-iters",
-            "3",
-            "--seq-length",
-            "128",
-            "--rotary-base",
-            "640000",
-            "--lr",
-            "8e-5",
-            "--min-lr",
-            "8e-5",
-            "--pretrained-checkpoint",
-            short,
-            "--load",
-            long,
-            "--save",
-            long,
-        ],
-    )
+    continued = ["--seq-length", "128", "--rotary-base", "640000", "--lr", "8e-5", "--min-lr", "8e-5",
+                 "--pretrained-checkpoint", short, "--load", long, "--save", long]  # fmt: skip
+    proc = run_training(tmp_path, "long", ["--train-iters", "3", *continued])
     assert "initialised weights from pretrained checkpoint" in proc.stdout
     losses = read_losses(tmp_path, "long")
     assert sorted(losses) == [1, 2, 3] and all(v == v and v < 10 for v in losses.values())
@@ -66,26 +47,5 @@ def test_longer_context_and_new_rotary_base(tmp_path, single_rank_parallel_state
         assert not torch.allclose(q_post[:, 0], rope(q_pre[:, 0].double(), other).float(), atol=1e-3)
 
     # A requeued job finds its own checkpoint in --load and resumes it (the pretrained one is ignored).
-    proc = run_training(
-        tmp_path,
-        "long",
-        [
-            "--train-iters",
-            "4",
-            "--seq-length",
-            "128",
-            "--rotary-base",
-            "640000",
-            "--lr",
-            "8e-5",
-            "--min-lr",
-            "8e-5",
-            "--pretrained-checkpoint",
-            short,
-            "--load",
-            long,
-            "--save",
-            long,
-        ],
-    )
+    proc = run_training(tmp_path, "long", ["--train-iters", "4", *continued])
     assert "loaded checkpoint from" in proc.stdout and "at iteration 3" in proc.stdout
