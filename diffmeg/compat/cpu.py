@@ -71,6 +71,9 @@ def apply_cpu_compat() -> bool:
     torch._dynamo.config.disable = True
     # ~50 call sites use torch.cuda.current_device() as a device (RoPE, attention buffers, TP mappings).
     torch.cuda.current_device = lambda: torch.device("cpu")
+    # `with torch.device(...)` recognises factories by identity from a cached set: fill that cache with
+    # the real functions first, or meta-device construction (transformers' from_pretrained) breaks.
+    torch.utils._device._device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _redirect_cuda(getattr(torch, name)))
     torch.Tensor.cuda = lambda self, *a, **k: self

@@ -184,8 +184,11 @@ def _explicit(argv: Sequence[str] | None) -> dict[str, object]:
     return {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
 
 
-def resolve_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse, apply the preset, fill defaults, derive sizes, and validate (without distributed state)."""
+def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    """Parse, apply the preset, fill defaults, derive sizes, and validate (without distributed state).
+
+    `world_size` defaults to the launcher's (WORLD_SIZE, else SLURM_NTASKS, else 1).
+    """
     parser = build_parser()
     ns = parser.parse_args(argv)
     explicit = _explicit(argv)
@@ -197,7 +200,9 @@ def resolve_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = argparse.Namespace(**values)
     args.explicit_flags = sorted(k for k in explicit if k != "model")
     _derive(args)
-    validate_args(args, world_size=int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    validate_args(args, world_size=world_size)
     return args
 
 

@@ -234,13 +234,15 @@ def load_checkpoint(
     same_model_layout = (
         saved_layout.get("tp") == _layout()["tp"] and saved_layout.get("pp") == _layout()["pp"]
     )
-    load_optim = not (args.no_load_optim or args.finetune)
+    # A weights-only checkpoint (an HF import) has no optimizer/scheduler/RNG state to resume.
+    weights_only = bool(common.get("weights_only"))
+    load_optim = not (args.no_load_optim or args.finetune or weights_only)
     if load_optim and args.use_distributed_optimizer and not same_model_layout:
         raise DiffmegError(
             f"distributed-optimizer state in {path} was saved at TP={saved_layout.get('tp')} "
             f"PP={saved_layout.get('pp')} and cannot be resharded to this layout; add --no-load-optim"
         )
-    load_rng = not (args.no_load_rng or args.finetune) and same_model_layout
+    load_rng = not (args.no_load_rng or args.finetune or weights_only) and same_model_layout
     state = _state_dict(
         model,
         optimizer if load_optim else None,
@@ -265,7 +267,7 @@ def load_checkpoint(
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    if args.finetune:
+    if args.finetune or weights_only:
         return LoadedState(loaded=True)
     return LoadedState(
         iteration=int(common["iteration"]), consumed_samples=int(common["consumed_samples"]), loaded=True
@@ -302,6 +304,17 @@ def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argpa
         return argparse.Namespace(**json.load(f)), path
 
 
+def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of run arguments for one fp32 TP=PP=1 model (the layout checkpoints are read and built in)."""
+    args = argparse.Namespace(**vars(args))
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = args.context_parallel_size = 1
+    args.sequence_parallel = args.use_distributed_optimizer = False
+    args.bf16 = args.fp16 = False
+    args.fp8_format = None
+    args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
+    return args
+
+
 def load_model_weights(root: str, iteration: int | None = None, dtype: torch.dtype = torch.float32):
     """A single-rank (TP=PP=1) model with a checkpoint's weights, for inference, export and tests.
 
@@ -311,11 +324,7 @@ def load_model_weights(root: str, iteration: int | None = None, dtype: torch.dty
     from diffmeg.training.builders import config_from_args
 
     args, path = read_checkpoint_args(root, iteration)
-    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = args.context_parallel_size = 1
-    args.sequence_parallel = args.use_distributed_optimizer = False
-    args.bf16 = args.fp16 = False
-    args.fp8_format = None
-    args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
+    args = single_rank_args(args)
     from diffmeg.model import build_model
 
     model = build_model(

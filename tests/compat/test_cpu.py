@@ -65,3 +65,9 @@ def test_rng_tracker_forks_and_restores(single_rank_parallel_state):
     tracker.set_states(states)
     with tracker.fork():
         assert torch.equal(torch.rand(3), b)
+
+
+def test_device_context_manager_still_builds_on_meta(single_rank_parallel_state):
+    with torch.device("meta"):
+        t = torch.zeros(3)
+    assert t.device.type == "meta"

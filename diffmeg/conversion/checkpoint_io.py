@@ -1,0 +1,433 @@
+"""Reading and writing the two checkpoint formats, streaming (the only module here that does I/O).
+
+- megatron-core dist checkpoints are layout-free: every tensor is stored under one global key with its
+  full shape (layers stacked on a leading axis), whatever TP/PP wrote it. `McoreCheckpointReader`
+  loads exactly one layer's slices at a time, in the checkpoint's own dtype, so exporting needs one
+  layer plus the safetensors shard being filled, never the whole model. Writing builds the TP=1 model
+  `pretrain_diff.py` would build, fills it block by block and saves its own sharded state dict: one
+  model in memory, keys exactly as a training run writes them.
+- Hugging Face folders: safetensors shards written as they fill (`SafetensorsShardWriter`), read
+  lazily by name (`HFCheckpointReader`).
+- Outputs are built in a temporary sibling directory and renamed into place at the end, so a failed
+  conversion never leaves a half-written checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from diffmeg.conversion.layout import DiffLayout
+from diffmeg.errors import DiffmegError
+
+# megatron-core stores the local spec's layer norms under the names of Transformer Engine's fused
+# layers (so checkpoints move between the local and TE specs); every other key is the state-dict key.
+_CKPT_LAYER_KEYS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+CKPT_LAYER_PREFIX = "decoder.layers."
+"""Prefix of layer tensors both in the state dict (then `N.`) and in the checkpoint (layers stacked)."""
+WEIGHTS_ONLY_KEY = "weights_only"
+"""Set in the common state of checkpoints written here: they hold model weights and nothing else."""
+
+
+def checkpoint_key(local_key: str) -> str:
+    """The dist-checkpoint key of a layer tensor (`local_key` is relative to `decoder.layers.N.`)."""
+    return CKPT_LAYER_PREFIX + _CKPT_LAYER_KEYS.get(local_key, local_key)
+
+
+def single_process_group(seed: int = 1234) -> None:
+    """torch.distributed (gloo, world size 1, in-process store) and megatron-core's TP=PP=1 state.
+
+    megatron-core's checkpointing and model code read both; a tool runs as one process and must not
+    join a job it was launched inside, so it uses an in-process store instead of the environment.
+    Reuses whatever is already initialised (tests share one group per session).
+    """
+    from megatron.core import parallel_state
+
+    from diffmeg.compat import apply_cpu_compat, model_parallel_manual_seed
+
+    apply_cpu_compat()
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+        model_parallel_manual_seed(seed)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def _chunk_planner(offsets: dict[str, tuple[int, ...]]):
+    """A DCP load planner that reads, for each requested key, the chunk of the stored global tensor
+    starting at `offsets[key]` with the destination tensor's size (e.g. one layer of a stacked key).
+
+    megatron-core's own loader cannot read part of a tensor in a world of one process (it marks the
+    other chunks as owned by "the next rank", which is itself), so the chunks are planned here.
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class Planner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for key, tensor in self.state_dict.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets[key]), sizes=tensor.size())
+                items += create_read_items_for_chunk_list(
+                    key, self.metadata.state_dict_metadata[key], [chunk]
+                )
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index) -> torch.Tensor:
+            return self.state_dict[index.fqn]  # our tensor is the chunk (the default looks up whole tensors)
+
+    return Planner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+class McoreCheckpointReader:
+    """One iteration of a `pretrain_diff.py` checkpoint, read layer by layer (any TP/PP it was saved at).
+
+    Each tensor is read in the dtype it was saved in (bf16 runs save bf16 weights); no process group
+    is needed.
+    """
+
+    def __init__(self, root: str, iteration: int | None = None) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from diffmeg.training.checkpointing import read_checkpoint_args
+
+        if not os.path.isdir(root):
+            raise DiffmegError(f"--load {root} is not a directory")
+        self.args, self.path = read_checkpoint_args(root, iteration)
+        backend = None
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(self.path, "metadata.json")) as f:
+                backend = json.load(f).get("sharded_backend")
+        if backend != "torch_dist":
+            raise DiffmegError(
+                f"{self.path} is not a megatron-core torch_dist checkpoint (metadata.json names backend "
+                f"{backend!r})"
+            )
+        self._storage = FileSystemReader(self.path)
+        try:
+            self.metadata = self._storage.read_metadata().state_dict_metadata
+        except Exception as exc:
+            raise DiffmegError(f"{self.path} is not a readable checkpoint: {_first_line(exc)}") from exc
+
+    def stored_shape(self, key: str) -> tuple[int, ...] | None:
+        meta = self.metadata.get(key)
+        return tuple(meta.size) if meta is not None and hasattr(meta, "size") else None
+
+    def check(self, layout: DiffLayout) -> None:
+        """Every tensor the layout needs is stored with the shape the layout implies."""
+        expected = dict(layout.mcore_global_shapes())
+        for local, shape in layout.mcore_layer_shapes().items():
+            expected[checkpoint_key(local)] = (layout.num_layers, *shape)
+        for key, shape in expected.items():
+            stored = self.stored_shape(key)
+            if stored is None:
+                raise DiffmegError(f"{self.path} has no tensor {key!r}: not a DIFF model checkpoint")
+            if stored != shape:
+                raise DiffmegError(
+                    f"{self.path}: shape mismatch for {key!r}: stored {list(stored)}, args.json implies "
+                    f"{list(shape)}"
+                )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model weights were saved in."""
+        return self.metadata["embedding.word_embeddings.weight"].properties.dtype
+
+    def _load(
+        self, requests: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]
+    ) -> dict[str, torch.Tensor]:
+        """requests: name -> (stored key, chunk offsets, chunk shape); returns name -> tensor."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        by_key = {
+            key: torch.empty(shape, dtype=self.metadata[key].properties.dtype)
+            for key, _, shape in requests.values()
+        }
+        offsets = {key: offset for key, offset, _ in requests.values()}
+        try:
+            with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(by_key, storage_reader=self._storage, planner=_chunk_planner(offsets), no_dist=True)
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise DiffmegError(f"cannot read {self.path}: {_first_line(exc)}") from exc
+        return {name: by_key[key] for name, (key, _, _) in requests.items()}
+
+    def read_globals(self, layout: DiffLayout) -> dict[str, torch.Tensor]:
+        """Embedding, final norm and output layer, under their state-dict keys."""
+        shapes = layout.mcore_global_shapes()
+        return self._load({key: (key, (0,) * len(shape), shape) for key, shape in shapes.items()})
+
+    def read_layer(self, layout: DiffLayout, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer` (0-based, global) under its keys relative to `decoder.layers.N.`."""
+        requests = {}
+        for local, shape in layout.mcore_layer_shapes().items():
+            # stored as [num_layers, *shape]: read the [1, *shape] chunk at layer `layer`
+            requests[local] = (checkpoint_key(local), (layer,) + (0,) * len(shape), (1, *shape))
+        return {name: t[0] for name, t in self._load(requests).items()}
+
+
+def build_single_rank_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The TP=PP=1 GPTModel `pretrain_diff.py` builds for these arguments, its weights in `dtype`
+    (built in that dtype: no fp32 copy of a bf16 model). Needs `single_process_group`."""
+    from diffmeg.model import build_model
+    from diffmeg.training.builders import config_from_args
+    from diffmeg.training.checkpointing import single_rank_args
+
+    args = single_rank_args(args)
+    args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
+    model = build_model(
+        config_from_args(args),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        rotary_base=args.rotary_base,
+        use_te=False,
+        seed=args.seed,
+        pre_process=True,
+        post_process=True,
+    )
+    return model.to(dtype)  # the few tensors created in fp32 whatever the config (lambda vectors)
+
+
+@torch.no_grad()
+def fill_model(model: torch.nn.Module, blocks: Iterator[dict[str, torch.Tensor]]) -> None:
+    """Copy TP=1 state-dict entries into `model`'s parameters, block by block; every parameter once."""
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    for block in blocks:
+        for name, tensor in block.items():
+            if name not in params:
+                raise DiffmegError(f"converted tensor {name!r} has no parameter in the model")
+            if tuple(params[name].shape) != tuple(tensor.shape):
+                raise DiffmegError(
+                    f"shape mismatch for {name!r}: converted {list(tensor.shape)}, "
+                    f"model {list(params[name].shape)}"
+                )
+            params[name].copy_(tensor)
+            filled.add(name)
+        block.clear()  # drop the converted tensors before the next block arrives
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise DiffmegError(f"no converted tensor for parameter {missing[0]!r} ({len(missing)} in all)")
+
+
+def write_mcore_checkpoint(
+    path: str, model: torch.nn.Module, args: argparse.Namespace, iteration: int = 0
+) -> None:
+    """Save `model` as a weights-only checkpoint (`{path}/iter_N`, args.json, tracker) as pretrain_diff.py
+    lays them out: the model's own sharded state dict, so every key (extra states included) is what a
+    training run saves and loads at any TP/PP. Needs `single_process_group`.
+    """
+    from megatron.core import dist_checkpointing
+
+    from diffmeg.training.checkpointing import ARGS_FILE, TRACKER_FILE, checkpoint_path
+
+    iter_dir = checkpoint_path(path, iteration)
+    os.makedirs(iter_dir)
+    state = {
+        "model": model.sharded_state_dict(),
+        "iteration": iteration,
+        "consumed_samples": 0,
+        "layout": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size, "dp": 1},
+        "args": json.dumps(vars(args), default=str),
+        WEIGHTS_ONLY_KEY: True,
+    }
+    dist_checkpointing.save(state, iter_dir)
+    with open(os.path.join(iter_dir, ARGS_FILE), "w") as f:
+        json.dump(vars(args), f, indent=2, default=str)
+    with open(os.path.join(path, TRACKER_FILE), "w") as f:
+        f.write(str(iteration))
+
+
+class SafetensorsShardWriter:
+    """Writes tensors into `model-XXXXX-of-YYYYY.safetensors` shards as they fill, plus the index."""
+
+    def __init__(self, directory: str, max_shard_bytes: int) -> None:
+        if max_shard_bytes <= 0:
+            raise DiffmegError(f"max shard size must be > 0, got {max_shard_bytes}")
+        self.directory = directory
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            size = tensor.numel() * tensor.element_size()
+            if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+                self._flush()
+            self._pending[name] = tensor.contiguous()
+            self._pending_bytes += size
+            self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self._pending, self._shard_tmp_name(len(self._shards)), metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def _shard_tmp_name(self, index: int) -> str:
+        return os.path.join(self.directory, f"shard-{index:05d}.safetensors.part")
+
+    def close(self) -> list[str]:
+        """Flush, give the shards their final names and write model.safetensors.index.json."""
+        if self._pending:
+            self._flush()
+        count = len(self._shards)
+        weight_map: dict[str, str] = {}
+        names = []
+        for index, keys in enumerate(self._shards):
+            name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self._shard_tmp_name(index), os.path.join(self.directory, name))
+            weight_map.update(dict.fromkeys(keys, name))
+            names.append(name)
+        index_file = {
+            "metadata": {"total_size": self.total_bytes},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index_file, f, indent=2)
+        return names
+
+
+class HFCheckpointReader:
+    """A Hugging Face model folder: config.json and safetensors weights (single file or sharded)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        if not os.path.isdir(directory):
+            raise DiffmegError(f"--load {directory} is not a directory")
+        config_file = os.path.join(directory, "config.json")
+        if not os.path.isfile(config_file):
+            raise DiffmegError(f"{directory} has no config.json: not a Hugging Face model folder")
+        try:
+            with open(config_file) as f:
+                self.raw_config = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise DiffmegError(f"cannot read {config_file}: {_first_line(exc)}") from None
+        index = os.path.join(directory, "model.safetensors.index.json")
+        single = os.path.join(directory, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            from safetensors import safe_open
+
+            with safe_open(single, framework="pt") as f:
+                self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+        elif any(n.endswith(".bin") for n in os.listdir(directory)):
+            raise DiffmegError(
+                f"{directory} holds PyTorch .bin weights; save the model with safetensors "
+                f"(model.save_pretrained(dir, safe_serialization=True)) and convert that"
+            )
+        else:
+            raise DiffmegError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+        self._handles: dict[str, object] = {}
+
+    def normalized_config(self) -> dict:
+        """config.json through transformers' DiffLlamaConfig (fills defaults, maps legacy rope fields)."""
+        from diffmeg.conversion.hf_config import MODEL_TYPE
+
+        if self.raw_config.get("model_type") != MODEL_TYPE:
+            raise DiffmegError(
+                f"{self.directory}/config.json has model_type {self.raw_config.get('model_type')!r}; "
+                f"hf-to-mcore converts {MODEL_TYPE!r} (DiffLlamaForCausalLM) only"
+            )
+        from transformers import DiffLlamaConfig
+
+        try:
+            return DiffLlamaConfig.from_dict(dict(self.raw_config)).to_dict()
+        except Exception as exc:  # transformers validates the fields (strict dataclass)
+            raise DiffmegError(
+                f"invalid DiffLlama config.json in {self.directory}: {_first_line(exc)}"
+            ) from None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every stored tensor, read from the headers only."""
+        shapes = {}
+        for name in self.weight_map:
+            shapes[name] = tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+        return shapes
+
+    def _handle(self, filename: str):
+        if filename not in self._handles:
+            from safetensors import safe_open
+
+            path = os.path.join(self.directory, filename)
+            if not os.path.isfile(path):
+                raise DiffmegError(f"{path} is listed in the index but missing")
+            self._handles[filename] = safe_open(path, framework="pt")
+        return self._handles[filename]
+
+    def get(self, names) -> dict[str, torch.Tensor]:
+        """The named tensors (only those present), loaded now."""
+        return {n: self._handle(self.weight_map[n]).get_tensor(n) for n in names if n in self.weight_map}
+
+
+def check_output_path(output: str, overwrite: bool, source: str) -> None:
+    """Refuse an existing output without --overwrite, and any output overlapping the source."""
+    out, src = os.path.realpath(output), os.path.realpath(source)
+    if out == src or out.startswith(src + os.sep) or src.startswith(out + os.sep):
+        raise DiffmegError(f"--save {output} overlaps --load {source}; write the conversion elsewhere")
+    if os.path.lexists(output):
+        if not overwrite:
+            raise DiffmegError(f"{output} already exists; pass --overwrite to replace it")
+        if not os.path.isdir(output):
+            raise DiffmegError(f"{output} exists and is not a directory; remove it first")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(output: str) -> Iterator[str]:
+    """A fresh directory beside `output` that replaces `output` when the block succeeds.
+
+    On any failure the temporary directory is removed and an existing `output` is left untouched.
+    """
+    parent = os.path.dirname(os.path.abspath(output)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output))}.tmp-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is shared like any directory
+    old = None
+    if os.path.lexists(output):
+        old = tmp + ".old"
+        os.replace(output, old)
+    os.replace(tmp, output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_hf_tokenizer(tokenizer, directory: str) -> None:
+    """save_pretrained, naming the class `PreTrainedTokenizerFast` (loadable by transformers 4 and 5)."""
+    tokenizer.save_pretrained(directory)
+    path = os.path.join(directory, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)

@@ -1,0 +1,189 @@
+"""config.json for DiffLlama from a checkpoint's arguments, and back (pure functions on plain values).
+
+What DiffLlama can express, checked before anything is written:
+- lambda_init only as the paper's depth schedule `0.8 - 0.6 exp(-0.3 l)` with the 0-based layer index
+  (transformers computes it from `layer_idx`; ours uses megatron-core's 1-based layer number minus one,
+  the same values). A constant `--lambda-init` has no DiffLlama equivalent.
+- one epsilon (`rms_norm_eps`) for every RMSNorm, its weightless head norm included: our head-norm
+  epsilon must equal `--norm-epsilon`.
+- RMSNorm, SwiGLU (silu), no biases, non-interleaved RoPE without scaling, untied output layer (a tied
+  DiffLlama is untied on import by copying the embedding).
+- differential attention: the Transformer baseline (`--no-diff-attention`) is not a DiffLlama.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from diffmeg.conversion.layout import DiffLayout
+from diffmeg.errors import DiffmegError
+
+ARCHITECTURE = "DiffLlamaForCausalLM"
+MODEL_TYPE = "diffllama"
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def default_head_norm_eps() -> float:
+    """The head-norm epsilon our model uses when the arguments do not set one (the config default)."""
+    from diffmeg.config import DiffTransformerConfig
+
+    return next(f.default for f in dataclasses.fields(DiffTransformerConfig) if f.name == "head_norm_eps")
+
+
+def _same_eps(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+
+
+def layout_from_args(args: argparse.Namespace) -> DiffLayout:
+    """The layout of a `pretrain_diff.py` checkpoint, refusing what DiffLlama cannot express."""
+    if not getattr(args, "diff_attention", True):
+        raise DiffmegError(
+            "this checkpoint is the Transformer baseline (--no-diff-attention); DiffLlama needs a "
+            "differential-attention model"
+        )
+    lambda_init = getattr(args, "lambda_init", "exp")
+    if str(lambda_init) != "exp":
+        raise DiffmegError(
+            f"DiffLlama cannot express a constant lambda_init ({lambda_init}): transformers always uses "
+            f"0.8 - 0.6 exp(-0.3 layer_idx); only checkpoints trained with --lambda-init exp can be exported"
+        )
+    head_eps = float(getattr(args, "head_norm_eps", None) or default_head_norm_eps())
+    if not _same_eps(head_eps, float(args.norm_epsilon)):
+        raise DiffmegError(
+            f"DiffLlama uses one epsilon for every RMSNorm, but this model's head norm uses {head_eps} and "
+            f"its layer norms {args.norm_epsilon}"
+        )
+    if getattr(args, "position_embedding_type", "rope") != "rope":
+        raise DiffmegError(f"DiffLlama needs RoPE, this model uses {args.position_embedding_type}")
+    return DiffLayout(
+        num_layers=int(args.num_layers),
+        hidden_size=int(args.hidden_size),
+        ffn_hidden_size=int(args.ffn_hidden_size),
+        num_heads=int(args.num_attention_heads),
+        num_kv_heads=int(args.num_query_groups),
+        head_dim=int(args.kv_channels),
+        vocab_size=int(args.vocab_size),
+        max_position_embeddings=int(args.max_position_embeddings),
+        rotary_base=float(args.rotary_base),
+        norm_eps=float(args.norm_epsilon),
+    )
+
+
+def hf_config_dict(
+    layout: DiffLayout,
+    *,
+    dtype: str,
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+    initializer_range: float = 0.02,
+    lambda_std: float = 0.1,
+) -> dict[str, Any]:
+    """Keyword arguments of `transformers.DiffLlamaConfig` for this layout (`dtype` like "bfloat16")."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "vocab_size": layout.vocab_size,
+        "hidden_size": layout.hidden_size,
+        "intermediate_size": layout.ffn_hidden_size,
+        "num_hidden_layers": layout.num_layers,
+        "num_attention_heads": 2 * layout.num_heads,  # DiffLlama counts the 2h sub-heads
+        "num_key_value_heads": 2 * layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": layout.max_position_embeddings,
+        "initializer_range": initializer_range,
+        "rms_norm_eps": layout.norm_eps,
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": layout.rotary_base},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "lambda_std_dev": lambda_std,
+        "dtype": dtype,
+    }
+
+
+def generation_config_dict(eos_token_id: int | None, bos_token_id: int | None) -> dict[str, Any]:
+    """generation_config.json: stop at the end-of-document token; pad with it (tiktoken has no pad)."""
+    return {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id}
+
+
+def _rope_theta(config: Mapping[str, Any]) -> float:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise DiffmegError(
+            f"RoPE type {rope_type!r} (scaled RoPE) is not supported by pretrain_diff.py; only plain RoPE"
+        )
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    if theta is None:
+        raise DiffmegError("config.json gives no rope_theta")
+    return float(theta)
+
+
+def layout_from_hf_config(config: Mapping[str, Any]) -> tuple[DiffLayout, bool]:
+    """(layout, tie_word_embeddings) of a DiffLlama config.json, refusing what our model cannot express."""
+    model_type = config.get("model_type")
+    if model_type != MODEL_TYPE:
+        raise DiffmegError(
+            f"config.json has model_type {model_type!r}; hf-to-mcore converts {MODEL_TYPE!r} only"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise DiffmegError(f"hidden_act {config['hidden_act']!r} is not supported; our MLP is SwiGLU (silu)")
+    if config.get("attention_bias", False) or config.get("mlp_bias", False):
+        raise DiffmegError("attention or MLP biases are not supported; our linear layers have no bias")
+    heads, kv_heads = int(config["num_attention_heads"]), config.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else int(kv_heads)
+    if heads % 2 or kv_heads % 2:
+        raise DiffmegError(
+            f"DiffLlama pairs heads: num_attention_heads ({heads}) and num_key_value_heads ({kv_heads}) "
+            f"must be even"
+        )
+    eps = float(config.get("rms_norm_eps", 1e-5))  # DiffLlamaConfig's default
+    head_eps = default_head_norm_eps()
+    if not _same_eps(eps, head_eps):
+        raise DiffmegError(
+            f"rms_norm_eps {eps} differs from our head-norm epsilon {head_eps} (fixed in "
+            f"DiffTransformerConfig): the head norm of this model cannot be reproduced"
+        )
+    hidden = int(config["hidden_size"])
+    head_dim = config.get("head_dim") or hidden // heads
+    layout = DiffLayout(
+        num_layers=int(config["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(config["intermediate_size"]),
+        num_heads=heads // 2,
+        num_kv_heads=kv_heads // 2,
+        head_dim=int(head_dim),
+        vocab_size=int(config["vocab_size"]),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        rotary_base=_rope_theta(config),
+        norm_eps=eps,
+    )
+    return layout, bool(config.get("tie_word_embeddings", False))
+
+
+def pretrain_flags(layout: DiffLayout) -> list[str]:
+    """The `pretrain_diff.py` model flags that build this layout (DIFF heads, as the CLI counts them)."""
+    flags = [
+        "--num-layers", str(layout.num_layers),
+        "--hidden-size", str(layout.hidden_size),
+        "--ffn-hidden-size", str(layout.ffn_hidden_size),
+        "--num-attention-heads", str(layout.num_heads),
+        "--num-query-groups", str(layout.num_kv_heads),
+        "--kv-channels", str(layout.head_dim),
+        "--max-position-embeddings", str(layout.max_position_embeddings),
+        "--vocab-size", str(layout.vocab_size),
+        "--rotary-base", repr(layout.rotary_base),
+        "--norm-epsilon", repr(layout.norm_eps),
+        "--lambda-init", "exp",
+    ]  # fmt: skip
+    if layout.num_kv_heads != layout.num_heads:
+        flags.append("--group-query-attention")
+    return flags

@@ -1,0 +1,208 @@
+"""Tensor mapping between a TP=1 megatron-core DIFF state dict and a DiffLlama state dict (pure functions).
+
+Head layouts (h differential heads, g differential KV heads, head dim d, r = h / g):
+
+- megatron-core fused QKV rows, per query sub-group t = 0..2g-1: [r query sub-heads, 1 key, 1 value],
+  each d rows. Query sub-heads are numbered across groups (m = t * r + i); sub-heads 2i / 2i+1 are
+  Q1 / Q2 of differential head i. Sub-groups 2j / 2j+1 hold K1 / K2 of differential KV head j and the
+  first / second d-wide half of its 2d-wide V.
+- DiffLlama (transformers' `DiffLlamaAttention`): 2h query heads and 2g KV heads of width d. It pairs
+  query head i with head i + h (Q1 / Q2 of differential head i), key head j with j + g (K1 / K2), and
+  concatenates value heads j and j + g into the 2d-wide V of KV head j.
+
+So one permutation serves Q, K and V alike: even sub-heads first, then odd ones. DiffLlama's head
+RMSNorm has no weight; ours is folded into `o_proj`'s input columns (the norm output of head i is
+columns [2d i, 2d (i+1)) of `o_proj`), which is exact because only a linear map follows it. Importing
+back gives a head-norm weight of ones.
+
+Every function takes and returns plain tensors of one layer (or of the embedding / final norm / output
+layer), so a converter streams a model layer by layer and never holds two full copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from diffmeg.conversion.layout import DiffLayout
+from diffmeg.errors import DiffmegError
+
+MCORE_LAYER_PREFIX = "decoder.layers.{}."
+HF_LAYER_PREFIX = "model.layers.{}."
+
+# Keys identical up to their prefix in both formats (norms, lambda vectors, SwiGLU down projection).
+_SAME_IN_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.core_attention.lambda_q1": "self_attn.lambda_q1",
+    "self_attention.core_attention.lambda_k1": "self_attn.lambda_k1",
+    "self_attention.core_attention.lambda_q2": "self_attn.lambda_q2",
+    "self_attention.core_attention.lambda_k2": "self_attn.lambda_k2",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_GLOBALS = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+
+
+def check_shapes(
+    tensors: Mapping[str, torch.Tensor | tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], where: str
+) -> None:
+    """Raise a one-line DiffmegError for the first missing tensor or shape mismatch."""
+    for key, shape in expected.items():
+        if key not in tensors:
+            raise DiffmegError(f"{where}: tensor {key!r} is missing")
+        got = tensors[key]
+        got_shape = tuple(got.shape) if isinstance(got, torch.Tensor) else tuple(got)
+        if got_shape != tuple(shape):
+            raise DiffmegError(
+                f"{where}: shape mismatch for {key!r}: found {list(got_shape)}, the model config implies "
+                f"{list(shape)}"
+            )
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A fresh contiguous tensor: outputs never share storage (safetensors refuses shared tensors)."""
+    out = t.to(dtype) if dtype is not None and dtype != t.dtype else t.clone()
+    return out.contiguous()
+
+
+def split_fused_qkv(qkv: torch.Tensor, layout: DiffLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron-core fused QKV -> DiffLlama (q_proj, k_proj, v_proj) weights."""
+    h, g, d, r = layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.queries_per_group
+    hidden = qkv.shape[-1]
+    groups = qkv.view(2 * g, r + 2, d, hidden)  # [2g * (r + 2) * d, H] -> [2g, r + 2, d, H]
+    q_sub = groups[:, :r].reshape(2 * h, d, hidden)  # query sub-heads in megatron order m = t * r + i
+    k_sub, v_sub = groups[:, r], groups[:, r + 1]  # [2g, d, H] each
+    # Even sub-heads (Q1 / K1 / first V half) first, then odd ones: [2n, d, H] -> [2n * d, H]
+    q = torch.cat([q_sub[0::2], q_sub[1::2]]).reshape(2 * h * d, hidden)
+    k = torch.cat([k_sub[0::2], k_sub[1::2]]).reshape(2 * g * d, hidden)
+    v = torch.cat([v_sub[0::2], v_sub[1::2]]).reshape(2 * g * d, hidden)
+    return q, k, v
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DiffLayout) -> torch.Tensor:
+    """DiffLlama (q_proj, k_proj, v_proj) weights -> megatron-core fused QKV (inverse of split_fused_qkv)."""
+    h, g, d, r = layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.queries_per_group
+    hidden = q.shape[-1]
+
+    def interleave(w: torch.Tensor, n: int) -> torch.Tensor:
+        # [2n * d, H] = [first halves; second halves] -> [2n, d, H] with halves alternating
+        halves = w.view(2, n, d, hidden)
+        return halves.transpose(0, 1).reshape(2 * n, d, hidden)
+
+    q_sub = interleave(q, h).view(2 * g, r, d, hidden)  # [2h, d, H] -> [2g, r, d, H]
+    k_sub = interleave(k, g).unsqueeze(1)  # [2g, 1, d, H]
+    v_sub = interleave(v, g).unsqueeze(1)
+    return torch.cat([q_sub, k_sub, v_sub], dim=1).reshape(layout.qkv_rows, hidden)
+
+
+def fold_head_norm(linear_proj: torch.Tensor, head_norm: torch.Tensor, layout: DiffLayout) -> torch.Tensor:
+    """o_proj = linear_proj with head i's input columns scaled by the (shared) head-norm weight.
+
+    Computed in fp32 (or wider), rounded once to linear_proj's dtype.
+    """
+    wide = torch.promote_types(linear_proj.dtype, torch.float32)
+    scale = head_norm.to(wide).repeat(layout.num_heads)  # [2d] -> [h * 2d], one copy per head
+    return (linear_proj.to(wide) * scale).to(linear_proj.dtype)
+
+
+def mcore_layer_to_hf(
+    layer: Mapping[str, torch.Tensor], layout: DiffLayout, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """One megatron-core layer (keys inside `decoder.layers.N.`) -> DiffLlama's, inside `model.layers.N.`."""
+    check_shapes(layer, layout.mcore_layer_shapes(), "megatron-core layer")
+    out = {hf: _cast(layer[mc], dtype) for mc, hf in _SAME_IN_LAYER.items()}
+    q, k, v = split_fused_qkv(layer["self_attention.linear_qkv.weight"], layout)
+    out["self_attn.q_proj.weight"] = _cast(q, dtype)
+    out["self_attn.k_proj.weight"] = _cast(k, dtype)
+    out["self_attn.v_proj.weight"] = _cast(v, dtype)
+    o = fold_head_norm(
+        layer["self_attention.linear_proj.weight"],
+        layer["self_attention.core_attention.head_norm.weight"],
+        layout,
+    )
+    out["self_attn.o_proj.weight"] = _cast(o, dtype)
+    gate, up = layer["mlp.linear_fc1.weight"].chunk(2, dim=0)  # fc1 = [gate; up]
+    out["mlp.gate_proj.weight"] = _cast(gate, dtype)
+    out["mlp.up_proj.weight"] = _cast(up, dtype)
+    return out
+
+
+def hf_layer_to_mcore(
+    layer: Mapping[str, torch.Tensor], layout: DiffLayout, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """One DiffLlama layer (keys inside `model.layers.N.`) -> megatron-core keys; head-norm weight = 1."""
+    check_shapes(layer, layout.hf_layer_shapes(), "DiffLlama layer")
+    out = {mc: _cast(layer[hf], dtype) for mc, hf in _SAME_IN_LAYER.items()}
+    out["self_attention.linear_qkv.weight"] = _cast(
+        fuse_qkv(
+            layer["self_attn.q_proj.weight"],
+            layer["self_attn.k_proj.weight"],
+            layer["self_attn.v_proj.weight"],
+            layout,
+        ),
+        dtype,
+    )
+    o_proj = layer["self_attn.o_proj.weight"]
+    out["self_attention.linear_proj.weight"] = _cast(o_proj, dtype)
+    norm_dtype = dtype if dtype is not None else o_proj.dtype
+    out["self_attention.core_attention.head_norm.weight"] = torch.ones(2 * layout.head_dim, dtype=norm_dtype)
+    gate, up = layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]
+    out["mlp.linear_fc1.weight"] = _cast(torch.cat([gate, up], dim=0), dtype)  # [gate; up]
+    return out
+
+
+def mcore_globals_to_hf(
+    tensors: Mapping[str, torch.Tensor], layout: DiffLayout, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Embedding, final norm and output layer -> DiffLlama names (no layout change)."""
+    check_shapes(tensors, layout.mcore_global_shapes(), "megatron-core model")
+    return {hf: _cast(tensors[mc], dtype) for mc, hf in _GLOBALS.items()}
+
+
+def hf_globals_to_mcore(
+    tensors: Mapping[str, torch.Tensor],
+    layout: DiffLayout,
+    dtype: torch.dtype | None = None,
+    tie_word_embeddings: bool = False,
+) -> dict[str, torch.Tensor]:
+    """DiffLlama embedding, norm and lm_head -> megatron-core names; a tied lm_head is untied by copy."""
+    tensors = dict(tensors)
+    if tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    check_shapes(tensors, layout.hf_global_shapes(), "DiffLlama model")
+    return {mc: _cast(tensors[hf], dtype) for mc, hf in _GLOBALS.items()}
+
+
+def layer_tensors(state_dict: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of `state_dict` under `prefix`, with the prefix removed."""
+    return {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def mcore_to_hf(
+    state_dict: Mapping[str, torch.Tensor], layout: DiffLayout, dtype: torch.dtype | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """A whole TP=1 megatron-core state dict -> DiffLlama tensors, one block (globals, layers) at a time."""
+    yield mcore_globals_to_hf(state_dict, layout, dtype)
+    for i in range(layout.num_layers):
+        layer = layer_tensors(state_dict, MCORE_LAYER_PREFIX.format(i))
+        prefix = HF_LAYER_PREFIX.format(i)
+        yield {prefix + k: v for k, v in mcore_layer_to_hf(layer, layout, dtype).items()}
+
+
+def hf_to_mcore(
+    state_dict: Mapping[str, torch.Tensor],
+    layout: DiffLayout,
+    dtype: torch.dtype | None = None,
+    tie_word_embeddings: bool = False,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """A whole DiffLlama state dict -> megatron-core TP=1 tensors, one block at a time."""
+    yield hf_globals_to_mcore(state_dict, layout, dtype, tie_word_embeddings)
+    for i in range(layout.num_layers):
+        layer = layer_tensors(state_dict, HF_LAYER_PREFIX.format(i))
+        prefix = MCORE_LAYER_PREFIX.format(i)
+        yield {prefix + k: v for k, v in hf_layer_to_mcore(layer, layout, dtype).items()}

@@ -1,0 +1,84 @@
+"""The Hugging Face side of the conversion tests, run as its own process (as users run transformers).
+
+It must not share a process with diffmeg's CPU compat patches: with those patches and an initialised
+torch.distributed, `from_pretrained` leaves DiffLlama's RoPE `inv_freq` buffer uninitialised (see
+docs/conversion.md), which would make every comparison meaningless.
+
+    python hf_helper.py random --out DIR --config JSON --seed S [--prompts IN.pt --results OUT.pt]
+    python hf_helper.py run --model DIR --prompts IN.pt --out OUT.pt [--generate N]
+
+`random` saves a random DiffLlama as safetensors (and, with --prompts, runs it reloaded like `run`);
+`run` writes {"logits": [fp32 logits per prompt], "generated": [greedy ids per prompt] (if asked),
+"class": model class name}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def make_random(out: str, config: dict, seed: int) -> None:
+    """A DiffLlama with every tensor away from its init: lambda vectors N(0, 0.3), norms around 1."""
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = DiffLlamaForCausalLM(DiffLlamaConfig(**config)).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lambda" in name:
+                param.normal_(0.0, 0.3)  # lambda = exp(lq1.lk1) - exp(lq2.lk2) + init, far from init
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def run(model_dir: str, prompts: list[torch.Tensor], generate: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    result: dict = {"class": type(model).__name__, "logits": [], "generated": []}
+    with torch.no_grad():
+        for ids in prompts:
+            result["logits"].append(model(ids.unsqueeze(0)).logits[0].float())  # [s, V]
+            if generate:
+                out = model.generate(
+                    ids.unsqueeze(0),
+                    attention_mask=torch.ones_like(ids).unsqueeze(0),
+                    max_new_tokens=generate,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                result["generated"].append(out[0, ids.numel() :].tolist())
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("random")
+    r.add_argument("--out", required=True)
+    r.add_argument("--config", required=True)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--prompts", default=None)
+    r.add_argument("--results", default=None)
+    g = sub.add_parser("run")
+    g.add_argument("--model", required=True)
+    g.add_argument("--prompts", required=True)
+    g.add_argument("--out", required=True)
+    g.add_argument("--generate", type=int, default=0)
+    args = p.parse_args()
+    if args.cmd == "random":
+        make_random(args.out, json.loads(args.config), args.seed)
+        if args.prompts:
+            torch.save(run(args.out, torch.load(args.prompts), 0), args.results)
+    else:
+        torch.save(run(args.model, torch.load(args.prompts), args.generate), args.out)
+
+
+if __name__ == "__main__":
+    main()

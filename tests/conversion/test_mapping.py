@@ -1,0 +1,314 @@
+"""The pure mapping and config functions: exact inverses, the math preserved, bad layouts refused.
+
+The math check runs in float64 against two independent references: tests/reference_model.py (the paper's
+equations on megatron-core's layout) and `diffllama_logits` below, written from transformers'
+`DiffLlamaAttention` (2h query heads, head i paired with i + h, value halves j and j + g, weightless head
+norm). The real transformers model is compared in tests/tools/test_convert_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from diffmeg.conversion.hf_config import (
+    hf_config_dict,
+    layout_from_args,
+    layout_from_hf_config,
+    pretrain_flags,
+)
+from diffmeg.conversion.layout import DiffLayout
+from diffmeg.conversion.mapping import (
+    fuse_qkv,
+    hf_to_mcore,
+    mcore_layer_to_hf,
+    mcore_to_hf,
+    split_fused_qkv,
+)
+from diffmeg.errors import DiffmegError
+from tests.reference_model import reference_logits, rmsnorm, rope, semantic_weights_from_mcore
+
+LAYOUTS = {  # (h DIFF heads, g DIFF KV heads): MHA, GQA r=2, MQA, odd r (pairs straddle query groups)
+    "mha": (4, 4),
+    "gqa": (4, 2),
+    "mqa": (4, 1),
+    "gqa-odd": (3, 3),
+}
+
+
+def make_layout(h: int, g: int, layers: int = 2) -> DiffLayout:
+    return DiffLayout(
+        num_layers=layers,
+        hidden_size=24,
+        ffn_hidden_size=40,
+        num_heads=h,
+        num_kv_heads=g,
+        head_dim=6,
+        vocab_size=50,
+        max_position_embeddings=32,
+        rotary_base=500.0,
+        norm_eps=1e-5,
+    )
+
+
+def random_mcore(layout: DiffLayout, seed: int = 0, dtype=torch.float64) -> dict[str, torch.Tensor]:
+    """A TP=1 megatron-core state dict with every tensor away from its init (head norm and lambdas too)."""
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    shapes = dict(layout.mcore_global_shapes())
+    for i in range(layout.num_layers):
+        shapes.update({f"decoder.layers.{i}.{k}": s for k, s in layout.mcore_layer_shapes().items()})
+    for name, shape in shapes.items():
+        if "norm" in name:
+            sd[name] = torch.empty(shape, dtype=dtype).uniform_(0.5, 1.5, generator=gen)
+        elif "lambda" in name:
+            sd[name] = torch.randn(shape, generator=gen, dtype=dtype) * 0.4
+        else:
+            sd[name] = torch.randn(shape, generator=gen, dtype=dtype) * 0.2
+    return sd
+
+
+def flatten(blocks) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for block in blocks:
+        out.update(block)
+    return out
+
+
+def diffllama_logits(tokens: torch.Tensor, sd: dict, config: dict) -> torch.Tensor:
+    """float64 logits of a DiffLlama state dict, following transformers' DiffLlamaAttention step by step."""
+    n_heads, n_kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    eps, theta = config["rms_norm_eps"], config["rope_parameters"]["rope_theta"]
+    s = tokens.numel()
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    x = sd["model.embed_tokens.weight"][tokens]  # [s, H]
+    for li in range(config["num_hidden_layers"]):
+        p = f"model.layers.{li}."
+        hn = rmsnorm(x, sd[p + "input_layernorm.weight"], eps)
+        q = rope((hn @ sd[p + "self_attn.q_proj.weight"].T).view(s, n_heads, d), theta)  # [s, 2h, d]
+        k = rope((hn @ sd[p + "self_attn.k_proj.weight"].T).view(s, n_kv, d), theta)  # [s, 2g, d]
+        v = (hn @ sd[p + "self_attn.v_proj.weight"].T).view(s, n_kv, d)
+        v1, v2 = v.chunk(2, dim=1)  # value heads [0, g) and [g, 2g), each repeated over both halves
+        v1, v2 = torch.cat([v1, v1], 1), torch.cat([v2, v2], 1)
+        outs = []
+        for m in range(n_heads):
+            kv = m // (n_heads // n_kv)  # repeat_kv
+            a = torch.softmax((q[:, m] @ k[:, kv].T / math.sqrt(d)).masked_fill(~causal, -math.inf), -1)
+            outs.append(torch.cat([a @ v1[:, kv], a @ v2[:, kv]], -1))  # [s, 2d]
+        o = torch.stack(outs, 1)  # [s, 2h, 2d]
+        o1, o2 = o.chunk(2, dim=1)  # heads [0, h) and [h, 2h)
+        lam_init = 0.8 - 0.6 * math.exp(-0.3 * li)
+        lam = (
+            torch.exp((sd[p + "self_attn.lambda_q1"] * sd[p + "self_attn.lambda_k1"]).sum())
+            - torch.exp((sd[p + "self_attn.lambda_q2"] * sd[p + "self_attn.lambda_k2"]).sum())
+            + lam_init
+        )
+        o = (1 - lam_init) * rmsnorm(o1 - lam * o2, torch.ones(2 * d, dtype=x.dtype), eps)  # [s, h, 2d]
+        x = x + o.reshape(s, -1) @ sd[p + "self_attn.o_proj.weight"].T
+        hn = rmsnorm(x, sd[p + "post_attention_layernorm.weight"], eps)
+        gate, up = hn @ sd[p + "mlp.gate_proj.weight"].T, hn @ sd[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
+    return rmsnorm(x, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_qkv_split_and_fuse_are_inverse_and_match_the_reference_layout(name):
+    h, g = LAYOUTS[name]
+    layout = make_layout(h, g)
+    sd = random_mcore(layout)
+    qkv = sd["decoder.layers.0.self_attention.linear_qkv.weight"]
+    q, k, v = split_fused_qkv(qkv, layout)
+    assert torch.equal(fuse_qkv(q, k, v, layout), qkv)
+    # DiffLlama head i / i + h are Q1 / Q2 of DIFF head i, KV heads j / j + g are K1 / K2 and the V halves.
+    cfg = {"heads": h, "kv_heads": g, "head_dim": layout.head_dim, "layers": layout.num_layers}
+    sem = semantic_weights_from_mcore(sd, cfg)["layers"][0]
+    d, hidden = layout.head_dim, layout.hidden_size
+    q, k, v = q.view(2 * h, d, hidden), k.view(2 * g, d, hidden), v.view(2 * g, d, hidden)
+    assert torch.equal(q[:h], sem["wq1"]) and torch.equal(q[h:], sem["wq2"])
+    assert torch.equal(k[:g], sem["wk1"]) and torch.equal(k[g:], sem["wk2"])
+    assert torch.equal(torch.cat([v[:g], v[g:]], dim=1), sem["wv"])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_mapping_preserves_the_model_in_float64(name):
+    h, g = LAYOUTS[name]
+    layout = make_layout(h, g)
+    sd = random_mcore(layout, seed=1)
+    hf = flatten(mcore_to_hf(sd, layout))
+    config = hf_config_dict(layout, dtype="float64", bos_token_id=None, eos_token_id=None)
+    tokens = torch.randint(0, layout.vocab_size, (9,), generator=torch.Generator().manual_seed(2))
+    cfg = {"heads": h, "kv_heads": g, "head_dim": layout.head_dim, "layers": layout.num_layers}
+    cfg["rotary_base"] = layout.rotary_base
+    ours = reference_logits(tokens, semantic_weights_from_mcore(sd, cfg), cfg)
+    theirs = diffllama_logits(tokens, hf, config)
+    torch.testing.assert_close(theirs, ours, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_to_mcore_to_hf_is_identical(dtype):
+    layout = make_layout(4, 2)
+    hf = flatten(mcore_to_hf(random_mcore(layout, seed=3), layout, dtype))
+    back = flatten(mcore_to_hf(flatten(hf_to_mcore(hf, layout)), layout))
+    assert back.keys() == hf.keys()
+    for key in hf:
+        assert back[key].dtype == dtype and torch.equal(back[key], hf[key]), key
+
+
+def test_tied_diffllama_is_untied_on_import():
+    layout = make_layout(2, 2, layers=1)
+    hf = flatten(mcore_to_hf(random_mcore(layout, seed=5), layout))
+    del hf["lm_head.weight"]
+    mcore = flatten(hf_to_mcore(hf, layout, tie_word_embeddings=True))
+    assert torch.equal(mcore["output_layer.weight"], hf["model.embed_tokens.weight"])
+    assert mcore["output_layer.weight"].data_ptr() != mcore["embedding.word_embeddings.weight"].data_ptr()
+    with pytest.raises(DiffmegError, match="'lm_head.weight' is missing"):
+        flatten(hf_to_mcore(hf, layout))
+
+
+def test_mcore_to_hf_to_mcore_folds_the_head_norm():
+    layout = make_layout(2, 1, layers=1)
+    sd = random_mcore(layout, seed=4)
+    back = flatten(hf_to_mcore(flatten(mcore_to_hf(sd, layout)), layout))
+    norm = sd["decoder.layers.0.self_attention.core_attention.head_norm.weight"]
+    for key, value in sd.items():
+        if key.endswith("head_norm.weight"):
+            assert torch.equal(back[key], torch.ones_like(value))
+        elif key.endswith("linear_proj.weight"):  # head i's 2d input columns scaled by the norm weight
+            torch.testing.assert_close(back[key], value * norm.repeat(layout.num_heads), rtol=0, atol=0)
+        else:
+            assert torch.equal(back[key], value), key
+
+
+def test_outputs_never_share_storage():
+    """safetensors refuses tensors that share memory (gate/up are halves of fc1)."""
+    layout = make_layout(2, 2, layers=1)
+    layer = {k[len("decoder.layers.0.") :]: v for k, v in random_mcore(layout).items() if ".0." in k}
+    out = mcore_layer_to_hf(layer, layout)
+    pointers = [t.untyped_storage().data_ptr() for t in out.values()]
+    assert len(set(pointers)) == len(pointers)
+
+
+def test_shape_mismatch_is_refused():
+    layout = make_layout(4, 2)
+    sd = random_mcore(layout)
+    sd["decoder.layers.1.mlp.linear_fc1.weight"] = sd["decoder.layers.1.mlp.linear_fc1.weight"][:-2]
+    with pytest.raises(DiffmegError, match="shape mismatch for 'mlp.linear_fc1.weight'"):
+        flatten(mcore_to_hf(sd, layout))
+    del sd["output_layer.weight"]
+    with pytest.raises(DiffmegError, match="'output_layer.weight' is missing"):
+        flatten(mcore_to_hf(sd, layout))
+
+
+def ckpt_args(**overrides) -> argparse.Namespace:
+    values = dict(
+        num_layers=2,
+        hidden_size=24,
+        ffn_hidden_size=40,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=6,
+        vocab_size=50,
+        max_position_embeddings=32,
+        rotary_base=500.0,
+        norm_epsilon=1e-5,
+        lambda_init="exp",
+        diff_attention=True,
+    )
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_layout_from_args_round_trips_through_pretrain_flags():
+    from diffmeg.training.arguments import resolve_args
+
+    layout = layout_from_args(ckpt_args())
+    assert layout == make_layout(4, 2)
+    argv = [
+        *pretrain_flags(layout),
+        "--seq-length",
+        "32",
+        "--lr",
+        "1e-4",
+        "--train-iters",
+        "1",
+        "--mock-data",
+    ]
+    assert layout_from_args(resolve_args(argv)) == layout
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"lambda_init": 0.8}, "cannot express a constant lambda_init"),
+        ({"lambda_init": "0.5"}, "cannot express a constant lambda_init"),
+        ({"norm_epsilon": 1e-6}, "one epsilon for every RMSNorm"),
+        ({"head_norm_eps": 1e-6}, "one epsilon for every RMSNorm"),
+        ({"diff_attention": False}, "Transformer baseline"),
+    ],
+)
+def test_layouts_diffllama_cannot_express_are_refused(overrides, message):
+    with pytest.raises(DiffmegError, match=message):
+        layout_from_args(ckpt_args(**overrides))
+
+
+def hf_config(**overrides) -> dict:
+    config = hf_config_dict(make_layout(4, 2), dtype="float32", bos_token_id=None, eos_token_id=None)
+    config["model_type"] = "diffllama"
+    config.update(overrides)
+    return config
+
+
+def test_layout_from_hf_config_inverts_hf_config_dict():
+    assert layout_from_hf_config(hf_config()) == (make_layout(4, 2), False)
+    legacy = hf_config(rope_parameters=None, rope_theta=500.0, tie_word_embeddings=True)
+    assert layout_from_hf_config(legacy) == (make_layout(4, 2), True)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model_type": "llama"}, "model_type 'llama'"),
+        ({"num_attention_heads": 7}, "must be even"),
+        ({"num_key_value_heads": 3}, "must be even"),
+        ({"rms_norm_eps": 1e-6}, "head-norm epsilon"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "scaled RoPE"),
+        ({"attention_bias": True}, "biases are not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"num_key_value_heads": 6}, "do not divide"),
+    ],
+)
+def test_hf_configs_our_model_cannot_express_are_refused(overrides, message):
+    with pytest.raises(DiffmegError, match=message):
+        layout_from_hf_config(hf_config(**overrides))
+
+
+def test_checkpoint_keys_match_megatron_core(single_rank_parallel_state):
+    """The reader's key table is what megatron-core's sharded state dict of our model uses."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from diffmeg.conversion.checkpoint_io import build_single_rank_model, checkpoint_key
+    from diffmeg.training.arguments import resolve_args
+
+    layout = make_layout(4, 2)
+    argv = [
+        *pretrain_flags(layout),
+        "--seq-length",
+        "32",
+        "--lr",
+        "1e-4",
+        "--train-iters",
+        "1",
+        "--mock-data",
+    ]
+    model = build_single_rank_model(resolve_args(argv))
+    sharded = model.sharded_state_dict()
+    for local, shape in layout.mcore_layer_shapes().items():
+        entry = sharded[f"decoder.layers.1.{local}"]
+        assert entry.key == checkpoint_key(local)
+        if isinstance(entry, ShardedTensor):  # fc1 is a factory (gate and up sharded separately)
+            assert tuple(entry.global_shape) == (layout.num_layers, *shape) and entry.global_offset[0] == 1
+    for key, shape in layout.mcore_global_shapes().items():
+        assert sharded[key].key == key and tuple(sharded[key].global_shape) == shape

@@ -1,0 +1,96 @@
+"""tools/generate.py and diffmeg.generation: KV-cache decoding equals recomputation and transformers' greedy
+generation of the exported model; sampling is seeded; generation stops at the end-of-document token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conversion.helpers import (
+    GENERATE_PROMPT,
+    GENERATE_PROMPT_IDS,
+    GENERATE_TOKENS,
+    imported,
+    tiny_hf_reference,
+    trained_tiny,
+)
+from tests.data.helpers import find_bpe_file
+from tests.tools.helpers import run_tool
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, single_rank_parallel_state):
+    from diffmeg.generation import load_model
+
+    model, _ = load_model(str(trained_tiny(tmp_path_factory, "tp1")))
+    return model
+
+
+def test_kv_cache_matches_recomputation(tiny, tmp_path_factory):
+    from diffmeg.generation import generate, load_model
+
+    _, gqa_ckpt = imported(tmp_path_factory, "gqa")
+    gqa, _ = load_model(str(gqa_ckpt))
+    for model, prompt in ((tiny, GENERATE_PROMPT_IDS), (gqa, [15339, 1917, 0, 99, 100256])):
+        cached = generate(model, prompt, 20, use_cache=True, return_logits=True)
+        full = generate(model, prompt, 20, use_cache=False, return_logits=True)
+        assert cached.output_ids == full.output_ids and len(cached.output_ids) == 20
+        for a, b in zip(cached.step_logits, full.step_logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_cli_matches_transformers_generate(tmp_path_factory):
+    bpe = find_bpe_file()
+    if bpe is None:
+        pytest.skip("cl100k_base BPE file not found; set DIFFMEG_TOKENIZER_FILE")
+    ckpt = trained_tiny(tmp_path_factory, "tp1")
+    args = ["--load", ckpt, "--prompt", GENERATE_PROMPT, "--max-new-tokens", GENERATE_TOKENS, "--greedy"]
+    proc = run_tool("generate", *args, "--json", "--tokenizer-file", bpe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["prompt"] == GENERATE_PROMPT and record["prompt_ids"] == GENERATE_PROMPT_IDS
+    assert record["stop_reason"] == "length" and isinstance(record["output_text"], str)
+    assert record["output_ids"] == tiny_hf_reference(tmp_path_factory)["generated"][0]
+
+
+def test_sampling_is_seeded_and_top_p_truncates(tiny):
+    from diffmeg.generation import SamplingConfig, generate
+
+    def sample(**kw) -> list[int]:
+        return generate(tiny, GENERATE_PROMPT_IDS, 10, SamplingConfig(**kw)).output_ids
+
+    assert sample(temperature=1.5, seed=3) == sample(temperature=1.5, seed=3)
+    assert sample(temperature=1.5, seed=3) != sample(temperature=1.5, seed=4)
+    # A nucleus smaller than the top token's probability keeps the argmax only.
+    assert sample(top_p=1e-6, seed=5) == sample(greedy=True)
+
+
+def test_generation_stops_at_the_end_of_document_token(tiny):
+    from diffmeg.generation import generate
+
+    free = generate(tiny, GENERATE_PROMPT_IDS, 8).output_ids
+    stop = free[3]
+    first = free.index(stop)
+    result = generate(tiny, GENERATE_PROMPT_IDS, 8, eod_id=stop)
+    assert result.output_ids == free[: first + 1] and result.stop_reason == "eod"
+
+
+def test_bad_requests_are_refused(tiny, tmp_path_factory, capsys):
+    from diffmeg.errors import DiffmegError
+    from diffmeg.generation import SamplingConfig, generate
+
+    with pytest.raises(DiffmegError, match="outside the model's vocabulary of 512"):
+        generate(tiny, [15339], 2)
+    with pytest.raises(DiffmegError, match="--temperature must be > 0"):
+        SamplingConfig(temperature=0.0)
+    with pytest.raises(DiffmegError, match="--top-p must lie in"):
+        SamplingConfig(top_p=1.5)
+    bpe = find_bpe_file()
+    if bpe is not None:
+        ckpt = trained_tiny(tmp_path_factory, "tp1")
+        proc = run_tool(
+            "generate", "--load", ckpt, "--prompt", "x", "--max-new-tokens", "300", "--tokenizer-file", bpe
+        )
+        assert proc.returncode == 2 and "exceeds the model's 256 positions" in proc.stderr
