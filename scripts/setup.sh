@@ -16,6 +16,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[dev,mpi,hf,eval]"
+# deepspeed (FLOPs-profiler cross-check; Ulysses reference design) without compiling its CUDA ops.
+"$PY" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 "$PY" -m pip install -q "deepspeed>=0.15"
 
 # Seed tiktoken's cache (file name = sha1 of the BPE URL, contents checked against tiktoken's sha256).
 bpe=${DIFFMEG_TOKENIZER_FILE:-../shared/data/cl100k_base.tiktoken}

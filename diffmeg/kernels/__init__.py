@@ -18,6 +18,7 @@ import torch
 from diffmeg.errors import DiffmegError
 from diffmeg.kernels.reference import diff_attention_reference
 from diffmeg.kernels.sdpa import diff_attention_sdpa, flash_attn_available
+from diffmeg.kernels.triton_diff import diff_attention_triton, triton_usable
 
 DiffAttentionFn = Callable[..., torch.Tensor]
 
@@ -25,6 +26,8 @@ DiffAttentionFn = Callable[..., torch.Tensor]
 def resolve_backend(name: str, device_type: str) -> tuple[str, DiffAttentionFn]:
     """Map a backend name (or `auto`) to its function, with a clear error when it cannot run here."""
     if name == "auto":
+        # The fused Triton kernel is verified in the interpreter but not yet timed on a GPU: `auto`
+        # stays on SDPA (split-V flash kernels on CUDA) until it is; choose 'triton' explicitly.
         name = "sdpa"
     if name == "reference":
         return name, diff_attention_reference
@@ -38,6 +41,13 @@ def resolve_backend(name: str, device_type: str) -> tuple[str, DiffAttentionFn]:
         from functools import partial
 
         return name, partial(diff_attention_sdpa, use_flash_attn=True)
+    if name == "triton":
+        if not triton_usable(device_type):
+            raise DiffmegError(
+                "attention backend 'triton' needs the triton package and a CUDA GPU "
+                "(TRITON_INTERPRET=1 runs it on CPU tensors, slowly); use 'sdpa'"
+            )
+        return name, diff_attention_triton
     raise DiffmegError(
         f"attention backend {name!r} is not available in this build; use 'sdpa' or 'reference'"
     )

@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--lambda-init", default="exp", help="'exp' (layer-wise schedule) or a constant in [0, 1)")
     g.add_argument("--lambda-std", type=float, default=0.1)
-    g.add_argument("--diff-attn-backend", default="auto", choices=["auto", "reference", "sdpa", "flash"])
+    g.add_argument(
+        "--diff-attn-backend", default="auto", choices=["auto", "reference", "sdpa", "flash", "triton"]
+    )
     g.add_argument(
         "--transformer-impl",
         default="auto",

@@ -1,0 +1,378 @@
+"""Fused differential flash-attention in Triton: both softmaxes in one pass over K/V, forward and backward.
+
+Same contract as `reference.diff_attention_reference`:
+    O = (A1 - lam A2) V,  A_k = softmax(Q_k K_k^T * scale) (causal, queries aligned to the end of the keys)
+with q1, q2: [b, h, sq, d], k1, k2: [b, g, sk, d], v: [b, g, sk, 2d], lam a 0-dim tensor.
+
+Forward (one program per query block and head): for each K/V tile, S1 = Q1 K1^T and S2 = Q2 K2^T share the
+V tile; each map keeps its own running max and sum (online softmax) and its own fp32 accumulator of width
+2d, and O = acc1 / l1 - lam * acc2 / l2 at the end. Saved for the backward: the base-2 log-sum-exps of both
+maps and O2 = A2 V (one extra output-sized tensor: the two accumulators cannot be merged in one pass
+because their rescaling factors differ, and the backward needs dO . O2).
+
+Backward (FlashAttention-2 style, P1 and P2 recomputed tile by tile from the LSEs), with dP = dO V^T
+shared by both maps and delta_k = rowsum(dO * (A_k V)):
+    dV   = (A1 - lam A2)^T dO
+    dS1  = A1 * (dP - delta1)              dS2 = -lam A2 * (dP - delta2)
+    dQ_k = scale dS_k K_k                  dK_k = scale dS_k^T Q_k
+    dlam = -sum(dO * A2 V) = -sum(delta2)
+delta2 comes from the saved O2 and delta1 from O1 = O + lam O2. dK/dV are one kernel over key blocks
+(looping over the query heads of a GQA group, so no atomics), dQ another over query blocks.
+
+CPU: with TRITON_INTERPRET=1 the kernels run on CPU tensors (slow, for tests); bf16 `tl.dot` is wrong in
+the interpreter, so test float32/float16 there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from diffmeg.errors import DiffmegError
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 128
+_INT32_MAX = 2**31 - 1
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_available() -> bool:
+    """True when triton imports and kernels can run: a CUDA GPU, or the interpreter (TRITON_INTERPRET=1)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or _interpret_requested()
+
+
+def triton_usable(device_type: str) -> bool:
+    """Whether the backend can run on tensors of this device type here: compiled kernels on CUDA, or the
+    interpreter on CPU. For the backend registry (explicit 'triton', and 'auto' on CUDA)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device_type == "cuda":
+        return torch.cuda.is_available() and not _interpret_requested()
+    return device_type == "cpu" and _interpret_requested()
+
+
+_kernels_module: ModuleType | None = None
+
+
+def _kernels() -> ModuleType:
+    """The kernels module, (re)imported so its `triton.jit` matches the current TRITON_INTERPRET."""
+    global _kernels_module
+    if _kernels_module is None:
+        from diffmeg.kernels import triton_diff_kernels
+
+        _kernels_module = triton_diff_kernels
+    if _kernels_module.INTERPRETED != _interpret_requested():
+        _kernels_module = importlib.reload(_kernels_module)
+    return _kernels_module
+
+
+@dataclass(frozen=True)
+class TritonDiffConfig:
+    """Tile shapes and launch parameters (forward, dK/dV kernel, dQ kernel).
+
+    `v_splits` = 2 gives each forward program one d-wide half of V's 2d columns: half the accumulator
+    registers, at the price of computing S1, S2 twice (12d -> 16d FLOPs per query-key pair).
+    `split_dkdv` computes dV and dK1/dK2 in two launches ([BN, 2d] accumulators each instead of [BN, 4d]),
+    recomputing P1, P2 in both (16d -> 20d FLOPs per pair in that kernel).
+    Defaults (`default_config`) come from ptxas resource usage only, NOT from GPU timings (no GPU was
+    available when written); benchmarks/attention.py --sweep times the alternatives on a real GPU.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    v_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    dkdv_block_m: int = 32
+    dkdv_block_n: int = 64
+    dq_block_m: int = 64
+    dq_block_n: int = 32
+    bwd_num_warps: int = 4
+    bwd_num_stages: int = 2
+    split_dkdv: bool = False
+
+
+def default_config(head_dim: int, interpreted: bool) -> TritonDiffConfig:
+    """Tiles from ptxas resource usage for sm_90 in bf16 (`python -m diffmeg.kernels.triton_aot --sweep`,
+    docs/benchmarks.md), NOT from GPU timings: the least-spilling tiles whose dot M dims cover all warps
+    (each Hopper warp owns 16 rows; fewer rows make warps repeat each other's work).
+
+    Registers are the constraint: the forward holds two [BM, 2d] fp32 accumulators (A1 V, A2 V) and the
+    dK/dV kernel [BN, 4d] (dV, dK1, dK2): at d=128 FlashAttention's d=256 budget, twice.
+    """
+    if interpreted:  # fewer, larger tiles: each program is a Python loop over numpy ops
+        return TritonDiffConfig(32, 32, 1, 1, 1, 32, 32, 32, 32, 1, 1)
+    if head_dim <= 64:  # spill-free forward and dQ; dV / dK passes spill 0 / 56 B
+        return TritonDiffConfig(
+            block_m=64, block_n=16, v_splits=1, num_warps=4, num_stages=2, dkdv_block_m=16, dkdv_block_n=128,
+            dq_block_m=128, dq_block_n=32, bwd_num_warps=8, bwd_num_stages=2, split_dkdv=True,
+        )  # fmt: skip
+    # d=128: the forward needs v_splits=2 (two [BM, 2d] accumulators do not fit one warpgroup) and still
+    # spills 160 B; dK/dV 1536 B, dQ 312 B. To be tuned on a GPU (benchmarks/attention.py --sweep).
+    return TritonDiffConfig(
+        block_m=64, block_n=16, v_splits=2, num_warps=4, num_stages=2, dkdv_block_m=16, dkdv_block_n=128,
+        dq_block_m=128, dq_block_n=16, bwd_num_warps=8, bwd_num_stages=2, split_dkdv=False,
+    )  # fmt: skip
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (the GPU default would be tf32); ignored for fp16/bf16.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _prepare(t: torch.Tensor) -> torch.Tensor:
+    """Unit stride on the last dim and int32-safe offsets inside one (batch, head); copies only if not."""
+    seq_span = (t.shape[2] - 1) * t.stride(2) + t.shape[3] if t.shape[2] > 0 else 0
+    if t.stride(3) != 1 or seq_span > _INT32_MAX:
+        t = t.contiguous()
+    return t
+
+
+def _validate(q1, q2, k1, k2, v, lam) -> None:
+    if q1.dim() != 4 or k1.dim() != 4 or v.dim() != 4:
+        raise DiffmegError("triton diff attention expects 4-D q/k/v tensors: [b, h, s, d]")
+    b, h, sq, d = q1.shape
+    _, g, sk, _ = k1.shape
+    if q2.shape != q1.shape or k2.shape != k1.shape or k1.shape[0] != b or k1.shape[3] != d:
+        raise DiffmegError(
+            f"shape mismatch: q1 {tuple(q1.shape)}, q2 {tuple(q2.shape)}, "
+            f"k1 {tuple(k1.shape)}, k2 {tuple(k2.shape)}"
+        )
+    if v.shape != (b, g, sk, 2 * d):
+        raise DiffmegError(f"v must be [b, g, sk, 2d] = {(b, g, sk, 2 * d)}, got {tuple(v.shape)}")
+    if g == 0 or h % g:
+        raise DiffmegError(f"query heads ({h}) must be a multiple of KV heads ({g})")
+    if sq > sk or sk == 0:
+        raise DiffmegError(
+            f"causal attention needs 0 < sq <= sk (queries at the end of the keys); got {sq}, {sk}"
+        )
+    if d > MAX_HEAD_DIM:
+        raise DiffmegError(f"triton diff attention supports head dims up to {MAX_HEAD_DIM}, got {d}")
+    dtypes = {t.dtype for t in (q1, q2, k1, k2, v)}
+    if len(dtypes) != 1 or q1.dtype not in _SUPPORTED_DTYPES:
+        raise DiffmegError(
+            f"q/k/v must share one dtype among fp16, bf16, fp32; got {sorted(map(str, dtypes))}"
+        )
+    devices = {t.device for t in (q1, q2, k1, k2, v)}
+    if len(devices) != 1:
+        raise DiffmegError(f"q/k/v must be on one device, got {devices}")
+    if lam.numel() != 1:
+        raise DiffmegError(f"lam must be a single-element tensor, got shape {tuple(lam.shape)}")
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _blocks(d: int, v_width: int) -> tuple[int, int]:
+    """Power-of-two tile widths (>= 16 for tl.dot) for the head dim and a V slice; the rest is masked."""
+    return max(16, _next_pow2(d)), max(16, _next_pow2(v_width))
+
+
+def fwd_meta(d: int, sq: int, dtype: torch.dtype, cfg: TritonDiffConfig, store_o2: bool) -> dict:
+    """Compile-time parameters and launch options of the forward kernel (shared with triton_aot)."""
+    if cfg.v_splits not in (1, 2):
+        raise DiffmegError(f"v_splits must be 1 or 2, got {cfg.v_splits}")
+    dv_width = 2 * d // cfg.v_splits
+    block_d, block_dv = _blocks(d, dv_width)
+    return dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        MASK_M=sq % cfg.block_m != 0, PAD_D=block_d != d, PAD_DV=block_dv != dv_width,
+        STORE_O2=store_o2, PRECISION=_dot_precision(dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def preprocess_meta(d: int, sq: int, block_m: int) -> dict:
+    block_dv = _blocks(d, 2 * d)[1]
+    return dict(BLOCK_M=block_m, BLOCK_DV=block_dv, MASK_M=sq % block_m != 0, PAD_DV=block_dv != 2 * d)
+
+
+def dkdv_meta(
+    d: int,
+    sq: int,
+    sk: int,
+    dtype: torch.dtype,
+    cfg: TritonDiffConfig,
+    do_dv: bool = True,
+    do_dk: bool = True,
+) -> dict:
+    block_d, block_dv = _blocks(d, 2 * d)
+    bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+    return dict(
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        MASK_M=sq % bm != 0, MASK_N=sk % bn != 0, PAD_D=block_d != d, PAD_DV=block_dv != 2 * d,
+        PRECISION=_dot_precision(dtype), DO_DV=do_dv, DO_DK=do_dk,
+        num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+    )  # fmt: skip
+
+
+def dq_meta(d: int, sq: int, dtype: torch.dtype, cfg: TritonDiffConfig) -> dict:
+    block_d, block_dv = _blocks(d, 2 * d)
+    bm, bn = cfg.dq_block_m, cfg.dq_block_n
+    return dict(
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        MASK_M=sq % bm != 0, PAD_D=block_d != d, PAD_DV=block_dv != 2 * d,
+        PRECISION=_dot_precision(dtype), num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+    )  # fmt: skip
+
+
+def _forward(q1, q2, k1, k2, v, lam, scale: float, cfg: TritonDiffConfig, store_o2: bool):
+    kern = _kernels()
+    b, h, sq, d = q1.shape
+    g, sk = k1.shape[1], k1.shape[2]
+    splits = cfg.v_splits
+    dv_width = 2 * d // splits
+    out = torch.empty((b, h, sq, 2 * d), device=q1.device, dtype=q1.dtype)
+    o2 = torch.empty_like(out) if store_o2 else out  # unused pointer when not stored
+    lse1 = torch.empty((b, h, sq), device=q1.device, dtype=torch.float32)
+    lse2 = torch.empty_like(lse1)
+    grid = (_cdiv(sq, cfg.block_m), b * h, splits)
+    kern.diff_fwd_kernel[grid](
+        q1, q2, k1, k2, v, lam, out, o2, lse1, lse2,
+        *_strides(q1), *_strides(q2), *_strides(k1), *_strides(k2), *_strides(v), *_strides(out),
+        h, h // g, sq, sk, d, dv_width, scale * math.log2(math.e),
+        **fwd_meta(d, sq, q1.dtype, cfg, store_o2),
+    )  # fmt: skip
+    return out, (o2 if store_o2 else None), lse1, lse2
+
+
+def _backward(dout, q1, q2, k1, k2, v, lam, out, o2, lse1, lse2, scale: float, cfg: TritonDiffConfig, need):
+    kern = _kernels()
+    b, h, sq, d = q1.shape
+    g, sk = k1.shape[1], k1.shape[2]
+    dout = _prepare(dout)
+    scale_log2 = scale * math.log2(math.e)
+
+    delta1 = torch.empty((b, h, sq), device=q1.device, dtype=torch.float32)
+    delta2 = torch.empty_like(delta1)
+    pre_m = 32
+    kern.diff_bwd_preprocess_kernel[(_cdiv(sq, pre_m), b * h)](
+        out, o2, dout, lam, delta1, delta2, *_strides(out), *_strides(dout), h, sq, 2 * d,
+        **preprocess_meta(d, sq, pre_m),
+    )  # fmt: skip
+
+    dq1 = dq2 = dk1 = dk2 = dv = None
+    common = (
+        *_strides(q1), *_strides(q2), *_strides(k1), *_strides(k2), *_strides(v), *_strides(dout),
+    )  # fmt: skip
+    if need["k"] or need["v"]:
+        dk1 = torch.empty((b, g, sk, d), device=k1.device, dtype=k1.dtype)
+        dk2 = torch.empty_like(dk1)
+        dv = torch.empty((b, g, sk, 2 * d), device=v.device, dtype=v.dtype)
+        passes = [(True, False), (False, True)] if cfg.split_dkdv else [(True, True)]
+        for do_dv, do_dk in passes:
+            kern.diff_bwd_dkdv_kernel[(_cdiv(sk, cfg.dkdv_block_n), b * g)](
+                q1, q2, k1, k2, v, dout, lam, lse1, lse2, delta1, delta2, dk1, dk2, dv,
+                *common, *_strides(dk1), *_strides(dv),
+                h, g, h // g, sq, sk, d, 2 * d, scale, scale_log2,
+                **dkdv_meta(d, sq, sk, q1.dtype, cfg, do_dv, do_dk),
+            )  # fmt: skip
+    if need["q"]:
+        dq1 = torch.empty((b, h, sq, d), device=q1.device, dtype=q1.dtype)
+        dq2 = torch.empty_like(dq1)
+        kern.diff_bwd_dq_kernel[(_cdiv(sq, cfg.dq_block_m), b * h)](
+            q1, q2, k1, k2, v, dout, lam, lse1, lse2, delta1, delta2, dq1, dq2,
+            *common, *_strides(dq1),
+            h, h // g, sq, sk, d, 2 * d, scale, scale_log2,
+            **dq_meta(d, sq, q1.dtype, cfg),
+        )  # fmt: skip
+    dlam = -delta2.sum() if need["lam"] else None  # dlam = -sum(dO * A2 V), all rows, heads, batch
+    return dq1, dq2, dk1, dk2, dv, dlam
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _DiffAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q1, q2, k1, k2, v, lam, scale: float, cfg: TritonDiffConfig):
+        need_grad = any(ctx.needs_input_grad[:6])
+        out, o2, lse1, lse2 = _forward(q1, q2, k1, k2, v, lam, scale, cfg, store_o2=need_grad)
+        if need_grad:
+            ctx.save_for_backward(q1, q2, k1, k2, v, lam, out, o2, lse1, lse2)
+        ctx.scale, ctx.cfg = scale, cfg
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q1, q2, k1, k2, v, lam, out, o2, lse1, lse2 = ctx.saved_tensors
+        ng = ctx.needs_input_grad
+        need = {"q": ng[0] or ng[1], "k": ng[2] or ng[3], "v": ng[4], "lam": ng[5]}
+        dq1, dq2, dk1, dk2, dv, dlam = _backward(
+            dout, q1, q2, k1, k2, v, lam, out, o2, lse1, lse2, ctx.scale, ctx.cfg, need
+        )
+        if dlam is not None:
+            dlam = dlam.to(lam.dtype).reshape(lam.shape)
+        return (
+            dq1 if ng[0] else None,
+            dq2 if ng[1] else None,
+            dk1 if ng[2] else None,
+            dk2 if ng[3] else None,
+            dv if ng[4] else None,
+            dlam,
+            None,
+            None,
+        )
+
+
+def diff_attention_triton(
+    q1: torch.Tensor,
+    q2: torch.Tensor,
+    k1: torch.Tensor,
+    k2: torch.Tensor,
+    v: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    attention_mask: torch.Tensor | None = None,
+    config: TritonDiffConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as `diff_attention_reference`; causal only, no dropout, fp16/bf16/fp32 inputs."""
+    if dropout_p > 0.0:
+        raise DiffmegError(
+            "the triton diff-attention backend has no dropout; "
+            "use attention_dropout=0 or the reference backend"
+        )
+    if attention_mask is not None:
+        raise DiffmegError(
+            "the triton diff-attention backend is causal-only; use the reference backend for masks"
+        )
+    if not triton_available():
+        raise DiffmegError(
+            "the triton backend needs the triton package and a CUDA GPU (or TRITON_INTERPRET=1)"
+        )
+    if not torch.is_tensor(lam):
+        lam = torch.tensor(float(lam), dtype=torch.float32, device=q1.device)
+    _validate(q1, q2, k1, k2, v, lam)
+    if q1.is_cuda and _interpret_requested():
+        raise DiffmegError("TRITON_INTERPRET=1 runs kernels on CPU tensors only; unset it for CUDA tensors")
+    if not q1.is_cuda and not _interpret_requested():
+        raise DiffmegError("the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+    lam = lam.reshape(()).to(q1.device)
+    cfg = config or default_config(q1.shape[-1], _interpret_requested())
+    q1, q2, k1, k2, v = (_prepare(t) for t in (q1, q2, k1, k2, v))
+    if q1.is_cuda:
+        with torch.cuda.device(q1.device):
+            return _DiffAttentionFn.apply(q1, q2, k1, k2, v, lam, float(scale), cfg)
+    return _DiffAttentionFn.apply(q1, q2, k1, k2, v, lam, float(scale), cfg)
+
+
+__all__ = ["TritonDiffConfig", "default_config", "diff_attention_triton", "triton_available", "triton_usable"]
