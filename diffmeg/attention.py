@@ -86,6 +86,9 @@ class DiffCoreAttention(MegatronModule):
         self.backend_name = config.attention_backend_diff
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else "cuda"
         self.backend_name, self._backend = resolve_backend(self.backend_name, device)
+        # Exact math for what the fused paths cannot do (masks, dropout); an attribute so analysis
+        # tools that wrap the backend also see these calls.
+        self._exact_backend = diff_attention_reference
 
         # lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init, vectors of size d shared by the layer's heads.
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
@@ -135,7 +138,7 @@ class DiffCoreAttention(MegatronModule):
         backend = self._backend
         if mask is not None or dropout_p > 0.0:
             # The fused paths are causal-only and would drop A1 and A2 separately: use the exact math.
-            backend = diff_attention_reference
+            backend = self._exact_backend
         lam = self.lambda_full()
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():

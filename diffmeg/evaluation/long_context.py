@@ -649,6 +649,8 @@ def _first_line(exc: BaseException) -> str:
 
 __all__ = [
     "CSV_NAME",
+    "DTYPES",
+    "init_single_process",
     "PLOT_NAME",
     "SUMMARY_NAME",
     "CheckpointInfo",

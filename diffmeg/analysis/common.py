@@ -1,0 +1,149 @@
+"""What the analysis tools share: checkpoint selection and loading, needle vocabularies, outputs.
+
+Checkpoint reading, labels, the single-process group and output-directory checks are the long-context
+tool's (diffmeg.evaluation.long_context); this module only strings them together for several tools.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diffmeg.errors import DiffmegError
+from diffmeg.evaluation.long_context import (
+    DTYPES,
+    CheckpointInfo,
+    check_same_vocabulary,
+    default_labels,
+    init_single_process,
+    prepare_output_dir,
+    read_checkpoint_info,
+)
+
+Log = Callable[[str], None]
+
+
+def stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class CheckpointSet:
+    """The --load/--label/--iteration flags of a tool, resolved before any weights are read."""
+
+    loads: list[str]
+    labels: list[str] | None = None
+    iterations: list[int] | None = None
+
+    def resolve(self) -> list[CheckpointInfo]:
+        """Checkpoint infos with labels; one vocabulary for all (they see the same prompts)."""
+        if not self.loads:
+            raise DiffmegError("give at least one --load")
+        if self.labels and len(self.labels) != len(self.loads):
+            raise DiffmegError(
+                f"{len(self.labels)} --label value(s) for {len(self.loads)} --load; give one each"
+            )
+        if self.labels and len(set(self.labels)) != len(self.labels):
+            raise DiffmegError(f"--label values must be distinct, got {self.labels}")
+        iterations = self.iterations or [None]
+        if len(iterations) not in (1, len(self.loads)):
+            raise DiffmegError(f"--iteration takes one value, or one per --load ({len(self.loads)})")
+        if len(iterations) == 1:
+            iterations = iterations * len(self.loads)
+        infos = [read_checkpoint_info(root, it) for root, it in zip(self.loads, iterations, strict=True)]
+        check_same_vocabulary(infos)
+        for info, label in zip(infos, self.labels or default_labels(infos), strict=True):
+            info.label = label
+        return infos
+
+
+def loaded_models(
+    infos: Sequence[CheckpointInfo], dtype: str = "float32", seed: int = 1234
+) -> Iterator[tuple[CheckpointInfo, torch.nn.Module]]:
+    """Each checkpoint's single-rank model in eval mode, one at a time (freed before the next loads)."""
+    from diffmeg.training.checkpointing import load_model_weights
+
+    if dtype not in DTYPES:
+        raise DiffmegError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype}")
+    init_single_process(seed)
+    for info in infos:
+        model, _ = load_model_weights(info.root, info.iteration, dtype=DTYPES[dtype])
+        try:
+            yield info, model
+        finally:
+            del model
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def needle_vocab(
+    info: CheckpointInfo, text_files: Sequence[str] | None, tokenizer_file: str | None, seed: int
+):
+    """`IdVocab` for mock-data checkpoints, `TextVocab` (filler from --text-files) for cl100k ones."""
+    from diffmeg.analysis.needle import IdVocab, TextVocab
+
+    if info.tokenizer == "mock":
+        if text_files:
+            raise DiffmegError(
+                f"{info.root} was trained on mock ids (vocab {info.vocab_size}); --text-files need a cl100k "
+                "checkpoint (mock checkpoints get random-id filler)"
+            )
+        return IdVocab(info.vocab_size, seed=seed)
+    if not text_files:
+        raise DiffmegError(f"{info.root} reads cl100k text: give --text-files for the filler")
+    from diffmeg.data.tokenizer import load_tokenizer
+    from diffmeg.evaluation.long_context import expand_text_files
+
+    texts = []
+    for path in expand_text_files(text_files):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                texts.append(f.read())
+        except OSError as exc:
+            raise DiffmegError(f"cannot read text file {path}: {exc.strerror}") from None
+    return TextVocab(load_tokenizer(tokenizer_file), "\n".join(texts))
+
+
+def forward(model: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:
+    """Logits [s, V] (float32) of one prompt at positions 0..s-1."""
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=device).unsqueeze(0)
+    positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
+    return logits[0].float()
+
+
+def write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_rows(path: str, rows: Sequence[dict]) -> None:
+    """A CSV with the keys of the first row as header (written atomically)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def start_outputs(output_dir: str, plot: bool) -> None:
+    """Fail on an unwritable directory or a missing matplotlib before any model is loaded."""
+    prepare_output_dir(output_dir)
+    if plot:
+        from diffmeg.evaluation.plotting import require_matplotlib
+
+        require_matplotlib()
