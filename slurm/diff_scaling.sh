@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The paper's scaling sweep (DESIGN.md "Paper recipes"): one model size per job, DIFF or its
+# FLOP-matched Transformer twin, 40K steps of 0.25M tokens at seq 2048.
+#
+#   sbatch slurm/diff_scaling.sh 830m                 # DIFF-830M on one node of 8 H100
+#   sbatch slurm/diff_scaling.sh transformer-830m     # its Transformer twin (or ARCH=transformer)
+#   sbatch --nodes=4 slurm/diff_scaling.sh 6.8b       # more nodes: only DP grows
+#   for s in 830m 1.4b 2.8b 6.8b 13.1b; do for a in diff transformer; do
+#       sbatch slurm/diff_scaling.sh $a-$s; done; done   # the whole sweep, 10 jobs
+#   DRY_RUN=1 bash slurm/diff_scaling.sh 2.8b         # print the srun line and resolved config
+#
+# SIZE is 830m, 1.4b, 2.8b, 6.8b or 13.1b (13b is the same), optionally prefixed with diff- or
+# transformer-; without a prefix ARCH=diff|transformer picks (default diff). slurm/diff_13b.sh runs
+# 13.1b on 8 nodes. The paper's values come from the diff-SIZE / transformer-SIZE presets (checked by
+# tests/slurm):
+#   size   layers hidden heads DIFF/Transformer  FFN   lr      (all: seq 2048, 128 x 2048 = 0.25M-token
+#   830m   24     1536   8 / 16 (head dim 96)     4096  1.5e-4   batches, 40000 steps, 375 warmup, linear
+#   1.4b   24     2048   8 / 16                   5440  1.5e-4   decay to 0, AdamW (0.9, 0.98), wd 0.05)
+#   2.8b   32     2560   10 / 20                  6784  1.5e-4
+#   6.8b   32     4096   16 / 32                  10880 7.5e-5
+#   13.1b  40     5120   20 / 40                  13632 7.5e-5
+#
+# Environment (this recipe's defaults; slurm/common.sh describes every knob):
+#   ARCH=diff  NODES=1 GPUS_PER_NODE=8 (for DRY_RUN; in a job the allocation decides)  PP=1 CP=1
+#   TP / MICRO_BATCH per size: 830m 1/4, 1.4b 1/4, 2.8b 1/2, 6.8b 2/2, 13.1b 4/2
+#   DP= (derived; set it to have it checked)  DATA_PATH= (required)  RUN_DIR=runs/<arch>-<size>
+#   CKPT_DIR=$RUN_DIR/checkpoints  TB_DIR=$RUN_DIR/tensorboard  CONTAINER_IMAGE=  CONTAINER_MOUNTS=
+#   EXTRA_ARGS= (pretrain_diff.py flags appended last: they override the recipe's)
+#   PRECISION=bf16 DIST_OPTIMIZER=1 SEQUENCE_PARALLEL=1 RECOMPUTE= SAVE_INTERVAL=1000 LOG_INTERVAL=10
+#   EVAL_INTERVAL=1000 EVAL_ITERS=10 AUTO_REQUEUE=1 MAX_RESTARTS=100 PYTHON=python3 SRUN_ARGS= DRY_RUN=
+#
+#SBATCH --job-name=diff-scaling
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --signal=USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+set -euo pipefail
+
+# sbatch runs a copy of this file from Slurm's spool directory: find the checkout.
+for DIFFMEG_ROOT in "${DIFFMEG_ROOT:-}" "$(dirname "${BASH_SOURCE[0]}")/.." \
+    "$(scontrol show job "${SLURM_JOB_ID:-0}" 2>/dev/null | sed -n 's|^ *Command=\(.*\)/slurm/[^/]*$|\1|p')" \
+    "${SLURM_SUBMIT_DIR:-.}"; do
+    [ -f "$DIFFMEG_ROOT/slurm/common.sh" ] && break
+done
+[ -f "$DIFFMEG_ROOT/slurm/common.sh" ] || {
+    echo "cannot find the diffmeg checkout (slurm/common.sh): set DIFFMEG_ROOT" >&2
+    exit 2
+}
+# shellcheck source=slurm/common.sh
+source "$DIFFMEG_ROOT/slurm/common.sh"
+
+size=${1:-}
+arch=${ARCH:-diff}
+case $size in
+    diff-* | transformer-*)
+        arch=${size%%-*}
+        size=${size#*-}
+        ;;
+esac
+[ "$size" = 13b ] && size=13.1b
+case $arch in diff | transformer) ;; *) _dm_die "ARCH must be diff or transformer, not '$arch'" ;; esac
+case $size in
+    830m) : "${TP:=1}" "${MICRO_BATCH:=4}" ;;
+    1.4b) : "${TP:=1}" "${MICRO_BATCH:=4}" ;;
+    2.8b) : "${TP:=1}" "${MICRO_BATCH:=2}" ;;
+    6.8b) : "${TP:=2}" "${MICRO_BATCH:=2}" ;;
+    13.1b) : "${TP:=4}" "${MICRO_BATCH:=2}" ;;
+    *) _dm_die "usage: diff_scaling.sh SIZE with SIZE one of 830m 1.4b 2.8b 6.8b 13.1b (optionally" \
+        "transformer-SIZE), got '${1:-}'" ;;
+esac
+: "${PP:=1}" "${CP:=1}"
+RECIPE_NAME=$arch-$size
+RECIPE_FILE=${RECIPE_FILE:-${BASH_SOURCE[0]}}
+diffmeg_launch --model "$arch-$size"

@@ -1,0 +1,230 @@
+"""`DRY_RUN=1 bash slurm/<recipe>.sh` at the recipes' defaults resolves to exactly the paper's numbers
+(DESIGN.md "Paper recipes") on the recipe's default cluster. No Slurm needed: these always run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.slurm.conftest import REPO_ROOT, clean_env
+
+DATA = "0.7 /data/web_text_document 0.3 /data/code_text_document"
+RUNS = "/nonexistent/runs"  # dry runs create nothing
+
+
+def _ffn(hidden: int) -> int:
+    return int(8 * hidden / 3 / 64) * 64  # "8/3 h", rounded down to a multiple of 64 as Megatron-LM
+
+
+# (label, script, args, extra env)
+CASES = [
+    ("diff_3b_1T", "diff_3b_1T.sh", [], {}),
+    ("transformer_3b_1T", "transformer_3b_1T.sh", [], {}),
+    ("diff_3b_1T_1024gpus", "diff_3b_1T.sh", [], {"NODES": "128"}),
+    ("diff_13b", "diff_13b.sh", [], {}),
+    ("transformer_13b", "diff_13b.sh", [], {"ARCH": "transformer"}),
+    ("diff_3b_64k", "diff_3b_64k.sh", [], {}),
+    ("transformer_3b_64k", "diff_3b_64k.sh", [], {"ARCH": "transformer"}),
+] + [
+    (f"{arch}-{size}", "diff_scaling.sh", [f"{arch}-{size}" if arch == "transformer" else size], {})
+    for size in ("830m", "1.4b", "2.8b", "6.8b", "13.1b")
+    for arch in ("diff", "transformer")
+]
+
+
+def dry_run(script: str, args: list[str], **env: str) -> subprocess.CompletedProcess:
+    env = clean_env(DRY_RUN="1", DATA_PATH=DATA, RUNS_ROOT=RUNS, PYTHON=sys.executable, **env)
+    return subprocess.run(
+        ["bash", str(REPO_ROOT / "slurm" / script), *args],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def split_output(stdout: str) -> tuple[list[str], dict]:
+    """(the lines before the JSON: comments and the srun command, the resolved configuration)."""
+    lines = stdout.splitlines()
+    start = lines.index("{")
+    return lines[:start], json.loads("\n".join(lines[start:]))
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, tuple[list[str], dict]]:
+    """All dry runs at once (each one imports megatron-core: seconds), two at a time."""
+    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
+        futures = {label: pool.submit(dry_run, script, args, **env) for label, script, args, env in CASES}
+    results = {}
+    for label, future in futures.items():
+        proc = future.result()
+        assert proc.returncode == 0, f"{label}: {proc.stderr[-3000:]}"
+        results[label] = split_output(proc.stdout)
+    return results
+
+
+def _srun_line(head: list[str]) -> str:
+    (line,) = [x for x in head if x.startswith("srun ")]
+    return line
+
+
+def check_common(
+    config: dict, head: list[str], world: int, run_name: str, decay: str | None = "linear"
+) -> None:
+    assert config["model"]["vocab_size"] == 100288
+    assert config["parallel"]["world_size"] == world
+    assert config["parallel"]["use_distributed_optimizer"] is True
+    assert config["schedule"]["optimizer"] == "adamw"
+    assert config["schedule"]["precision"] == "bf16"
+    if decay is not None:
+        assert config["schedule"]["lr_decay_style"] == decay
+    assert config["schedule"]["lr_decay_iters"] == config["schedule"]["train_iters"]
+    assert config["data"]["data_path"] == DATA.split()
+    assert config["data"]["mock_data"] is False
+    ckpt = f"{RUNS}/{run_name}/checkpoints"
+    assert config["checkpointing"]["save"] == ckpt
+    srun = _srun_line(head)
+    nodes, gpus = world // 8, 8
+    assert f"srun --kill-on-bad-exit=1 --nodes={nodes} --ntasks={world} --ntasks-per-node={gpus} " in srun
+    assert f" {sys.executable} pretrain_diff.py " in srun
+    assert f" --save {ckpt} " in srun
+    assert f"--tensorboard-dir {RUNS}/{run_name}/tensorboard" in srun
+    # The default layout fits an 80 GB H100 by the dry run's memory plan, with room to spare.
+    assert config["memory_per_gpu_gib"]["total"] < 64, config["memory_per_gpu_gib"]
+
+
+@pytest.mark.parametrize("arch", ["diff", "transformer"])
+def test_3b_1T(resolved, arch):
+    head, c = resolved[f"{arch}_3b_1T"]
+    check_common(c, head, world=128, run_name=f"{arch}-3b-1T")
+    m, s, b = c["model"], c["schedule"], c["batch"]
+    assert m["architecture"] == arch and m["preset"] == f"{arch}-3b"
+    assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"]) == (28, 3072, 8192)
+    heads = 12 if arch == "diff" else 24
+    assert (m["num_attention_heads"], m["num_query_groups"], m["head_dim"]) == (heads, heads, 128)
+    assert m["value_head_dim"] == (256 if arch == "diff" else 128)
+    assert m["seq_length"] == 4096 and m["rotary_base"] == 10000.0
+    assert b["global_batch_size"] == 1024 and b["tokens_per_batch"] == 4 * 1024 * 1024
+    assert s["train_iters"] == math.ceil(1e12 / (1024 * 4096)) == 238419
+    assert 1e12 <= s["total_tokens"] < 1e12 + b["tokens_per_batch"]
+    assert (s["lr"], s["min_lr"], s["lr_warmup_iters"]) == (3.2e-4, 1.28e-5, 1000)
+    assert (s["adam_beta1"], s["adam_beta2"], s["weight_decay"]) == (0.9, 0.95, 0.1)
+    p = c["parallel"]
+    assert (p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"], p["data_parallel_size"]) == (
+        1,
+        1,
+        128,
+    )
+    # Both models have the same parameters outside DIFF's lambdas and head norms.
+    other_head, other = resolved["transformer_3b_1T" if arch == "diff" else "diff_3b_1T"]
+    extra = 28 * 6 * 128  # lambda_q1, k1, q2, k2 and the head RMSNorm (2d) per layer
+    diff_params = c["num_parameters"] if arch == "diff" else other["num_parameters"]
+    base_params = other["num_parameters"] if arch == "diff" else c["num_parameters"]
+    assert diff_params - base_params == extra
+
+
+def test_3b_1T_on_1024_gpus(resolved):
+    head, c = resolved["diff_3b_1T_1024gpus"]
+    check_common(c, head, world=1024, run_name="diff-3b-1T")
+    assert c["parallel"]["data_parallel_size"] == 1024
+    assert c["batch"]["micro_batch_size"] == 1 and c["batch"]["num_microbatches"] == 1
+    assert c["batch"]["global_batch_size"] == 1024
+
+
+SCALING = {  # size: (layers, hidden, DIFF heads, lr), the DESIGN table
+    "830m": (24, 1536, 8, 1.5e-4),
+    "1.4b": (24, 2048, 8, 1.5e-4),
+    "2.8b": (32, 2560, 10, 1.5e-4),
+    "6.8b": (32, 4096, 16, 7.5e-5),
+    "13.1b": (40, 5120, 20, 7.5e-5),
+}
+
+
+def check_scaling(c: dict, size: str, arch: str) -> None:
+    layers, hidden, diff_heads, lr = SCALING[size]
+    m, s, b = c["model"], c["schedule"], c["batch"]
+    assert m["architecture"] == arch and m["preset"] == f"{arch}-{size}"
+    assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"]) == (layers, hidden, _ffn(hidden))
+    heads = diff_heads if arch == "diff" else 2 * diff_heads
+    assert m["num_attention_heads"] == heads
+    # Head dim 128, except 830M: the table's 8 DIFF heads at hidden 1536 give 96 (presets follow the table).
+    assert m["head_dim"] == (96 if size == "830m" else 128)
+    assert m["seq_length"] == 2048
+    assert b["global_batch_size"] == 128 and b["tokens_per_batch"] == 256 * 1024
+    assert (s["train_iters"], s["lr_warmup_iters"], s["lr"], s["min_lr"]) == (40000, 375, lr, 0.0)
+    assert (s["adam_beta1"], s["adam_beta2"], s["weight_decay"]) == (0.9, 0.98, 0.05)
+
+
+@pytest.mark.parametrize("arch", ["diff", "transformer"])
+@pytest.mark.parametrize("size", list(SCALING))
+def test_scaling_sweep(resolved, size, arch):
+    head, c = resolved[f"{arch}-{size}"]
+    check_common(c, head, world=8, run_name=f"{arch}-{size}")
+    check_scaling(c, size, arch)
+    p = c["parallel"]
+    tp = {"830m": 1, "1.4b": 1, "2.8b": 1, "6.8b": 2, "13.1b": 4}[size]
+    assert p["tensor_model_parallel_size"] == tp and p["sequence_parallel"] == (tp > 1)
+
+
+@pytest.mark.parametrize("arch", ["diff", "transformer"])
+def test_13b(resolved, arch):
+    head, c = resolved[f"{arch}_13b"]
+    check_common(c, head, world=64, run_name=f"{arch}-13.1b")
+    check_scaling(c, "13.1b", arch)
+    p = c["parallel"]
+    assert (p["tensor_model_parallel_size"], p["data_parallel_size"], p["sequence_parallel"]) == (4, 16, True)
+
+
+@pytest.mark.parametrize("arch", ["diff", "transformer"])
+def test_3b_64k(resolved, arch):
+    head, c = resolved[f"{arch}_3b_64k"]
+    check_common(c, head, world=64, run_name=f"{arch}-3b-64k", decay=None)
+    m, s, b, p = c["model"], c["schedule"], c["batch"], c["parallel"]
+    assert m["preset"] == f"{arch}-3b-64k" and m["architecture"] == arch
+    assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"]) == (28, 3072, 8192)
+    assert m["num_attention_heads"] == (12 if arch == "diff" else 24)
+    assert m["seq_length"] == 65536 and m["rotary_base"] == 640000.0
+    assert b["global_batch_size"] == 64 and b["tokens_per_batch"] == 4 * 1024 * 1024
+    assert s["train_iters"] == math.ceil(1.5e9 / (64 * 65536)) == 358
+    assert 1.5e9 <= s["total_tokens"] < 1.5e9 + b["tokens_per_batch"]
+    assert s["lr"] == 8e-5
+    assert (s["adam_beta1"], s["adam_beta2"], s["weight_decay"]) == (0.9, 0.95, 0.1)
+    assert (p["tensor_model_parallel_size"], p["context_parallel_size"], p["data_parallel_size"]) == (
+        2,
+        2,
+        16,
+    )
+    # Resume from its own checkpoints; until there are some, start from the 3B run's weights.
+    srun = _srun_line(head)
+    assert f" --load {RUNS}/{arch}-3b-64k/checkpoints " in srun
+    assert f" --pretrained-checkpoint {RUNS}/{arch}-3b-1T/checkpoints " in srun
+    assert "--recompute-granularity full" in srun
+
+
+def test_outside_slurm_without_dry_run_refuses():
+    env = clean_env(DATA_PATH=DATA, RUNS_ROOT=RUNS)
+    proc = subprocess.run(
+        ["bash", str(REPO_ROOT / "slurm" / "diff_3b_1T.sh")], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,env,message",
+    [
+        (["999m"], {}, "usage: diff_scaling.sh SIZE"),
+        (["830m"], {"ARCH": "mamba"}, "ARCH must be diff or transformer"),
+        (["830m"], {"DP": "4"}, "DP=4 but 8 ranks"),
+        (["830m"], {"TP": "3"}, "not divisible by TP 3"),
+    ],
+)
+def test_bad_knobs_fail_fast(args, env, message):
+    proc = dry_run("diff_scaling.sh", args, **env)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
