@@ -26,14 +26,13 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
+from diffmeg.analysis.common import add_checkpoint_arguments, add_output_arguments  # noqa: E402
 from diffmeg.errors import cli_errors  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", action="extend", nargs="+", required=True, help="checkpoint directories")
-    p.add_argument("--label", action="extend", nargs="+", default=None, help="one label per --load")
-    p.add_argument("--iteration", type=int, nargs="+", default=None, help="one for all, or one per --load")
+    add_checkpoint_arguments(p)
     p.add_argument(
         "--lengths", type=int, nargs="+", default=None, help="prompt lengths (default: training length)"
     )
@@ -49,9 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--text-files", nargs="+", default=None, help="filler text (cl100k checkpoints)")
     p.add_argument("--tokenizer-file", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--output-dir", default="needle_eval")
-    p.add_argument("--no-plot", action="store_true")
+    add_output_arguments(p, "needle_eval")
     return p.parse_args(argv)
 
 

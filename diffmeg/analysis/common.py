@@ -147,3 +147,19 @@ def start_outputs(output_dir: str, plot: bool) -> None:
         from diffmeg.evaluation.plotting import require_matplotlib
 
         require_matplotlib()
+
+
+def add_checkpoint_arguments(parser) -> None:
+    """--load/--label/--iteration, the same for every analysis tool (several checkpoints side by side)."""
+    parser.add_argument("--load", action="extend", nargs="+", required=True, help="checkpoint directories")
+    parser.add_argument("--label", action="extend", nargs="+", default=None, help="one label per --load")
+    parser.add_argument(
+        "--iteration", type=int, nargs="+", default=None, help="one for all, or one per --load"
+    )
+
+
+def add_output_arguments(parser, output_dir: str) -> None:
+    """--dtype/--output-dir/--no-plot, the same for every analysis tool."""
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--output-dir", default=output_dir)
+    parser.add_argument("--no-plot", action="store_true")
