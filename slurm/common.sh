@@ -245,11 +245,9 @@ diffmeg_launch() {
     echo >>"$job_dir/command.sh"
     local knobs='NODES|GPUS_PER_NODE|TP|PP|CP|DP|MICRO_BATCH|SEQUENCE_PARALLEL|DIST_OPTIMIZER|PRECISION'
     knobs+='|RECOMPUTE|DATA_PATH|RUNS_ROOT|RUN_NAME|RUN_DIR|CKPT_DIR|TB_DIR|INIT_CKPT|CONTAINER_[A-Z_]*|PYTHON'
-    knobs+='|SRUN_ARGS'
-    knobs+='|EXTRA_ARGS|AUTO_REQUEUE|MAX_RESTARTS|[A-Z]*_INTERVAL|EVAL_ITERS|DIFFMEG_[A-Z_]*|SLURM_[A-Z_]*'
-    knobs+='|ARCH|TRAIN_TOKENS|LR_WARMUP_ITERS|MIN_LR'
-    env | grep -E "^($knobs)=" \
-        | sort >"$job_dir/env.txt" || true
+    knobs+='|SRUN_ARGS|EXTRA_ARGS|AUTO_REQUEUE|MAX_RESTARTS|[A-Z]*_INTERVAL|EVAL_ITERS|ARCH|DIFFMEG_[A-Z_]*'
+    knobs+='|SLURM_[A-Z_]*'
+    env | grep -E "^($knobs)=" | sort >"$job_dir/env.txt" || true
 
     local resolve=(env WORLD_SIZE="$world" "$python" "${args[@]}" --dry-run)
     if [ -n "${CONTAINER_IMAGE:-}" ]; then  # the batch host may lack the Python environment

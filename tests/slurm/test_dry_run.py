@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.slurm.conftest import REPO_ROOT, clean_env
+from tests.slurm.helpers import REPO_ROOT, clean_env
 
 DATA = "0.7 /data/web_text_document 0.3 /data/code_text_document"
 RUNS = "/nonexistent/runs"  # dry runs create nothing
