@@ -47,18 +47,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from diffmeg.analysis.activation_stats import RANKS, ActivationStatsConfig, run_activation_stats
-    from diffmeg.analysis.common import CheckpointSet
+    from diffmeg.analysis.common import common_config_fields
 
     summary = run_activation_stats(
         ActivationStatsConfig(
-            checkpoints=CheckpointSet(args.load, args.label, args.iteration),
+            **common_config_fields(args),
             tokens=args.tokens,
             seq_length=args.seq_length,
             data_prefix=args.data_prefix,
-            seed=args.seed,
-            output_dir=args.output_dir,
-            dtype=args.dtype,
-            plot=not args.no_plot,
         )
     )
     cols = [f"top{r}" for r in RANKS] + ["median"]

@@ -50,22 +50,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from diffmeg.analysis.attention_scores import AttentionScoresConfig, run_attention_scores
-    from diffmeg.analysis.common import CheckpointSet
+    from diffmeg.analysis.common import common_config_fields
 
     summary = run_attention_scores(
         AttentionScoresConfig(
-            checkpoints=CheckpointSet(args.load, args.label, args.iteration),
+            **common_config_fields(args),
             length=args.length,
             depths=args.depths,
             num_needles=args.num_needles,
             num_queries=args.num_queries,
             samples=args.samples,
-            seed=args.seed,
             text_files=args.text_files,
             tokenizer_file=args.tokenizer_file,
-            output_dir=args.output_dir,
-            dtype=args.dtype,
-            plot=not args.no_plot,
         )
     )
     print(f"{'checkpoint':40s} {'answer':>10s} {'noise':>10s}")

@@ -55,24 +55,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @cli_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from diffmeg.analysis.common import CheckpointSet
+    from diffmeg.analysis.common import common_config_fields
     from diffmeg.analysis.needle_eval import NeedleEvalConfig, run_needle_eval
 
     summary = run_needle_eval(
         NeedleEvalConfig(
-            checkpoints=CheckpointSet(args.load, args.label, args.iteration),
+            **common_config_fields(args),
             lengths=args.lengths,
             depths=args.depths,
             needles=args.needles,
             queries=args.queries,
             heatmap_needles=args.heatmap_needles,
             samples=args.samples,
-            seed=args.seed,
             text_files=args.text_files,
             tokenizer_file=args.tokenizer_file,
-            output_dir=args.output_dir,
-            dtype=args.dtype,
-            plot=not args.no_plot,
         )
     )
     keys = list(summary["checkpoints"][0]["table"])

@@ -48,22 +48,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @cli_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from diffmeg.analysis.common import CheckpointSet
+    from diffmeg.analysis.common import common_config_fields
     from diffmeg.analysis.quantize import QuantizeEvalConfig, run_quantize_eval
 
     summary = run_quantize_eval(
         QuantizeEvalConfig(
-            checkpoints=CheckpointSet(args.load, args.label, args.iteration),
+            **common_config_fields(args),
             bits=args.bits,
             choices=args.choices,
             data_prefix=args.data_prefix,
             tokens=args.tokens,
             seq_length=args.seq_length,
             tokenizer_file=args.tokenizer_file,
-            seed=args.seed,
-            output_dir=args.output_dir,
-            dtype=args.dtype,
-            plot=not args.no_plot,
         )
     )
     print(f"{'checkpoint':32s} {'bits':>4s} {'val_loss':>9s} {'acc':>7s} {'acc_norm':>8s}")

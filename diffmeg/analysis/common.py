@@ -163,3 +163,14 @@ def add_output_arguments(parser, output_dir: str) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--output-dir", default=output_dir)
     parser.add_argument("--no-plot", action="store_true")
+
+
+def common_config_fields(args) -> dict:
+    """The config fields every analysis tool takes from the flags above (plus --seed)."""
+    return {
+        "checkpoints": CheckpointSet(args.load, args.label, args.iteration),
+        "seed": args.seed,
+        "output_dir": args.output_dir,
+        "dtype": args.dtype,
+        "plot": not args.no_plot,
+    }
