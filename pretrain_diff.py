@@ -46,6 +46,7 @@ def dry_run_summary(args) -> dict:
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
             "context_parallel_size": args.context_parallel_size,
+            "cp_comm_type": args.cp_comm_type if args.context_parallel_size > 1 else None,
             "data_parallel_size": args.data_parallel_size,
             "sequence_parallel": args.sequence_parallel,
             "use_distributed_optimizer": args.use_distributed_optimizer,

@@ -10,6 +10,10 @@ The lambda vectors and the head-norm weight are replicated on every tensor-paral
 rank only sees its own heads, so their gradients are partial sums: they carry
 `SUM_GRAD_OVER_TP_ATTR` and `diffmeg.training.grads.finalize_diff_model_grads` sums them over TP once
 per step.
+
+Context parallelism (`cp_comm_type`): `ulysses` trades this rank's sequence shard for whole heads with an
+all-to-all around the backend; `p2p` / `all_gather` / `a2a` hand the two maps to megatron-core's
+TEDotProductAttention, which does its own CP (`diffmeg.te_context_parallel.DiffMapsWithCP`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from diffmeg.errors import DiffmegError
 from diffmeg.kernels import resolve_backend
 from diffmeg.kernels.reference import diff_attention_reference
 from diffmeg.norm import rms_norm
+from diffmeg.te_context_parallel import DiffMapsWithCP
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,8 @@ class DiffCoreAttention(MegatronModule):
         if cp_group is None and config.context_parallel_size > 1:
             cp_group = parallel_state.get_context_parallel_group()
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        # Ulysses all-to-all here, or megatron-core's TE attention doing its own CP (p2p, all_gather, a2a).
+        self.cp_comm_type = cp_comm_type or config.cp_comm_type or "ulysses"
         tp = self.tp_group.size()
         self.layer_number = layer_number
         self.head_dim = config.kv_channels
@@ -99,6 +106,18 @@ class DiffCoreAttention(MegatronModule):
             self.register_parameter(name, p)
         self.head_norm = HeadRMSNorm(2 * self.head_dim, config.head_norm_eps)
         self.head_norm.to(device)
+        self.cp_maps = None
+        if self.cp_group is not None and self.cp_comm_type != "ulysses":
+            pgs = pg_collection if getattr(pg_collection, "cp", None) is not None else None
+            self.cp_maps = DiffMapsWithCP(
+                config,
+                layer_number,
+                attn_mask_type,
+                attention_type,
+                self.softmax_scale,
+                self.cp_comm_type,
+                pgs,
+            )
 
     def lambda_full(self) -> torch.Tensor:
         """The scalar lambda of this layer (fp32 or wider, differentiable in the four vectors)."""
@@ -119,6 +138,15 @@ class DiffCoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise DiffmegError("differential attention does not support packed sequences or attention bias")
+        if self.cp_maps is not None:
+            # megatron-core's CP inside TE attention: this rank's load-balanced tokens in and out.
+            if attention_mask is not None or (self.training and self.dropout_p > 0.0):
+                raise DiffmegError(
+                    f"cp_comm_type {self.cp_comm_type} supports causal attention without dropout only"
+                )
+            out = self.cp_maps(query, key, value, self.lambda_full())  # [s/cp, b, h, 2d]
+            out = self.head_norm(out) * (1.0 - self.lambda_init)
+            return out.reshape(out.shape[0], out.shape[1], -1)
         cp_group = self.cp_group
         if cp_group is not None:
             # Ulysses: trade sequence shards for head shards (whole heads and K1/K2 pairs per rank).

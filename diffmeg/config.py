@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diffmeg.errors import DiffmegError
+from diffmeg.te_context_parallel import CP_COMM_TYPES
 
 ATTENTION_BACKENDS = ("auto", "reference", "sdpa", "flash", "te", "triton")
 
@@ -45,9 +46,20 @@ class DiffTransformerConfig(TransformerConfig):
     """Differential attention core: reference (plain math), sdpa (torch), flash / te / triton on GPU,
     or auto (the fastest available)."""
 
+    cp_comm_type: str | list[str] | None = None
+    """megatron-core's field, with one more value for DIFF: `ulysses` (None means it) shards heads with
+    diffmeg's all-to-all around any backend; `p2p`, `all_gather`, `a2a` run both maps through
+    megatron-core's TEDotProductAttention with its own CP (`diffmeg.te_context_parallel`; needs TE). The
+    baseline passes the value to megatron-core as is (None = p2p)."""
+
     def __post_init__(self) -> None:
         if self.diff_attention:
             self._validate_diff()
+        elif self.cp_comm_type == "ulysses":
+            raise DiffmegError(
+                "cp_comm_type 'ulysses' is the differential core's all-to-all; the Transformer baseline "
+                "uses megatron-core's TE attention: choose p2p, all_gather or a2a"
+            )
         super().__post_init__()
 
     def _validate_diff(self) -> None:
@@ -93,12 +105,27 @@ class DiffTransformerConfig(TransformerConfig):
                 f"unknown differential attention backend {self.attention_backend_diff!r}; "
                 f"choose one of {', '.join(ATTENTION_BACKENDS)}"
             )
-        cp = self.context_parallel_size
-        if cp > 1 and ((heads // tp) % cp or (groups // 2 // tp) % cp):
+        cp, comm = self.context_parallel_size, self.cp_comm_type or "ulysses"
+        if comm not in CP_COMM_TYPES:  # also rejects megatron-core's per-layer lists
             raise DiffmegError(
-                f"context parallelism {cp} shards whole differential heads inside attention: the "
-                f"{heads // tp} heads and {groups // 2 // tp} KV heads per TP rank must be divisible by it; "
-                f"choose TP x CP dividing both"
+                f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)} for differential attention, "
+                f"got {comm!r}"
+            )
+        if cp > 1 and comm == "a2a+p2p":
+            raise DiffmegError(
+                "cp_comm_type a2a+p2p needs megatron-core's hierarchical CP groups, which diffmeg does not "
+                "create; use p2p, all_gather, a2a or ulysses"
+            )
+        if cp > 1 and comm != "ulysses" and self.attention_dropout > 0:
+            raise DiffmegError(
+                f"cp_comm_type {comm} runs the two maps as separate TE attention calls, which would drop "
+                f"them out separately; use attention_dropout 0 or cp_comm_type ulysses"
+            )
+        if cp > 1 and comm in ("ulysses", "a2a") and ((heads // tp) % cp or (groups // 2 // tp) % cp):
+            raise DiffmegError(
+                f"context parallelism {cp} shards whole differential heads inside attention "
+                f"(cp_comm_type {comm}): the {heads // tp} heads and {groups // 2 // tp} KV heads per TP "
+                f"rank must be divisible by it; choose TP x CP dividing both, or cp_comm_type p2p/all_gather"
             )
 
     @property

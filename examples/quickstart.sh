@@ -28,26 +28,18 @@ prompt=${QUICKSTART_PROMPT:-The list type}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, installed or not
 export PYTHONUNBUFFERED=1  # progress lines as they come, through the filter below
 
-started=$SECONDS
-step() { printf '\n== [%s] %s (%ds elapsed)\n' "$1" "$2" $((SECONDS - started)); }
-die() {
-    echo "quickstart: error: $*" >&2
-    exit 1
-}
+example=quickstart
+# shellcheck source=examples/common.sh
+source "$root/examples/common.sh"
 
 step 0/5 "checking the environment"
-if [ -e "$out" ] && [ ! -e "$out/.quickstart" ] && [ -n "$(ls -A "$out")" ]; then
-    die "$out exists and was not made by this script; set QUICKSTART_OUT to a new directory"
-fi
 if ! "$py" -c "import diffmeg, tiktoken, torch, importlib.util as u; assert u.find_spec('megatron.core')" \
     2>/dev/null; then
     echo "diffmeg's dependencies are missing: running scripts/setup.sh"
     bash scripts/setup.sh
 fi
-rm -rf "$out"
+fresh_output_dir QUICKSTART_OUT
 mkdir -p "$out/text" "$out/data"
-touch "$out/.quickstart"
-echo "output directory: $out"
 
 step 1/5 "writing the embedded corpus as JSONL text files"
 "$py" - "$out/text" "$docs" <<'EOF' || die "could not write the corpus (above)"

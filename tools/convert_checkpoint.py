@@ -1,12 +1,13 @@
-"""Convert between pretrain_diff.py checkpoints and Hugging Face DiffLlama folders.
+"""Convert between pretrain_diff.py checkpoints and Hugging Face DiffLlama / Llama folders.
 
     python tools/convert_checkpoint.py mcore-to-hf --load ckpt/ --save hf/ [--iteration N]
         [--dtype bf16|fp16|fp32] [--tokenizer-file cl100k_base.tiktoken] [--overwrite]
     python tools/convert_checkpoint.py hf-to-mcore --load hf/ --save ckpt/ [--tensor-model-parallel-size N]
         [--pipeline-model-parallel-size N] [--overwrite] [-- PRETRAIN_DIFF_FLAGS ...]
 
-mcore-to-hf reads any TP/PP layout (checkpoints are layout-free) one layer at a time and writes
-config.json (DiffLlamaForCausalLM), model-*.safetensors shards with their index, generation_config.json
+DIFF checkpoints become transformers' DiffLlamaForCausalLM, Transformer baselines (--no-diff-attention)
+LlamaForCausalLM, and back. mcore-to-hf reads any TP/PP layout (checkpoints are layout-free) one layer
+at a time and writes config.json, model-*.safetensors shards with their index, generation_config.json
 and the cl100k_base tokenizer with tiktoken's ids. hf-to-mcore writes a weights-only checkpoint
 (iteration 0) that `pretrain_diff.py --load ckpt/ --finetune` continues from; flags after `--` are
 recorded in its args.json as a pretrain_diff.py run would resolve them. See docs/conversion.md.
@@ -48,7 +49,9 @@ def _size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("mcore-to-hf", help="pretrain_diff.py checkpoint -> Hugging Face DiffLlama folder")
+    e = sub.add_parser(
+        "mcore-to-hf", help="pretrain_diff.py checkpoint -> Hugging Face DiffLlama / Llama folder"
+    )
     e.add_argument(
         "--load", required=True, help="checkpoint directory (holds latest_checkpointed_iteration.txt)"
     )
@@ -61,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     e.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="per safetensors file (5GB)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing --save folder")
-    i = sub.add_parser("hf-to-mcore", help="Hugging Face DiffLlama folder -> pretrain_diff.py checkpoint")
+    i = sub.add_parser(
+        "hf-to-mcore", help="Hugging Face DiffLlama / Llama folder -> pretrain_diff.py checkpoint"
+    )
     i.add_argument("--load", required=True, help="folder with config.json and safetensors weights")
     i.add_argument("--save", required=True, help="output checkpoint directory")
     i.add_argument("--tensor-model-parallel-size", type=int, default=1, help="recorded in args.json")
@@ -111,8 +116,8 @@ def _export_tokenizer(args: argparse.Namespace, ckpt_args: argparse.Namespace, l
 
 
 def mcore_to_hf(args: argparse.Namespace) -> None:
-    """Stream a megatron-core checkpoint into a DiffLlama folder, one layer at a time."""
-    from transformers import DiffLlamaConfig, GenerationConfig
+    """Stream a megatron-core checkpoint into a DiffLlama / Llama folder, one layer at a time."""
+    import transformers
 
     from diffmeg.conversion.checkpoint_io import (
         McoreCheckpointReader,
@@ -121,7 +126,12 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
         check_output_path,
         save_hf_tokenizer,
     )
-    from diffmeg.conversion.hf_config import generation_config_dict, hf_config_dict, layout_from_args
+    from diffmeg.conversion.hf_config import (
+        generation_config_dict,
+        hf_config_dict,
+        layout_from_args,
+        transformers_config_class,
+    )
     from diffmeg.conversion.mapping import HF_LAYER_PREFIX, mcore_globals_to_hf, mcore_layer_to_hf
     from diffmeg.data.tokenizer import CL100K_N_VOCAB, EOD_ID
 
@@ -131,7 +141,7 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
     reader.check(layout)
     dtype = _torch_dtype(args.dtype) if args.dtype else reader.dtype
     eod = EOD_ID if layout.vocab_size >= CL100K_N_VOCAB else None
-    config = DiffLlamaConfig(
+    config = transformers_config_class(layout)(
         **hf_config_dict(
             layout,
             dtype=str(dtype).removeprefix("torch."),
@@ -150,62 +160,20 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
             writer.add({HF_LAYER_PREFIX.format(index) + k: v for k, v in hf_layer.items()})
         shards = writer.close()
         config.save_pretrained(out)
-        GenerationConfig(**generation_config_dict(eod, eod)).save_pretrained(out)
+        transformers.GenerationConfig(**generation_config_dict(eod, eod)).save_pretrained(out)
         if tokenizer is not None:
             save_hf_tokenizer(tokenizer, out)
     print(
-        f"wrote {args.save}: DiffLlamaForCausalLM, {layout.num_layers} layers, "
+        f"wrote {args.save}: {layout.architecture}, {layout.num_layers} layers, "
         f"{str(dtype).removeprefix('torch.')}, "
         f"{len(shards)} shard(s), {writer.total_bytes / 1e9:.3f} GB"
         f"{', tokenizer' if tokenizer is not None else ''} (from {reader.path})"
     )
 
 
-def resolved_pretrain_args(args: argparse.Namespace, layout, hf_config: dict, extra: list[str]):
-    """The arguments a `pretrain_diff.py` run of this model would resolve (what args.json records).
-
-    Training-only values the user did not pass (`--lr`, `--train-iters`) are recorded as 0: a
-    continuing run gives its own.
-    """
-    from diffmeg.conversion.hf_config import layout_from_args, pretrain_flags
-    from diffmeg.training.arguments import resolve_args
-    from diffmeg.training.builders import config_from_args
-
-    seq = args.seq_length or layout.max_position_embeddings
-    model_flags = pretrain_flags(layout)
-    given = {flag.split("=", 1)[0] for flag in extra if flag.startswith("--")}
-    clash = sorted(given & ({f for f in model_flags if f.startswith("--")} | {"--model"}))
-    if clash:
-        raise DiffmegError(f"{', '.join(clash)} come(s) from config.json; do not pass them after `--`")
-    argv = [
-        *model_flags,
-        "--seq-length", str(seq),
-        "--init-method-std", repr(float(hf_config.get("initializer_range", 0.02))),
-        "--lambda-std", repr(float(hf_config.get("lambda_std_dev") or 0.1)),
-        "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
-        "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
-    ]  # fmt: skip
-    if "--lr" not in given:
-        argv += ["--lr", "0.0"]
-    if "--train-iters" not in given and "--train-tokens" not in given:
-        argv += ["--train-iters", "0"]
-    try:
-        # Validate the layout the checkpoint is recorded for, not the one this process runs in.
-        resolved = resolve_args(
-            [*argv, *extra], world_size=args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-        )
-    except SystemExit as exc:  # argparse already printed what was wrong with the extra flags
-        raise DiffmegError(f"invalid pretrain_diff.py flags after `--`: {shlex.join(extra)}") from exc
-    config_from_args(resolved)  # the TP/PP split of heads, as pretrain_diff.py would check it
-    if layout_from_args(resolved) != layout:
-        raise DiffmegError("the flags after `--` change the model's shape; drop them")
-    return resolved
-
-
 def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
-    """A DiffLlama folder -> weights-only megatron-core checkpoint at iteration 0."""
+    """A DiffLlama / Llama folder -> weights-only megatron-core checkpoint at iteration 0."""
     from diffmeg.conversion.checkpoint_io import (
-        HFCheckpointReader,
         atomic_output_dir,
         build_single_rank_model,
         check_output_path,
@@ -213,45 +181,30 @@ def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
         single_process_group,
         write_mcore_checkpoint,
     )
-    from diffmeg.conversion.hf_config import layout_from_hf_config, pretrain_flags
-    from diffmeg.conversion.mapping import (
-        HF_LAYER_PREFIX,
-        MCORE_LAYER_PREFIX,
-        check_shapes,
-        hf_globals_to_mcore,
-        hf_layer_to_mcore,
-    )
+    from diffmeg.conversion.hf_config import pretrain_flags
+    from diffmeg.conversion.hf_import import open_hf_folder, resolved_pretrain_args
 
     check_output_path(args.save, args.overwrite, args.load)
-    reader = HFCheckpointReader(args.load)
-    hf_config = reader.normalized_config()
-    layout, tied = layout_from_hf_config(hf_config)
-    expected = {}
-    for name, shape in layout.hf_global_shapes().items():
-        if not (tied and name == "lm_head.weight" and name not in reader.weight_map):
-            expected[name] = shape
-    for index in range(layout.num_layers):
-        prefix = HF_LAYER_PREFIX.format(index)
-        expected.update({prefix + k: shape for k, shape in layout.hf_layer_shapes().items()})
-    check_shapes(reader.shapes(), expected, args.load)
-    resolved = resolved_pretrain_args(args, layout, hf_config, extra)
+    folder = open_hf_folder(args.load)
+    resolved = resolved_pretrain_args(
+        folder.layout,
+        folder.config,
+        extra,
+        seq_length=args.seq_length,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
     dtype = _torch_dtype(args.dtype)
-
-    def blocks():
-        yield hf_globals_to_mcore(reader.get(layout.hf_global_shapes()), layout, dtype, tied)
-        for index in range(layout.num_layers):
-            prefix = HF_LAYER_PREFIX.format(index)
-            layer = reader.get(prefix + k for k in layout.hf_layer_shapes())
-            mcore = hf_layer_to_mcore({k[len(prefix) :]: v for k, v in layer.items()}, layout, dtype)
-            yield {MCORE_LAYER_PREFIX.format(index) + k: v for k, v in mcore.items()}
-
     single_process_group()
     model = build_single_rank_model(resolved, dtype)
-    fill_model(model, blocks())
+    fill_model(model, folder.mcore_blocks(dtype))
     with atomic_output_dir(args.save) as out:
         write_mcore_checkpoint(out, model, resolved)
-    flags = pretrain_flags(layout) + ["--seq-length", str(resolved.seq_length)]
-    print(f"wrote {args.save} (iteration 0, weights only, {args.dtype}); continue training with:")
+    flags = pretrain_flags(folder.layout) + ["--seq-length", str(resolved.seq_length)]
+    print(
+        f"wrote {args.save} ({folder.layout.architecture} -> iteration 0, weights only, {args.dtype}); "
+        f"continue training with:"
+    )
     print(f"  python pretrain_diff.py {shlex.join(flags)} --load {shlex.quote(args.save)} --finetune ...")
 
 

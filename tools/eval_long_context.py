@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="extend",
         nargs="+",
         required=True,
-        help="checkpoint directories (pretrain_diff.py --save); several values or repeated",
+        help="checkpoint directories (pretrain_diff.py --save) or Hugging Face DiffLlama / Llama folders; "
+        "several values or repeated",
     )
     p.add_argument(
         "--label",
@@ -50,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         nargs="+",
         default=None,
-        help="checkpoint iteration: one for all, or one per --load (default: each checkpoint's latest)",
+        help="checkpoint iteration (checkpoint directories only): one for all, or one per --load "
+        "(default: each checkpoint's latest)",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data-prefix", help="indexed dataset prefix ({prefix}.bin/.idx, one document each)")

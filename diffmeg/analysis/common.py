@@ -23,6 +23,7 @@ from diffmeg.evaluation.long_context import (
     check_same_vocabulary,
     default_labels,
     init_single_process,
+    load_checkpoint_model,
     prepare_output_dir,
     read_checkpoint_info,
 )
@@ -67,14 +68,13 @@ class CheckpointSet:
 def loaded_models(
     infos: Sequence[CheckpointInfo], dtype: str = "float32", seed: int = 1234
 ) -> Iterator[tuple[CheckpointInfo, torch.nn.Module]]:
-    """Each checkpoint's single-rank model in eval mode, one at a time (freed before the next loads)."""
-    from diffmeg.training.checkpointing import load_model_weights
-
+    """Each checkpoint's (or Hugging Face folder's) single-rank model in eval mode, one at a time (freed
+    before the next loads)."""
     if dtype not in DTYPES:
         raise DiffmegError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype}")
     init_single_process(seed)
     for info in infos:
-        model, _ = load_model_weights(info.root, info.iteration, dtype=DTYPES[dtype])
+        model = load_checkpoint_model(info, DTYPES[dtype])
         try:
             yield info, model
         finally:
@@ -96,7 +96,7 @@ def needle_vocab(
                 f"{info.root} was trained on mock ids (vocab {info.vocab_size}); --text-files need a cl100k "
                 "checkpoint (mock checkpoints get random-id filler)"
             )
-        return IdVocab(info.vocab_size, seed=seed)
+        return IdVocab(info.vocab_size)  # fixed ids per vocabulary: what an id-corpus model was trained on
     if not text_files:
         raise DiffmegError(f"{info.root} reads cl100k text: give --text-files for the filler")
     from diffmeg.data.tokenizer import load_tokenizer
@@ -151,10 +151,20 @@ def start_outputs(output_dir: str, plot: bool) -> None:
 
 def add_checkpoint_arguments(parser) -> None:
     """--load/--label/--iteration, the same for every analysis tool (several checkpoints side by side)."""
-    parser.add_argument("--load", action="extend", nargs="+", required=True, help="checkpoint directories")
+    parser.add_argument(
+        "--load",
+        action="extend",
+        nargs="+",
+        required=True,
+        help="checkpoint directories (pretrain_diff.py --save) or Hugging Face DiffLlama / Llama folders",
+    )
     parser.add_argument("--label", action="extend", nargs="+", default=None, help="one label per --load")
     parser.add_argument(
-        "--iteration", type=int, nargs="+", default=None, help="one for all, or one per --load"
+        "--iteration",
+        type=int,
+        nargs="+",
+        default=None,
+        help="one for all, or one per --load (checkpoint directories only)",
     )
 
 

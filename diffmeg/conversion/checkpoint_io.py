@@ -6,8 +6,8 @@
   layer plus the safetensors shard being filled, never the whole model. Writing builds the TP=1 model
   `pretrain_diff.py` would build, fills it block by block and saves its own sharded state dict: one
   model in memory, keys exactly as a training run writes them.
-- Hugging Face folders: safetensors shards written as they fill (`SafetensorsShardWriter`), read
-  lazily by name (`HFCheckpointReader`).
+- Hugging Face folders (DiffLlama or Llama): safetensors shards written as they fill
+  (`SafetensorsShardWriter`), read lazily by name (`HFCheckpointReader`).
 - Outputs are built in a temporary sibling directory and renamed into place at the end, so a failed
   conversion never leaves a half-written checkpoint behind.
 """
@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from diffmeg.conversion.layout import DiffLayout
+from diffmeg.conversion.layout import DiffLayout, ModelLayout
 from diffmeg.errors import DiffmegError
 
 # megatron-core stores the local spec's layer norms under the names of Transformer Engine's fused
@@ -133,15 +133,22 @@ class McoreCheckpointReader:
         meta = self.metadata.get(key)
         return tuple(meta.size) if meta is not None and hasattr(meta, "size") else None
 
-    def check(self, layout: DiffLayout) -> None:
+    def check(self, layout: ModelLayout) -> None:
         """Every tensor the layout needs is stored with the shape the layout implies."""
+        diff = isinstance(layout, DiffLayout)
+        kind = "DIFF model" if diff else "Transformer baseline"
+        if not diff and self.stored_shape(checkpoint_key("self_attention.core_attention.lambda_q1")):
+            raise DiffmegError(
+                f"args.json describes the Transformer baseline (--no-diff-attention) but {self.path} holds "
+                f"differential-attention tensors (lambda vectors); its args.json does not match its weights"
+            )
         expected = dict(layout.mcore_global_shapes())
         for local, shape in layout.mcore_layer_shapes().items():
             expected[checkpoint_key(local)] = (layout.num_layers, *shape)
         for key, shape in expected.items():
             stored = self.stored_shape(key)
             if stored is None:
-                raise DiffmegError(f"{self.path} has no tensor {key!r}: not a DIFF model checkpoint")
+                raise DiffmegError(f"{self.path} has no tensor {key!r}: not a {kind} checkpoint")
             if stored != shape:
                 raise DiffmegError(
                     f"{self.path}: shape mismatch for {key!r}: stored {list(stored)}, args.json implies "
@@ -173,12 +180,12 @@ class McoreCheckpointReader:
             raise DiffmegError(f"cannot read {self.path}: {_first_line(exc)}") from exc
         return {name: by_key[key] for name, (key, _, _) in requests.items()}
 
-    def read_globals(self, layout: DiffLayout) -> dict[str, torch.Tensor]:
+    def read_globals(self, layout: ModelLayout) -> dict[str, torch.Tensor]:
         """Embedding, final norm and output layer, under their state-dict keys."""
         shapes = layout.mcore_global_shapes()
         return self._load({key: (key, (0,) * len(shape), shape) for key, shape in shapes.items()})
 
-    def read_layer(self, layout: DiffLayout, layer: int) -> dict[str, torch.Tensor]:
+    def read_layer(self, layout: ModelLayout, layer: int) -> dict[str, torch.Tensor]:
         """Layer `layer` (0-based, global) under its keys relative to `decoder.layers.N.`."""
         requests = {}
         for local, shape in layout.mcore_layer_shapes().items():
@@ -347,21 +354,16 @@ class HFCheckpointReader:
         self._handles: dict[str, object] = {}
 
     def normalized_config(self) -> dict:
-        """config.json through transformers' DiffLlamaConfig (fills defaults, maps legacy rope fields)."""
-        from diffmeg.conversion.hf_config import MODEL_TYPE
+        """config.json through transformers' DiffLlamaConfig / LlamaConfig (fills defaults, maps legacy
+        rope fields); any other model_type is refused."""
+        from diffmeg.conversion.hf_config import check_model_type, transformers_config_class
 
-        if self.raw_config.get("model_type") != MODEL_TYPE:
-            raise DiffmegError(
-                f"{self.directory}/config.json has model_type {self.raw_config.get('model_type')!r}; "
-                f"hf-to-mcore converts {MODEL_TYPE!r} (DiffLlamaForCausalLM) only"
-            )
-        from transformers import DiffLlamaConfig
-
+        layout_class = check_model_type(self.raw_config, f"{self.directory}/config.json")
         try:
-            return DiffLlamaConfig.from_dict(dict(self.raw_config)).to_dict()
+            return transformers_config_class(layout_class).from_dict(dict(self.raw_config)).to_dict()
         except Exception as exc:  # transformers validates the fields (strict dataclass)
             raise DiffmegError(
-                f"invalid DiffLlama config.json in {self.directory}: {_first_line(exc)}"
+                f"invalid {layout_class.hf_name} config.json in {self.directory}: {_first_line(exc)}"
             ) from None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:

@@ -1,14 +1,13 @@
-"""config.json for DiffLlama from a checkpoint's arguments, and back (pure functions on plain values).
+"""config.json for DiffLlama / Llama from a checkpoint's arguments, and back (pure functions on plain values).
 
-What DiffLlama can express, checked before anything is written:
-- lambda_init only as the paper's depth schedule `0.8 - 0.6 exp(-0.3 l)` with the 0-based layer index
-  (transformers computes it from `layer_idx`; ours uses megatron-core's 1-based layer number minus one,
-  the same values). A constant `--lambda-init` has no DiffLlama equivalent.
-- one epsilon (`rms_norm_eps`) for every RMSNorm, its weightless head norm included: our head-norm
-  epsilon must equal `--norm-epsilon`.
-- RMSNorm, SwiGLU (silu), no biases, non-interleaved RoPE without scaling, untied output layer (a tied
-  DiffLlama is untied on import by copying the embedding).
-- differential attention: the Transformer baseline (`--no-diff-attention`) is not a DiffLlama.
+A DIFF checkpoint maps to transformers' DiffLlama, the Transformer baseline (`--no-diff-attention`) to
+transformers' Llama. What they can express, checked before anything is written:
+- RMSNorm with one epsilon (`rms_norm_eps`), SwiGLU (silu), no biases, non-interleaved RoPE without
+  scaling, untied output layer (a tied folder is untied on import by copying the embedding).
+- DiffLlama: lambda_init only as the paper's depth schedule `0.8 - 0.6 exp(-0.3 l)` with the 0-based
+  layer index (transformers computes it from `layer_idx`; ours uses megatron-core's 1-based layer
+  number minus one, the same values); a constant `--lambda-init` has no DiffLlama equivalent. Its
+  weightless head norm shares `rms_norm_eps`, so our head-norm epsilon must equal `--norm-epsilon`.
 """
 
 from __future__ import annotations
@@ -19,12 +18,21 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from diffmeg.conversion.layout import DiffLayout
+from diffmeg.conversion.layout import DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.errors import DiffmegError
 
-ARCHITECTURE = "DiffLlamaForCausalLM"
-MODEL_TYPE = "diffllama"
+ARCHITECTURE = DiffLayout.architecture
+MODEL_TYPE = DiffLayout.model_type
+LAYOUTS = {layout.model_type: layout for layout in (DiffLayout, LlamaLayout)}
+"""The Hugging Face model types we convert, by `model_type`."""
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def transformers_config_class(layout: ModelLayout | type[ModelLayout]) -> type:
+    """transformers' config class of this layout (`DiffLlamaConfig` / `LlamaConfig`; imports transformers)."""
+    import transformers
+
+    return getattr(transformers, layout.architecture.replace("ForCausalLM", "Config"))
 
 
 def default_head_norm_eps() -> float:
@@ -38,13 +46,7 @@ def _same_eps(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
 
 
-def layout_from_args(args: argparse.Namespace) -> DiffLayout:
-    """The layout of a `pretrain_diff.py` checkpoint, refusing what DiffLlama cannot express."""
-    if not getattr(args, "diff_attention", True):
-        raise DiffmegError(
-            "this checkpoint is the Transformer baseline (--no-diff-attention); DiffLlama needs a "
-            "differential-attention model"
-        )
+def _check_diff_args(args: argparse.Namespace) -> None:
     lambda_init = getattr(args, "lambda_init", "exp")
     if str(lambda_init) != "exp":
         raise DiffmegError(
@@ -57,9 +59,20 @@ def layout_from_args(args: argparse.Namespace) -> DiffLayout:
             f"DiffLlama uses one epsilon for every RMSNorm, but this model's head norm uses {head_eps} and "
             f"its layer norms {args.norm_epsilon}"
         )
+
+
+def layout_from_args(args: argparse.Namespace) -> ModelLayout:
+    """The layout of a `pretrain_diff.py` checkpoint (DIFF or the Transformer baseline), refusing what
+    DiffLlama / Llama cannot express."""
     if getattr(args, "position_embedding_type", "rope") != "rope":
-        raise DiffmegError(f"DiffLlama needs RoPE, this model uses {args.position_embedding_type}")
-    return DiffLayout(
+        raise DiffmegError(
+            f"Hugging Face Llama models need RoPE, this model uses {args.position_embedding_type}"
+        )
+    diff = bool(getattr(args, "diff_attention", True))
+    if diff:
+        _check_diff_args(args)
+    layout = DiffLayout if diff else LlamaLayout
+    return layout(
         num_layers=int(args.num_layers),
         hidden_size=int(args.hidden_size),
         ffn_hidden_size=int(args.ffn_hidden_size),
@@ -74,7 +87,7 @@ def layout_from_args(args: argparse.Namespace) -> DiffLayout:
 
 
 def hf_config_dict(
-    layout: DiffLayout,
+    layout: ModelLayout,
     *,
     dtype: str,
     bos_token_id: int | None,
@@ -82,15 +95,17 @@ def hf_config_dict(
     initializer_range: float = 0.02,
     lambda_std: float = 0.1,
 ) -> dict[str, Any]:
-    """Keyword arguments of `transformers.DiffLlamaConfig` for this layout (`dtype` like "bfloat16")."""
-    return {
-        "architectures": [ARCHITECTURE],
+    """Keyword arguments of `transformers.DiffLlamaConfig` / `LlamaConfig` for this layout (`dtype` like
+    "bfloat16"; `lambda_std` only for DiffLlama)."""
+    heads, kv_heads = layout.hf_attention_heads()  # DiffLlama counts the 2h sub-heads
+    config = {
+        "architectures": [layout.architecture],
         "vocab_size": layout.vocab_size,
         "hidden_size": layout.hidden_size,
         "intermediate_size": layout.ffn_hidden_size,
         "num_hidden_layers": layout.num_layers,
-        "num_attention_heads": 2 * layout.num_heads,  # DiffLlama counts the 2h sub-heads
-        "num_key_value_heads": 2 * layout.num_kv_heads,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
         "head_dim": layout.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": layout.max_position_embeddings,
@@ -104,9 +119,13 @@ def hf_config_dict(
         "rope_parameters": {"rope_type": "default", "rope_theta": layout.rotary_base},
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "lambda_std_dev": lambda_std,
         "dtype": dtype,
     }
+    if isinstance(layout, DiffLayout):
+        config["lambda_std_dev"] = lambda_std
+    else:
+        config["mlp_bias"] = False
+    return config
 
 
 def generation_config_dict(eos_token_id: int | None, bos_token_id: int | None) -> dict[str, Any]:
@@ -127,39 +146,47 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
     return float(theta)
 
 
-def layout_from_hf_config(config: Mapping[str, Any]) -> tuple[DiffLayout, bool]:
-    """(layout, tie_word_embeddings) of a DiffLlama config.json, refusing what our model cannot express."""
+def check_model_type(config: Mapping[str, Any], where: str = "config.json") -> type[ModelLayout]:
+    """The layout class of a config.json's `model_type`, or a one-line refusal."""
     model_type = config.get("model_type")
-    if model_type != MODEL_TYPE:
-        raise DiffmegError(
-            f"config.json has model_type {model_type!r}; hf-to-mcore converts {MODEL_TYPE!r} only"
-        )
+    if model_type not in LAYOUTS:
+        known = " or ".join(f"{t!r} ({c.architecture})" for t, c in LAYOUTS.items())
+        raise DiffmegError(f"{where} has model_type {model_type!r}; only {known} models are supported")
+    return LAYOUTS[model_type]
+
+
+def layout_from_hf_config(config: Mapping[str, Any]) -> tuple[ModelLayout, bool]:
+    """(layout, tie_word_embeddings) of a DiffLlama or Llama config.json, refusing what our model cannot
+    express."""
+    layout_class = check_model_type(config)
     if config.get("hidden_act", "silu") != "silu":
         raise DiffmegError(f"hidden_act {config['hidden_act']!r} is not supported; our MLP is SwiGLU (silu)")
     if config.get("attention_bias", False) or config.get("mlp_bias", False):
         raise DiffmegError("attention or MLP biases are not supported; our linear layers have no bias")
     heads, kv_heads = int(config["num_attention_heads"]), config.get("num_key_value_heads")
     kv_heads = heads if kv_heads is None else int(kv_heads)
-    if heads % 2 or kv_heads % 2:
-        raise DiffmegError(
-            f"DiffLlama pairs heads: num_attention_heads ({heads}) and num_key_value_heads ({kv_heads}) "
-            f"must be even"
-        )
     eps = float(config.get("rms_norm_eps", 1e-5))  # DiffLlamaConfig's default
-    head_eps = default_head_norm_eps()
-    if not _same_eps(eps, head_eps):
-        raise DiffmegError(
-            f"rms_norm_eps {eps} differs from our head-norm epsilon {head_eps} (fixed in "
-            f"DiffTransformerConfig): the head norm of this model cannot be reproduced"
-        )
     hidden = int(config["hidden_size"])
     head_dim = config.get("head_dim") or hidden // heads
-    layout = DiffLayout(
+    if layout_class is DiffLayout:
+        if heads % 2 or kv_heads % 2:
+            raise DiffmegError(
+                f"DiffLlama pairs heads: num_attention_heads ({heads}) and num_key_value_heads ({kv_heads}) "
+                f"must be even"
+            )
+        head_eps = default_head_norm_eps()
+        if not _same_eps(eps, head_eps):
+            raise DiffmegError(
+                f"rms_norm_eps {eps} differs from our head-norm epsilon {head_eps} (fixed in "
+                f"DiffTransformerConfig): the head norm of this model cannot be reproduced"
+            )
+        heads, kv_heads = heads // 2, kv_heads // 2
+    layout = layout_class(
         num_layers=int(config["num_hidden_layers"]),
         hidden_size=hidden,
         ffn_hidden_size=int(config["intermediate_size"]),
-        num_heads=heads // 2,
-        num_kv_heads=kv_heads // 2,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
         head_dim=int(head_dim),
         vocab_size=int(config["vocab_size"]),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
@@ -169,8 +196,8 @@ def layout_from_hf_config(config: Mapping[str, Any]) -> tuple[DiffLayout, bool]:
     return layout, bool(config.get("tie_word_embeddings", False))
 
 
-def pretrain_flags(layout: DiffLayout) -> list[str]:
-    """The `pretrain_diff.py` model flags that build this layout (DIFF heads, as the CLI counts them)."""
+def pretrain_flags(layout: ModelLayout) -> list[str]:
+    """The `pretrain_diff.py` model flags that build this layout (heads as the CLI counts them)."""
     flags = [
         "--num-layers", str(layout.num_layers),
         "--hidden-size", str(layout.hidden_size),
@@ -182,8 +209,8 @@ def pretrain_flags(layout: DiffLayout) -> list[str]:
         "--vocab-size", str(layout.vocab_size),
         "--rotary-base", repr(layout.rotary_base),
         "--norm-epsilon", repr(layout.norm_eps),
-        "--lambda-init", "exp",
     ]  # fmt: skip
+    flags += ["--lambda-init", "exp"] if isinstance(layout, DiffLayout) else ["--no-diff-attention"]
     if layout.num_kv_heads != layout.num_heads:
         flags.append("--group-query-attention")
     return flags

@@ -1,9 +1,15 @@
-"""The sizes a megatron-core DIFF model and a DiffLlama model must share, in DIFF terms.
+"""The sizes a megatron-core model and its Hugging Face counterpart must share.
 
-Both formats are described by one `DiffLayout`: h differential heads, g differential KV heads, head
-dim d. megatron-core sees 2h sub-heads and 2g query sub-groups of width d; DiffLlama sees
-`num_attention_heads = 2h` and `num_key_value_heads = 2g` heads of width d. Expected tensor shapes
-are derived here once, so both directions refuse a mismatching input before converting anything.
+Two architectures, one base (`ModelLayout`: layers, widths, vocabulary, RoPE, epsilon, head counts):
+
+- `DiffLayout`: a DIFF model <-> transformers' DiffLlama. h differential heads, g differential KV heads,
+  head dim d. megatron-core sees 2h sub-heads and 2g query sub-groups of width d; DiffLlama sees
+  `num_attention_heads = 2h` and `num_key_value_heads = 2g` heads of width d.
+- `LlamaLayout`: the Transformer baseline (`--no-diff-attention`) <-> transformers' Llama. n heads, g KV
+  heads (query groups), head dim d, the same counts in both formats.
+
+Expected tensor shapes are derived here once, so both directions refuse a mismatching input before
+converting anything.
 """
 
 from __future__ import annotations
@@ -14,23 +20,30 @@ from diffmeg.errors import DiffmegError
 
 
 @dataclass(frozen=True)
-class DiffLayout:
-    """Sizes of one DIFF model (counts in differential heads, as `pretrain_diff.py` takes them)."""
+class ModelLayout:
+    """What both architectures share (counts as `pretrain_diff.py` takes them for the architecture)."""
 
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
     num_heads: int
-    """h: differential heads (each a Q1/Q2 pair of width d and a V of width 2d)."""
+    """Attention heads as `--num-attention-heads` counts them (DIFF: differential heads)."""
     num_kv_heads: int
-    """g: differential KV heads (each a K1/K2 pair and a V of width 2d); g divides h."""
+    """KV heads as `--num-query-groups` counts them; divides num_heads."""
     head_dim: int
-    """d: width of one sub-head (Q1, Q2, K1, K2); V and the head output are 2d wide."""
+    """d: `--kv-channels`, the width of one (sub-)head's query and key."""
     vocab_size: int
     max_position_embeddings: int
     rotary_base: float
     norm_eps: float
-    """Epsilon of every RMSNorm, the per-head norm included (DiffLlama has one epsilon)."""
+    """Epsilon of every RMSNorm (Hugging Face models have one epsilon)."""
+
+    architecture = ""
+    """transformers' class name (`config.json` "architectures")."""
+    model_type = ""
+    """transformers' `model_type`."""
+    hf_name = ""
+    """How messages name the Hugging Face model ("DiffLlama", "Llama")."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads", "head_dim"):
@@ -38,35 +51,41 @@ class DiffLayout:
                 raise DiffmegError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise DiffmegError(
-                f"{self.num_kv_heads} differential KV heads do not divide the {self.num_heads} heads"
+                f"{self.num_kv_heads} {self._kv_name} do not divide the {self.num_heads} {self._head_name}"
             )
+
+    _head_name = "heads"
+    _kv_name = "KV heads"
 
     @property
     def queries_per_group(self) -> int:
-        """r = 2h / 2g: query sub-heads in each megatron-core query sub-group."""
+        """r: query heads (DIFF: query sub-heads) in each megatron-core query group (sub-group)."""
         return self.num_heads // self.num_kv_heads
 
     @property
-    def qkv_rows(self) -> int:
-        """Rows of the fused QKV weight: 2g sub-groups of (r query + 1 key + 1 value) rows of d."""
-        return 2 * self.num_kv_heads * (self.queries_per_group + 2) * self.head_dim
+    def attention_width(self) -> int:
+        """Columns of `linear_proj` / `o_proj`: the concatenated head outputs."""
+        raise NotImplementedError
 
-    def mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shapes of one layer's tensors in the TP=1 megatron-core state dict (keys inside the layer)."""
-        hidden, d, h = self.hidden_size, self.head_dim, self.num_heads
+    @property
+    def qkv_rows(self) -> int:
+        """Rows of megatron-core's fused QKV weight."""
+        raise NotImplementedError
+
+    def _common_mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        hidden = self.hidden_size
         return {
             "input_layernorm.weight": (hidden,),
             "self_attention.linear_qkv.weight": (self.qkv_rows, hidden),
-            "self_attention.linear_proj.weight": (hidden, h * 2 * d),
-            "self_attention.core_attention.lambda_q1": (d,),
-            "self_attention.core_attention.lambda_k1": (d,),
-            "self_attention.core_attention.lambda_q2": (d,),
-            "self_attention.core_attention.lambda_k2": (d,),
-            "self_attention.core_attention.head_norm.weight": (2 * d,),
+            "self_attention.linear_proj.weight": (hidden, self.attention_width),
             "pre_mlp_layernorm.weight": (hidden,),
             "mlp.linear_fc1.weight": (2 * self.ffn_hidden_size, hidden),
             "mlp.linear_fc2.weight": (hidden, self.ffn_hidden_size),
         }
+
+    def mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of one layer's tensors in the TP=1 megatron-core state dict (keys inside the layer)."""
+        return self._common_mcore_layer_shapes()
 
     def mcore_global_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the tensors outside the layers (embedding, final norm, untied output layer)."""
@@ -76,20 +95,20 @@ class DiffLayout:
             "output_layer.weight": (self.vocab_size, self.hidden_size),
         }
 
+    def hf_attention_heads(self) -> tuple[int, int]:
+        """(num_attention_heads, num_key_value_heads) as the Hugging Face config counts them."""
+        raise NotImplementedError
+
     def hf_layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shapes of one DiffLlama decoder layer's tensors (keys inside `model.layers.N.`)."""
-        hidden, d, h, g = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
-        ffn = self.ffn_hidden_size
+        """Shapes of one Hugging Face decoder layer's tensors (keys inside `model.layers.N.`)."""
+        hidden, d, ffn = self.hidden_size, self.head_dim, self.ffn_hidden_size
+        heads, kv_heads = self.hf_attention_heads()
         return {
             "input_layernorm.weight": (hidden,),
-            "self_attn.q_proj.weight": (2 * h * d, hidden),
-            "self_attn.k_proj.weight": (2 * g * d, hidden),
-            "self_attn.v_proj.weight": (2 * g * d, hidden),
-            "self_attn.o_proj.weight": (hidden, 2 * h * d),
-            "self_attn.lambda_q1": (d,),
-            "self_attn.lambda_k1": (d,),
-            "self_attn.lambda_q2": (d,),
-            "self_attn.lambda_k2": (d,),
+            "self_attn.q_proj.weight": (heads * d, hidden),
+            "self_attn.k_proj.weight": (kv_heads * d, hidden),
+            "self_attn.v_proj.weight": (kv_heads * d, hidden),
+            "self_attn.o_proj.weight": (hidden, self.attention_width),
             "post_attention_layernorm.weight": (hidden,),
             "mlp.gate_proj.weight": (ffn, hidden),
             "mlp.up_proj.weight": (ffn, hidden),
@@ -102,3 +121,66 @@ class DiffLayout:
             "model.norm.weight": (self.hidden_size,),
             "lm_head.weight": (self.vocab_size, self.hidden_size),
         }
+
+
+@dataclass(frozen=True)
+class DiffLayout(ModelLayout):
+    """Sizes of one DIFF model (counts in differential heads, as `pretrain_diff.py` takes them).
+
+    num_heads = h differential heads (each a Q1/Q2 pair of width d and a V of width 2d); num_kv_heads
+    = g differential KV heads (each a K1/K2 pair and a V of width 2d); head_dim = d (V and the head
+    output are 2d wide); norm_eps also serves the per-head norm (DiffLlama has one epsilon).
+    """
+
+    architecture = "DiffLlamaForCausalLM"
+    model_type = "diffllama"
+    hf_name = "DiffLlama"
+    _head_name = "heads"
+    _kv_name = "differential KV heads"
+
+    @property
+    def attention_width(self) -> int:
+        return self.num_heads * 2 * self.head_dim
+
+    @property
+    def qkv_rows(self) -> int:
+        """2g sub-groups of (r query + 1 key + 1 value) rows of d."""
+        return 2 * self.num_kv_heads * (self.queries_per_group + 2) * self.head_dim
+
+    def mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        d = self.head_dim
+        shapes = self._common_mcore_layer_shapes()
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            shapes[f"self_attention.core_attention.{name}"] = (d,)
+        shapes["self_attention.core_attention.head_norm.weight"] = (2 * d,)
+        return shapes
+
+    def hf_attention_heads(self) -> tuple[int, int]:
+        return 2 * self.num_heads, 2 * self.num_kv_heads  # DiffLlama counts the sub-heads
+
+    def hf_layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_layer_shapes()
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            shapes[f"self_attn.{name}"] = (self.head_dim,)
+        return shapes
+
+
+@dataclass(frozen=True)
+class LlamaLayout(ModelLayout):
+    """Sizes of one Transformer baseline (`--no-diff-attention`): n heads over g query groups of width d."""
+
+    architecture = "LlamaForCausalLM"
+    model_type = "llama"
+    hf_name = "Llama"
+
+    @property
+    def attention_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def qkv_rows(self) -> int:
+        """g groups of (r query + 1 key + 1 value) rows of d."""
+        return self.num_kv_heads * (self.queries_per_group + 2) * self.head_dim
+
+    def hf_attention_heads(self) -> tuple[int, int]:
+        return self.num_heads, self.num_kv_heads

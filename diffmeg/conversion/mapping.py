@@ -1,6 +1,15 @@
-"""Tensor mapping between a TP=1 megatron-core DIFF state dict and a DiffLlama state dict (pure functions).
+"""Tensor mapping between TP=1 megatron-core state dicts and Hugging Face ones (pure functions).
 
-Head layouts (h differential heads, g differential KV heads, head dim d, r = h / g):
+DIFF <-> DiffLlama (`DiffLayout`) and the Transformer baseline <-> Llama (`LlamaLayout`) share everything
+outside attention: embedding, norms, SwiGLU MLP (`linear_fc1` = [gate; up]), output layer. Only the fused
+QKV and, for DIFF, the lambda vectors and head norm differ.
+
+Transformer baseline (n heads, g query groups, head dim d, r = n / g): megatron-core's fused QKV rows
+are, per query group t, [r query heads, 1 key, 1 value] of d rows each, query heads numbered across
+groups (head t * r + i). Llama's `repeat_kv` sends query head m to KV head m // r, so q_proj is the
+query heads in that order, k_proj / v_proj the groups' keys / values: a plain de-interleave.
+
+DIFF head layouts (h differential heads, g differential KV heads, head dim d, r = h / g):
 
 - megatron-core fused QKV rows, per query sub-group t = 0..2g-1: [r query sub-heads, 1 key, 1 value],
   each d rows. Query sub-heads are numbered across groups (m = t * r + i); sub-heads 2i / 2i+1 are
@@ -25,21 +34,20 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from diffmeg.conversion.layout import DiffLayout
+from diffmeg.conversion.layout import DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.errors import DiffmegError
 
 MCORE_LAYER_PREFIX = "decoder.layers.{}."
 HF_LAYER_PREFIX = "model.layers.{}."
 
-# Keys identical up to their prefix in both formats (norms, lambda vectors, SwiGLU down projection).
+# Keys identical up to their prefix in both formats (norms, SwiGLU down projection; DIFF: lambda vectors).
 _SAME_IN_LAYER = {
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "self_attention.core_attention.lambda_q1": "self_attn.lambda_q1",
-    "self_attention.core_attention.lambda_k1": "self_attn.lambda_k1",
-    "self_attention.core_attention.lambda_q2": "self_attn.lambda_q2",
-    "self_attention.core_attention.lambda_k2": "self_attn.lambda_k2",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_DIFF_SAME_IN_LAYER = {
+    f"self_attention.core_attention.lambda_{n}": f"self_attn.lambda_{n}" for n in ("q1", "k1", "q2", "k2")
 }
 _GLOBALS = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -110,22 +118,49 @@ def fold_head_norm(linear_proj: torch.Tensor, head_norm: torch.Tensor, layout: D
     return (linear_proj.to(wide) * scale).to(linear_proj.dtype)
 
 
+def split_fused_qkv_llama(
+    qkv: torch.Tensor, layout: LlamaLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron-core fused QKV of the Transformer baseline -> Llama (q_proj, k_proj, v_proj) weights."""
+    g, d, r = layout.num_kv_heads, layout.head_dim, layout.queries_per_group
+    hidden = qkv.shape[-1]
+    groups = qkv.view(g, r + 2, d, hidden)  # [g * (r + 2) * d, H] -> [g, r + 2, d, H]
+    q = groups[:, :r].reshape(g * r * d, hidden)  # query head t * r + i = Llama head t * r + i
+    return q, groups[:, r].reshape(g * d, hidden), groups[:, r + 1].reshape(g * d, hidden)
+
+
+def fuse_qkv_llama(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: LlamaLayout) -> torch.Tensor:
+    """Llama (q_proj, k_proj, v_proj) weights -> megatron-core fused QKV (inverse of the split)."""
+    g, d, r = layout.num_kv_heads, layout.head_dim, layout.queries_per_group
+    hidden = q.shape[-1]
+    parts = [q.view(g, r, d, hidden), k.view(g, 1, d, hidden), v.view(g, 1, d, hidden)]
+    return torch.cat(parts, dim=1).reshape(layout.qkv_rows, hidden)
+
+
+def _check_layer(layer: Mapping, layout: ModelLayout, to_hf: bool) -> None:
+    if to_hf:
+        check_shapes(layer, layout.mcore_layer_shapes(), "megatron-core layer")
+    else:
+        check_shapes(layer, layout.hf_layer_shapes(), f"{layout.hf_name} layer")
+
+
 def mcore_layer_to_hf(
-    layer: Mapping[str, torch.Tensor], layout: DiffLayout, dtype: torch.dtype | None = None
+    layer: Mapping[str, torch.Tensor], layout: ModelLayout, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """One megatron-core layer (keys inside `decoder.layers.N.`) -> DiffLlama's, inside `model.layers.N.`."""
-    check_shapes(layer, layout.mcore_layer_shapes(), "megatron-core layer")
+    """One megatron-core layer (keys inside `decoder.layers.N.`) -> HF keys inside `model.layers.N.`."""
+    _check_layer(layer, layout, to_hf=True)
     out = {hf: _cast(layer[mc], dtype) for mc, hf in _SAME_IN_LAYER.items()}
-    q, k, v = split_fused_qkv(layer["self_attention.linear_qkv.weight"], layout)
+    qkv, proj = layer["self_attention.linear_qkv.weight"], layer["self_attention.linear_proj.weight"]
+    if isinstance(layout, DiffLayout):
+        out.update({hf: _cast(layer[mc], dtype) for mc, hf in _DIFF_SAME_IN_LAYER.items()})
+        q, k, v = split_fused_qkv(qkv, layout)
+        proj = fold_head_norm(proj, layer["self_attention.core_attention.head_norm.weight"], layout)
+    else:
+        q, k, v = split_fused_qkv_llama(qkv, layout)
     out["self_attn.q_proj.weight"] = _cast(q, dtype)
     out["self_attn.k_proj.weight"] = _cast(k, dtype)
     out["self_attn.v_proj.weight"] = _cast(v, dtype)
-    o = fold_head_norm(
-        layer["self_attention.linear_proj.weight"],
-        layer["self_attention.core_attention.head_norm.weight"],
-        layout,
-    )
-    out["self_attn.o_proj.weight"] = _cast(o, dtype)
+    out["self_attn.o_proj.weight"] = _cast(proj, dtype)
     gate, up = layer["mlp.linear_fc1.weight"].chunk(2, dim=0)  # fc1 = [gate; up]
     out["mlp.gate_proj.weight"] = _cast(gate, dtype)
     out["mlp.up_proj.weight"] = _cast(up, dtype)
@@ -133,48 +168,47 @@ def mcore_layer_to_hf(
 
 
 def hf_layer_to_mcore(
-    layer: Mapping[str, torch.Tensor], layout: DiffLayout, dtype: torch.dtype | None = None
+    layer: Mapping[str, torch.Tensor], layout: ModelLayout, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """One DiffLlama layer (keys inside `model.layers.N.`) -> megatron-core keys; head-norm weight = 1."""
-    check_shapes(layer, layout.hf_layer_shapes(), "DiffLlama layer")
+    """One HF layer (keys inside `model.layers.N.`) -> megatron-core keys (DIFF: head-norm weight = 1)."""
+    _check_layer(layer, layout, to_hf=False)
     out = {mc: _cast(layer[hf], dtype) for mc, hf in _SAME_IN_LAYER.items()}
-    out["self_attention.linear_qkv.weight"] = _cast(
-        fuse_qkv(
-            layer["self_attn.q_proj.weight"],
-            layer["self_attn.k_proj.weight"],
-            layer["self_attn.v_proj.weight"],
-            layout,
-        ),
-        dtype,
-    )
+    q, k, v = (layer[f"self_attn.{n}_proj.weight"] for n in "qkv")
     o_proj = layer["self_attn.o_proj.weight"]
+    if isinstance(layout, DiffLayout):
+        out.update({mc: _cast(layer[hf], dtype) for mc, hf in _DIFF_SAME_IN_LAYER.items()})
+        qkv = fuse_qkv(q, k, v, layout)
+        norm_dtype = dtype if dtype is not None else o_proj.dtype
+        ones = torch.ones(2 * layout.head_dim, dtype=norm_dtype)
+        out["self_attention.core_attention.head_norm.weight"] = ones
+    else:
+        qkv = fuse_qkv_llama(q, k, v, layout)
+    out["self_attention.linear_qkv.weight"] = _cast(qkv, dtype)
     out["self_attention.linear_proj.weight"] = _cast(o_proj, dtype)
-    norm_dtype = dtype if dtype is not None else o_proj.dtype
-    out["self_attention.core_attention.head_norm.weight"] = torch.ones(2 * layout.head_dim, dtype=norm_dtype)
     gate, up = layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]
     out["mlp.linear_fc1.weight"] = _cast(torch.cat([gate, up], dim=0), dtype)  # [gate; up]
     return out
 
 
 def mcore_globals_to_hf(
-    tensors: Mapping[str, torch.Tensor], layout: DiffLayout, dtype: torch.dtype | None = None
+    tensors: Mapping[str, torch.Tensor], layout: ModelLayout, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Embedding, final norm and output layer -> DiffLlama names (no layout change)."""
+    """Embedding, final norm and output layer -> Hugging Face names (no layout change)."""
     check_shapes(tensors, layout.mcore_global_shapes(), "megatron-core model")
     return {hf: _cast(tensors[mc], dtype) for mc, hf in _GLOBALS.items()}
 
 
 def hf_globals_to_mcore(
     tensors: Mapping[str, torch.Tensor],
-    layout: DiffLayout,
+    layout: ModelLayout,
     dtype: torch.dtype | None = None,
     tie_word_embeddings: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """DiffLlama embedding, norm and lm_head -> megatron-core names; a tied lm_head is untied by copy."""
+    """HF embedding, norm and lm_head -> megatron-core names; a tied lm_head is untied by copy."""
     tensors = dict(tensors)
     if tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    check_shapes(tensors, layout.hf_global_shapes(), "DiffLlama model")
+    check_shapes(tensors, layout.hf_global_shapes(), f"{layout.hf_name} model")
     return {mc: _cast(tensors[hf], dtype) for mc, hf in _GLOBALS.items()}
 
 
@@ -184,9 +218,9 @@ def layer_tensors(state_dict: Mapping[str, torch.Tensor], prefix: str) -> dict[s
 
 
 def mcore_to_hf(
-    state_dict: Mapping[str, torch.Tensor], layout: DiffLayout, dtype: torch.dtype | None = None
+    state_dict: Mapping[str, torch.Tensor], layout: ModelLayout, dtype: torch.dtype | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """A whole TP=1 megatron-core state dict -> DiffLlama tensors, one block (globals, layers) at a time."""
+    """A whole TP=1 megatron-core state dict -> HF tensors, one block (globals, layers) at a time."""
     yield mcore_globals_to_hf(state_dict, layout, dtype)
     for i in range(layout.num_layers):
         layer = layer_tensors(state_dict, MCORE_LAYER_PREFIX.format(i))
@@ -196,11 +230,11 @@ def mcore_to_hf(
 
 def hf_to_mcore(
     state_dict: Mapping[str, torch.Tensor],
-    layout: DiffLayout,
+    layout: ModelLayout,
     dtype: torch.dtype | None = None,
     tie_word_embeddings: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """A whole DiffLlama state dict -> megatron-core TP=1 tensors, one block at a time."""
+    """A whole HF state dict -> megatron-core TP=1 tensors, one block at a time."""
     yield hf_globals_to_mcore(state_dict, layout, dtype, tie_word_embeddings)
     for i in range(layout.num_layers):
         layer = layer_tensors(state_dict, HF_LAYER_PREFIX.format(i))

@@ -140,6 +140,47 @@ class Cl100kTokenizer(MegatronLegacyTokenizer):
         return PAD_ID
 
 
+class IdTokenizer(MegatronLegacyTokenizer):
+    """No tokenizer: datasets that already hold ids below ``vocab_size`` (``--tokenizer-type null``).
+
+    What GPTDataset needs and nothing more. The end-of-document id is the last one by convention
+    (generated corpora write it there); no id pads, so no label is ever masked as padding.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self._vocab_size = int(vocab_size)
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("vocab_size", self._vocab_size)]
+        )
+        self.unique_description = repr(dict(self.unique_identifiers))
+
+    def tokenize(self, text: str) -> list[int]:
+        raise DiffmegError("--tokenizer-type null reads token ids; it has no text tokenizer")
+
+    def detokenize(self, ids: Sequence[int] | np.ndarray) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return {str(i): i for i in range(self._vocab_size)}
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return {i: str(i) for i in range(self._vocab_size)}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._vocab_size - 1
+
+    @property
+    def pad(self) -> int:
+        return -1  # never a stored id: GPTDataset masks labels equal to pad
+
+
 def load_tokenizer(tokenizer_file: str | None = None) -> Cl100kTokenizer:
     """cl100k_base from ``tokenizer_file``, else ``$DIFFMEG_TOKENIZER_FILE``, else tiktoken's cache.
 

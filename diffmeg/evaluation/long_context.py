@@ -215,13 +215,19 @@ def select_documents(lengths: np.ndarray, min_length: int, num_docs: int | None,
 
 @dataclass
 class CheckpointInfo:
-    """What the evaluation needs to know about a checkpoint before loading its weights."""
+    """What the evaluation needs to know about a checkpoint before loading its weights.
+
+    A pretrain_diff.py checkpoint directory, or a Hugging Face DiffLlama / Llama folder (`hf` set; no
+    iteration; `args` are those a pretrain_diff.py run of it would resolve, from config.json).
+    """
 
     root: str
     iteration: int | None
     path: str
     args: dict
     label: str = ""
+    hf: bool = False
+    """A Hugging Face folder: its weights are mapped into the model in memory (no checkpoint written)."""
 
     @property
     def architecture(self) -> str:
@@ -237,19 +243,54 @@ class CheckpointInfo:
 
     @property
     def tokenizer(self) -> str:
-        """The vocabulary its token ids mean: mock data ids are not cl100k's."""
-        return "mock" if self.args.get("mock_data") else "cl100k_base"
+        """The vocabulary its token ids mean: mock data and `--tokenizer-type null` ids are not cl100k's."""
+        if self.args.get("mock_data") or self.args.get("tokenizer_type") == "null":
+            return "mock"
+        return "cl100k_base"
 
 
 def read_checkpoint_info(root: str, iteration: int | None = None) -> CheckpointInfo:
-    """The arguments a checkpoint was trained with (cheap: no weights are read)."""
+    """The arguments a checkpoint was trained with (cheap: no weights are read).
+
+    A folder with config.json (a Hugging Face DiffLlama / Llama) is accepted too: its arguments come
+    from config.json (seq_length = max_position_embeddings; tokenizer cl100k_base when the vocabulary
+    holds cl100k's ids, else mock), its tensors are checked from the safetensors headers only.
+    """
+    from diffmeg.conversion.hf_import import is_hf_folder
     from diffmeg.training.checkpointing import read_checkpoint_args
 
     if not os.path.isdir(root):
         raise DiffmegError(f"--load {root} is not a directory")
+    if is_hf_folder(root):
+        from diffmeg.conversion.hf_import import analysis_args, open_hf_folder
+
+        if iteration is not None:
+            raise DiffmegError(
+                f"--iteration {iteration} does not apply to {root}: a Hugging Face folder holds one model"
+            )
+        args = analysis_args(open_hf_folder(root))
+        return CheckpointInfo(root=root, iteration=None, path=root, args=vars(args), hf=True)
     args, path = read_checkpoint_args(root, iteration)
     resolved = int(os.path.basename(path).removeprefix("iter_"))
     return CheckpointInfo(root=root, iteration=resolved, path=path, args=vars(args))
+
+
+def load_checkpoint_model(info: CheckpointInfo, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The single-rank model of a checkpoint or Hugging Face folder, in eval mode and `dtype`.
+
+    Needs `init_single_process`. Both are built the same way (fp32, then cast), so a Hugging Face export
+    of a checkpoint gives the checkpoint's numbers.
+    """
+    if info.hf:
+        import argparse
+
+        from diffmeg.conversion.hf_import import load_hf_model, open_hf_folder
+
+        return load_hf_model(open_hf_folder(info.root), argparse.Namespace(**info.args), dtype)
+    from diffmeg.training.checkpointing import load_model_weights
+
+    model, _ = load_model_weights(info.root, info.iteration, dtype=dtype)
+    return model
 
 
 def check_same_vocabulary(infos: Sequence[CheckpointInfo]) -> None:
@@ -272,7 +313,7 @@ def default_labels(infos: Sequence[CheckpointInfo]) -> list[str]:
 
     labels = [f"{i.architecture} ({name(i)})" for i in infos]
     if len(set(labels)) < len(labels):
-        labels = [f"{i.architecture} ({name(i)} @ {i.iteration})" for i in infos]
+        labels = [f"{i.architecture} ({name(i)} @ {'hf' if i.hf else i.iteration})" for i in infos]
     if len(set(labels)) < len(labels):
         labels = [f"{label} #{k + 1}" for k, label in enumerate(labels)]
     return labels
@@ -569,13 +610,11 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = _stderr) -> dict:
 
     check_token_ids(source, indices, length, infos[0].vocab_size)
 
-    from diffmeg.training.checkpointing import load_model_weights
-
     init_single_process(cfg.seed)
     results: list[tuple[CheckpointInfo, PositionStats, float]] = []
     for info in infos:
         started = time.monotonic()
-        model, _ = load_model_weights(info.root, info.iteration, dtype=DTYPES[cfg.dtype])
+        model = load_checkpoint_model(info, DTYPES[cfg.dtype])
         stats = evaluate_model(
             model,
             source,
@@ -651,6 +690,8 @@ __all__ = [
     "CSV_NAME",
     "DTYPES",
     "init_single_process",
+    "load_checkpoint_model",
+    "read_checkpoint_info",
     "PLOT_NAME",
     "SUMMARY_NAME",
     "CheckpointInfo",

@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--cp-comm-type",
+        default=None,
+        choices=["ulysses", "p2p", "all_gather", "a2a", "a2a+p2p"],
+        help="context-parallel attention: ulysses (DIFF default; diffmeg's all-to-all, any backend, no TE) "
+        "or megatron-core's Transformer Engine CP: p2p (ring; baseline default), all_gather, a2a",
+    )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -143,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-cache-path", default=None)
     g.add_argument(
         "--tokenizer-file", default=None, help="local cl100k_base BPE file (else $DIFFMEG_TOKENIZER_FILE)"
+    )
+    g.add_argument(
+        "--tokenizer-type",
+        choices=["cl100k_base", "null"],
+        default=None,
+        help="null: the data are token ids below --vocab-size with no tokenizer (generated corpora; "
+        "the default with --mock-data)",
     )
     g.add_argument("--num-workers", type=int, default=0)
 
@@ -199,6 +213,8 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
     if ns.model is not None:
         values.update(get_preset(ns.model))
     values.update(explicit)
+    if "train_tokens" in explicit and "train_iters" not in explicit:
+        values["train_iters"] = None  # a token budget typed by the user beats the preset's iteration count
     args = argparse.Namespace(**values)
     args.explicit_flags = sorted(k for k in explicit if k != "model")
     _derive(args)
@@ -227,6 +243,10 @@ def _derive(args: argparse.Namespace) -> None:
         args.num_query_groups = args.num_attention_heads
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "null" if args.mock_data else "cl100k_base"
+    if args.tokenizer_type == "null" and not args.mock_data and args.vocab_size is None:
+        raise DiffmegError("--tokenizer-type null needs --vocab-size (one more than the largest token id)")
     if args.vocab_size is None:
         if args.mock_data:
             args.vocab_size = 1024
@@ -247,6 +267,10 @@ def _derive(args: argparse.Namespace) -> None:
         args.lr_decay_iters = max(args.train_iters, args.lr_warmup_iters + 1)
     if args.data_path is None and not args.mock_data:
         args.data_path = ["builtin"]
+    if args.mock_data and args.tokenizer_type != "null":
+        raise DiffmegError("--mock-data generates token ids: drop --tokenizer-type cl100k_base")
+    if args.tokenizer_type == "null" and not args.mock_data and "builtin" in (args.data_path or []):
+        raise DiffmegError("the builtin corpus is cl100k_base text: give --data-path with id datasets")
     if args.transformer_impl == "auto":
         from diffmeg.layer_specs import transformer_engine_available
 
@@ -282,20 +306,51 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--num-query-groups {args.num_query_groups} must divide the {heads} heads "
             f"and be divisible by TP {tp}"
         )
+    comm = getattr(args, "cp_comm_type", None) or ("ulysses" if args.diff_attention else "p2p")
+    args.cp_comm_type = comm
     if cp > 1:
-        if args.diff_attention:
+        if comm == "a2a+p2p":
+            raise DiffmegError(
+                "--cp-comm-type a2a+p2p needs megatron-core's hierarchical CP groups, which diffmeg does not "
+                "create; use p2p, all_gather or a2a"
+            )
+        if not args.diff_attention and comm == "ulysses":
+            raise DiffmegError(
+                "--cp-comm-type ulysses is the differential core's all-to-all; the Transformer baseline uses "
+                "megatron-core's Transformer Engine attention: choose p2p, all_gather or a2a"
+            )
+        if comm in ("ulysses", "a2a"):
             per_rank = heads // tp
             kv_per_rank = args.num_query_groups // tp
             if per_rank % cp or kv_per_rank % cp:
+                kind = "differential heads" if args.diff_attention else "heads"
+                alternative = ""
+                if args.diff_attention:
+                    alternative = "; --cp-comm-type p2p or all_gather (Transformer Engine) need not"
                 raise DiffmegError(
-                    f"--context-parallel-size {cp} shards whole differential heads inside attention: "
-                    f"{per_rank} heads and {kv_per_rank} KV heads per TP rank must both be divisible by it"
+                    f"--context-parallel-size {cp} with --cp-comm-type {comm} shards whole {kind} inside "
+                    f"attention: {per_rank} heads and {kv_per_rank} KV heads per TP rank must both be "
+                    f"divisible by it{alternative}"
                 )
-        elif args.transformer_impl != "transformer_engine":
+        if not args.diff_attention and args.transformer_impl != "transformer_engine":
             raise DiffmegError(
-                "context parallelism for the Transformer baseline uses megatron-core's ring attention, "
-                "which needs Transformer Engine on a GPU; use --context-parallel-size 1"
+                "context parallelism for the Transformer baseline uses megatron-core's attention with "
+                "Transformer Engine on a GPU (--transformer-impl transformer_engine); "
+                "use --context-parallel-size 1"
             )
+        if args.diff_attention and comm != "ulysses":
+            from diffmeg.te_context_parallel import cp_attention_available
+
+            if not cp_attention_available():
+                raise DiffmegError(
+                    f"--cp-comm-type {comm} runs megatron-core's TEDotProductAttention, which needs "
+                    f"transformer_engine and a CUDA GPU; use --cp-comm-type ulysses (diffmeg's all-to-all)"
+                )
+            if args.attention_dropout > 0:
+                raise DiffmegError(
+                    f"--cp-comm-type {comm} runs DIFF's two maps as separate TE calls, which cannot share "
+                    f"one dropout of their difference; use --attention-dropout 0 or --cp-comm-type ulysses"
+                )
         if args.seq_length % (2 * cp):
             raise DiffmegError(f"--seq-length {args.seq_length} must be divisible by 2 x CP = {2 * cp}")
     if args.vocab_size % tp:

@@ -39,6 +39,7 @@ def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        cp_comm_type=getattr(args, "cp_comm_type", None),  # None in args saved before the flag existed
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=not on_gpu,
         # megatron-core sets the TP attributes inside its init; diffmeg.init then redraws every parameter

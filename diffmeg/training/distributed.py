@@ -12,6 +12,11 @@ import torch
 from diffmeg.errors import DiffmegError
 
 
+def slurm_master_port(job_id: str) -> int:
+    """The rendezvous port of a Slurm job: 20000-31999, from its job id."""
+    return 20000 + int(job_id) % 12000
+
+
 def first_host(nodelist: str) -> str:
     """First host of a Slurm node list such as `gpu[003-005,9],cpu1` -> `gpu003`."""
     head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
@@ -40,8 +45,9 @@ def resolve_launch_env(env: dict[str, str] | None = None) -> dict[str, str]:
         if "MASTER_ADDR" not in env:
             nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
             env["MASTER_ADDR"] = first_host(nodelist)
-        # Same port on every task of the job, different between jobs sharing a node.
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        # Same port on every task of the job, different between jobs sharing a node, and below Linux's
+        # ephemeral range (32768+) where another program's outgoing connection may already hold it.
+        env.setdefault("MASTER_PORT", str(slurm_master_port(env.get("SLURM_JOB_ID", "0"))))
     else:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         env.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -156,7 +156,11 @@ def pretrain(args: argparse.Namespace) -> dict:
         print("-------------------- end of arguments ---------------------", flush=True)
 
     tokenizer = None
-    if not args.mock_data:
+    if args.tokenizer_type == "null" and not args.mock_data:
+        from diffmeg.data.tokenizer import IdTokenizer
+
+        tokenizer = IdTokenizer(args.vocab_size)
+    elif not args.mock_data:
         from diffmeg.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer_file)

@@ -254,3 +254,47 @@ def imported(factory, name: str) -> tuple[Path, Path]:
         lambda path: convert_ok("hf-to-mcore", "--load", source, "--save", path, *flags),
     )
     return source, ckpt
+
+
+def exported_eval(factory, arch: str) -> tuple[Path, Path]:
+    """(checkpoint, its mcore-to-hf export) of tests/evaluation's tiny `arch` ("diff": DiffLlama,
+    "transformer": Llama), trained once per session and shared with the evaluation and analysis tests."""
+    from tests.evaluation.helpers import tiny_checkpoints
+
+    ckpt = tiny_checkpoints(factory.getbasetemp())[arch]
+    folder = cached(
+        factory,
+        f"exported-eval-{arch}",
+        lambda path: convert_ok("mcore-to-hf", "--load", ckpt, "--save", path),
+    )
+    return ckpt, folder
+
+
+# A random Llama: GQA (r = 2), the full cl100k vocabulary (a tokenizer is exported), non-default RoPE base
+# and epsilon, untied.
+LLAMA_GQA_HF = {
+    "model_type": "llama",
+    "vocab_size": 100288,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def hf_folder_variant(source: Path, dst: Path, drop: tuple[str, ...] = (), **config_changes) -> Path:
+    """A copy of an HF folder with config.json fields changed and files removed (bad-input tests)."""
+    shutil.copytree(source, dst)
+    for name in drop:
+        (dst / name).unlink()
+    if config_changes:
+        config = json.loads((dst / "config.json").read_text())
+        config.update(config_changes)
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst

@@ -7,7 +7,8 @@ docs/conversion.md), which would make every comparison meaningless.
     python hf_helper.py random --out DIR --config JSON --seed S [--prompts IN.pt --results OUT.pt]
     python hf_helper.py run --model DIR --prompts IN.pt --out OUT.pt [--generate N]
 
-`random` saves a random DiffLlama as safetensors (and, with --prompts, runs it reloaded like `run`);
+`random` saves a random DiffLlama (or Llama: "model_type": "llama" in the config) as safetensors
+(and, with --prompts, runs it reloaded like `run`);
 `run` writes {"logits": [fp32 logits per prompt], "generated": [greedy ids per prompt] (if asked),
 "class": model class name}.
 """
@@ -21,11 +22,16 @@ import torch
 
 
 def make_random(out: str, config: dict, seed: int) -> None:
-    """A DiffLlama with every tensor away from its init: lambda vectors N(0, 0.3), norms around 1."""
-    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+    """A DiffLlama (or, with "model_type": "llama" in `config`, a Llama) with every tensor away from its
+    init: lambda vectors N(0, 0.3), norms around 1."""
+    import transformers
 
+    config = dict(config)
+    name = {"diffllama": "DiffLlama", "llama": "Llama"}[config.pop("model_type", "diffllama")]
+    config_class = getattr(transformers, f"{name}Config")
+    model_class = getattr(transformers, f"{name}ForCausalLM")
     torch.manual_seed(seed)
-    model = DiffLlamaForCausalLM(DiffLlamaConfig(**config)).float()
+    model = model_class(config_class(**config)).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lambda" in name:

@@ -246,7 +246,6 @@ def test_layout_from_args_round_trips_through_pretrain_flags():
         ({"lambda_init": "0.5"}, "cannot express a constant lambda_init"),
         ({"norm_epsilon": 1e-6}, "one epsilon for every RMSNorm"),
         ({"head_norm_eps": 1e-6}, "one epsilon for every RMSNorm"),
-        ({"diff_attention": False}, "Transformer baseline"),
     ],
 )
 def test_layouts_diffllama_cannot_express_are_refused(overrides, message):
@@ -270,7 +269,7 @@ def test_layout_from_hf_config_inverts_hf_config_dict():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"model_type": "llama"}, "model_type 'llama'"),
+        ({"model_type": "mistral"}, "model_type 'mistral'"),
         ({"num_attention_heads": 7}, "must be even"),
         ({"num_key_value_heads": 3}, "must be even"),
         ({"rms_norm_eps": 1e-6}, "head-norm epsilon"),

@@ -1,11 +1,21 @@
-"""Context parallelism (Ulysses all-to-all inside differential attention) matches the single-rank run."""
+"""Context parallelism matches the single-rank run: Ulysses all-to-all inside differential attention, and
+megatron-core's TE-style CP (`--cp-comm-type p2p/all_gather`) through the plain-torch TE stand-in.
+
+Run as a module (`python -m tests.distributed.test_context_parallel ARGS`), this file is pretrain_diff.py
+with `AllGatherCPAttention` installed where TEDotProductAttention would be built (no TE on CPU).
+"""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.distributed.runner import assert_same_run, run_training
+from tests.conftest import REPO_ROOT, free_port
+from tests.distributed.runner import TINY, assert_same_run, run_training
 
 SEQ256 = ["--seq-length", "256", "--train-iters", "10", "--micro-batch-size", "1", "--global-batch-size", "4"]
 
@@ -27,6 +37,52 @@ def single_rank(tmp_path_factory):
 )
 def test_context_parallel_matches_single_rank(single_rank, single_rank_parallel_state, name, nproc, extra):
     run_training(single_rank, name, [*SEQ256, *extra, "--save", str(single_rank / name)], nproc=nproc)
+    assert_same_run(single_rank, "single", name, iterations=10)
+
+
+def _run_with_te_standin(tmp, name: str, extra: list[str], nproc: int = 2) -> None:
+    """As `run_training` with torchrun, but through this module's entry (the TE stand-in installed)."""
+    env = dict(
+        os.environ, TORCHDYNAMO_DISABLE="1", TMPDIR=str(tmp), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"
+    )
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        "-m",
+        "tests.distributed.test_context_parallel",
+        *TINY,
+        "--metrics-file",
+        str(tmp / f"{name}.jsonl"),
+        *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])  # V of width 2d in one call / split in halves
+def test_te_style_context_parallel_matches_single_rank(single_rank, single_rank_parallel_state, comm):
+    """CP=2 with both maps run by the TE stand-in: losses, grad norms, final weights (lambda, head norm)."""
+    name = f"cp2_te_{comm}"
+    extra = [
+        *SEQ256,
+        "--context-parallel-size",
+        "2",
+        "--cp-comm-type",
+        comm,
+        "--save",
+        str(single_rank / name),
+    ]
+    _run_with_te_standin(single_rank, name, extra)
     assert_same_run(single_rank, "single", name, iterations=10)
 
 
@@ -53,3 +109,15 @@ def test_cp_layout_errors(monkeypatch):
         resolve_args(["--model", "diff-tiny", "--context-parallel-size", "4", "--seq-length", "100"])
     with pytest.raises(DiffmegError, match="Transformer Engine"):
         resolve_args(["--model", "transformer-tiny", "--context-parallel-size", "2"])
+
+
+# pretrain_diff.py with the TE stand-in installed; the dist-checkpoint writer's spawn needs the guard.
+if __name__ == "__main__":
+    from diffmeg.te_context_parallel import AllGatherCPAttention, use_cp_attention_factory
+
+    sys.path.insert(0, str(REPO_ROOT))
+    import pretrain_diff
+
+    with use_cp_attention_factory(AllGatherCPAttention):
+        code = pretrain_diff.main(sys.argv[1:])
+    sys.exit(code)

@@ -40,8 +40,8 @@ def slurm_cluster(tmp_path_factory):
         LOCAL_SLURM_PORT=str(port),
         # Two 2-task jobs side by side (the recipes are single-threaded while they start up).
         LOCAL_SLURM_CPUS=os.environ.get("DIFFMEG_SLURM_TEST_CPUS", "4"),
-        # pretrain_diff.py listens on MASTER_PORT = 20000 + job id % 20000: keep it below the ephemeral
-        # port range (32768+), where another program's outgoing connection may hold it.
+        # Job ids (hence MASTER_PORT, diffmeg.training.distributed.slurm_master_port) differ between
+        # test sessions.
         LOCAL_SLURM_FIRST_JOB_ID=str(random.randrange(1000, 12000)),
     )
     start = subprocess.run(

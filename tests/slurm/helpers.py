@@ -32,7 +32,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def port_pair() -> int:
-    """A port p with p and p+1 free (slurmctld, slurmd), outside MASTER_PORT's 20000-39999 range."""
+    """A port p with p and p+1 free (slurmctld, slurmd), outside MASTER_PORT's 20000-31999 range."""
     for _ in range(200):
         port = random.randrange(41000, 49000)
         try:

@@ -136,7 +136,7 @@ def edited_checkpoint(src: Path, dst: Path, **changes) -> Path:
     [
         ({"lambda_init": "0.5"}, "cannot express a constant lambda_init"),
         ({"norm_epsilon": 1e-6}, "one epsilon for every RMSNorm"),
-        ({"diff_attention": False}, "Transformer baseline"),
+        ({"diff_attention": False}, "describes the Transformer baseline"),
         ({"ffn_hidden_size": 512}, "shape mismatch for 'decoder.layers.mlp.linear_fc1.weight'"),
         ({"num_query_groups": 2}, "shape mismatch for 'decoder.layers.self_attention.linear_qkv.weight'"),
     ],
@@ -175,7 +175,7 @@ def test_hf_to_mcore_refuses_bad_folders(tmp_path_factory, tmp_path, capsys, sin
         return folder
 
     cases = [
-        (edited("llama", model_type="llama"), "model_type 'llama'"),
+        (edited("llama", model_type="llama"), "tensor(s) a Llama model does not have"),
         (edited("ffn", intermediate_size=512), "shape mismatch for 'model.layers.0.mlp.gate_proj.weight'"),
         (edited("eps", rms_norm_eps=1e-6), "head-norm epsilon"),
         (

@@ -179,7 +179,12 @@ def test_bad_output_dir_is_refused_before_any_work(ckpts, corpus, tmp_path):
 
 
 def test_text_files_with_a_cl100k_checkpoint_must_match_files(ckpts, corpus, tmp_path, tokenizer_file):
-    args = {**checkpoint_args(ckpts["diff"]), "vocab_size": 100288, "mock_data": False}
+    args = {
+        **checkpoint_args(ckpts["diff"]),
+        "vocab_size": 100288,
+        "mock_data": False,
+        "tokenizer_type": "cl100k_base",
+    }
     cl100k = fake_checkpoint(tmp_path / "cl100k", args)
     cfg = _cfg(
         ckpts, corpus, tmp_path, loads=[str(cl100k)], data_prefix=None, text_files=[str(tmp_path / "*.txt")],

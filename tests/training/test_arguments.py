@@ -47,3 +47,40 @@ def test_impossible_arguments(monkeypatch, argv, world, match):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(DiffmegError, match=match):
         resolve_args(argv)
+
+
+def test_an_explicit_token_budget_beats_the_presets_iteration_count(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    a = resolve_args(["--model", "diff-tiny", "--train-tokens", "102400"])  # the preset says 300 iterations
+    assert a.train_iters == 102400 // (4 * 256)
+    both = resolve_args(["--model", "diff-tiny", "--train-tokens", "102400", "--train-iters", "7"])
+    assert both.train_iters == 7
+
+
+TINY = ["--model", "diff-tiny"]
+BARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32"]
+BARE += ["--lr", "1e-3", "--train-iters", "1"]  # no preset: no vocabulary size from anywhere
+
+
+def test_tokenizer_type_defaults_and_null_corpora(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_args(["--model", "diff-tiny"]).tokenizer_type == "cl100k_base"
+    assert resolve_args(["--model", "diff-tiny", "--mock-data"]).tokenizer_type == "null"
+    a = resolve_args(
+        ["--model", "diff-tiny", "--tokenizer-type", "null", "--vocab-size", "512", "--data-path", "/d/ids"]
+    )
+    assert (a.tokenizer_type, a.vocab_size) == ("null", 512)
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (BARE + ["--tokenizer-type", "null", "--data-path", "/d/ids"], "needs --vocab-size"),
+        (TINY + ["--tokenizer-type", "null", "--vocab-size", "512"], "builtin corpus is cl100k_base text"),
+        (TINY + ["--mock-data", "--tokenizer-type", "cl100k_base"], "drop --tokenizer-type"),
+    ],
+)
+def test_tokenizer_type_errors(monkeypatch, argv, match):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(DiffmegError, match=match):
+        resolve_args(argv)

@@ -45,7 +45,7 @@ def test_srun_env():
         }
     )
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "16", "1")
-    assert env["MASTER_ADDR"] == "dgx010" and env["MASTER_PORT"] == str(20000 + 123456 % 20000)
+    assert env["MASTER_ADDR"] == "dgx010" and env["MASTER_PORT"] == str(20000 + 123456 % 12000)
 
 
 def test_lone_process():

@@ -1,0 +1,171 @@
+"""A Hugging Face DiffLlama / Llama folder as our model, without writing a checkpoint.
+
+`open_hf_folder` reads config.json and the safetensors headers (no weights) and refuses what our model
+cannot express; `resolved_pretrain_args` gives the arguments a `pretrain_diff.py` run of that model would
+resolve (what an import records in args.json, and what the analysis tools read as the checkpoint's
+arguments); `load_hf_model` builds the TP=PP=1 model and maps the weights in, one layer at a time.
+Used by `tools/convert_checkpoint.py hf-to-mcore` and by `diffmeg.evaluation.long_context`'s loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffmeg.conversion.checkpoint_io import HFCheckpointReader
+from diffmeg.conversion.hf_config import layout_from_args, layout_from_hf_config, pretrain_flags
+from diffmeg.conversion.layout import ModelLayout
+from diffmeg.conversion.mapping import (
+    HF_LAYER_PREFIX,
+    MCORE_LAYER_PREFIX,
+    check_shapes,
+    hf_globals_to_mcore,
+    hf_layer_to_mcore,
+)
+from diffmeg.errors import DiffmegError
+
+CONFIG_FILE = "config.json"
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # a buffer older transformers saved; recomputed, not weights
+
+
+def is_hf_folder(path: str) -> bool:
+    """A directory with config.json and no pretrain_diff.py checkpoint tracker."""
+    from diffmeg.training.checkpointing import TRACKER_FILE
+
+    return os.path.isfile(os.path.join(path, CONFIG_FILE)) and not os.path.isfile(
+        os.path.join(path, TRACKER_FILE)
+    )
+
+
+@dataclass
+class HFModelFolder:
+    """A checked Hugging Face folder: its reader, transformers-normalised config and our layout."""
+
+    reader: HFCheckpointReader
+    config: dict[str, Any]
+    layout: ModelLayout
+    tied: bool
+    """tie_word_embeddings without a stored lm_head: the embedding is copied into output_layer."""
+
+    @property
+    def directory(self) -> str:
+        return self.reader.directory
+
+    def mcore_blocks(self, dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """TP=1 megatron-core state-dict entries: the globals, then one layer at a time (read lazily)."""
+        layout, reader = self.layout, self.reader
+        yield hf_globals_to_mcore(reader.get(layout.hf_global_shapes()), layout, dtype, self.tied)
+        for index in range(layout.num_layers):
+            prefix = HF_LAYER_PREFIX.format(index)
+            layer = reader.get(prefix + k for k in layout.hf_layer_shapes())
+            mcore = hf_layer_to_mcore({k[len(prefix) :]: v for k, v in layer.items()}, layout, dtype)
+            yield {MCORE_LAYER_PREFIX.format(index) + k: v for k, v in mcore.items()}
+
+
+def open_hf_folder(directory: str) -> HFModelFolder:
+    """Read config.json and the tensor headers; refuse a folder whose weights do not fit its config."""
+    reader = HFCheckpointReader(directory)
+    config = reader.normalized_config()
+    layout, tied = layout_from_hf_config(config)
+    stored = reader.shapes()
+    tied = tied and "lm_head.weight" not in stored
+    expected = {}
+    for name, shape in layout.hf_global_shapes().items():
+        if not (tied and name == "lm_head.weight"):
+            expected[name] = shape
+    for index in range(layout.num_layers):
+        prefix = HF_LAYER_PREFIX.format(index)
+        expected.update({prefix + k: shape for k, shape in layout.hf_layer_shapes().items()})
+    check_shapes(stored, expected, directory)
+    extra = sorted(n for n in stored if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise DiffmegError(
+            f"{directory}: config.json has model_type {layout.model_type!r} but the weights hold "
+            f"{len(extra)} tensor(s) a {layout.hf_name} model does not have (first: {extra[0]!r})"
+        )
+    return HFModelFolder(reader, config, layout, tied)
+
+
+def resolved_pretrain_args(
+    layout: ModelLayout,
+    hf_config: dict[str, Any],
+    extra: Sequence[str] = (),
+    *,
+    seq_length: int | None = None,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+) -> argparse.Namespace:
+    """The arguments a `pretrain_diff.py` run of this model would resolve (what args.json records).
+
+    `extra`: further pretrain_diff.py flags (never the model's shape, which comes from config.json).
+    Training-only values not given (`--lr`, `--train-iters`) are recorded as 0: a continuing run gives
+    its own. `seq_length` defaults to max_position_embeddings.
+    """
+    from diffmeg.training.arguments import resolve_args
+    from diffmeg.training.builders import config_from_args
+
+    seq = seq_length or layout.max_position_embeddings
+    model_flags = pretrain_flags(layout)
+    given = {flag.split("=", 1)[0] for flag in extra if flag.startswith("--")}
+    clash = sorted(given & ({f for f in model_flags if f.startswith("--")} | {"--model"}))
+    if clash:
+        raise DiffmegError(f"{', '.join(clash)} come(s) from config.json; do not pass them after `--`")
+    argv = [
+        *model_flags,
+        "--seq-length", str(seq),
+        "--init-method-std", repr(float(hf_config.get("initializer_range", 0.02))),
+        "--tensor-model-parallel-size", str(tensor_model_parallel_size),
+        "--pipeline-model-parallel-size", str(pipeline_model_parallel_size),
+    ]  # fmt: skip
+    if "lambda_std_dev" in hf_config:
+        argv += ["--lambda-std", repr(float(hf_config.get("lambda_std_dev") or 0.1))]
+    if "--lr" not in given:
+        argv += ["--lr", "0.0"]
+    if "--train-iters" not in given and "--train-tokens" not in given:
+        argv += ["--train-iters", "0"]
+    try:
+        # Validate the layout the checkpoint is recorded for, not the one this process runs in.
+        resolved = resolve_args(
+            [*argv, *extra], world_size=tensor_model_parallel_size * pipeline_model_parallel_size
+        )
+    except SystemExit as exc:  # argparse already printed what was wrong with the extra flags
+        raise DiffmegError(f"invalid pretrain_diff.py flags after `--`: {shlex.join(extra)}") from exc
+    config_from_args(resolved)  # the TP/PP split of heads, as pretrain_diff.py would check it
+    if layout_from_args(resolved) != layout:
+        raise DiffmegError("the flags after `--` change the model's shape; drop them")
+    return resolved
+
+
+def analysis_args(folder: HFModelFolder, seq_length: int | None = None) -> argparse.Namespace:
+    """A folder's arguments as the evaluation and analysis tools read a checkpoint's: resolved as an
+    import would record them, with `tokenizer_type` cl100k_base when the vocabulary holds cl100k's ids,
+    else "null" (ids of no tokenizer)."""
+    from diffmeg.data.tokenizer import CL100K_N_VOCAB
+
+    args = resolved_pretrain_args(folder.layout, folder.config, seq_length=seq_length)
+    args.tokenizer_type = "cl100k_base" if folder.layout.vocab_size >= CL100K_N_VOCAB else "null"
+    args.hf_model_type = folder.layout.model_type
+    return args
+
+
+@torch.no_grad()
+def load_hf_model(
+    folder: HFModelFolder, args: argparse.Namespace, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The single-rank model of `args` with the folder's weights, in eval mode and `dtype`.
+
+    Built in fp32, filled layer by layer, then cast, exactly as `load_model_weights` builds a checkpoint's
+    model (so an export and its source give the same numbers). Needs torch.distributed and megatron-core's
+    TP=PP=1 state.
+    """
+    from diffmeg.conversion.checkpoint_io import build_single_rank_model, fill_model
+
+    model = build_single_rank_model(args, torch.float32)
+    fill_model(model, folder.mcore_blocks(torch.float32))
+    return model.to(dtype).eval()
