@@ -59,6 +59,7 @@ class Cluster:
         return (out[0], out[1]) if len(out) >= 2 else ("", "")
 
 
+TERMINAL_STABLE_S = 10.0
 TERMINAL = {
     "COMPLETED",
     "FAILED",
@@ -99,6 +100,7 @@ class Job:
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
+        terminal_since: float | None = None
         while not self._stop.is_set():
             fields = dict(
                 kv.split("=", 1)
@@ -109,9 +111,16 @@ class Job:
             )
             state, reason = fields.get("JobState", ""), fields.get("Reason", "")
             if state in TERMINAL:
-                code, sig = (int(x) for x in fields.get("ExitCode", "0:0").split(":"))
-                self.exit_code = code if sig == 0 else 128 + sig
-                return
+                # A job requeueing itself passes through CANCELLED (its old run) before PENDING: only a
+                # state that stays terminal for TERMINAL_STABLE_S is the end of the job.
+                terminal_since = terminal_since or time.time()
+                if time.time() - terminal_since >= TERMINAL_STABLE_S:
+                    code, sig = (int(x) for x in fields.get("ExitCode", "0:0").split(":"))
+                    self.exit_code = code if sig == 0 else 128 + sig
+                    return
+                time.sleep(0.3)
+                continue
+            terminal_since = None
             if state == "PENDING" and reason == "BeginTime":
                 self.cluster.run("scontrol", "update", f"JobId={self.job_id}", "StartTime=now", check=False)
             if self.signal_after and self.signalled_at is None and state == "RUNNING":
