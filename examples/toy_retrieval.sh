@@ -71,13 +71,16 @@ step 2/5 "training diff-tiny and transformer-tiny, $iters iterations of $batch x
 train diff-tiny diff
 train transformer-tiny transformer
 models=(--load "$out/ckpt/diff" "$out/ckpt/transformer" --label DIFF Transformer)
+# Evaluation prompts as long as the training documents' prompts, so prompt and answer sit at trained
+# positions (a document is prompt, answer of up to 5 ids and the end-of-document id).
+length=$((seq - 8))
 
 step 3/5 "multi-needle retrieval (tools/eval_needle.py)"
-"$py" tools/eval_needle.py "${models[@]}" --lengths "$seq" --needles 1 2 4 6 --queries 1 2 \
+"$py" tools/eval_needle.py "${models[@]}" --lengths "$length" --needles 1 2 4 6 --queries 1 2 \
     --heatmap-needles 6 --samples "$samples" --seed "$seed" --output-dir "$out/needle"
 
 step 4/5 "attention to the answer vs noise (tools/attention_scores.py)"
-"$py" tools/attention_scores.py "${models[@]}" --length "$seq" --num-needles 4 --num-queries 1 \
+"$py" tools/attention_scores.py "${models[@]}" --length "$length" --num-needles 4 --num-queries 1 \
     --samples "$samples" --seed "$seed" --output-dir "$out/attention"
 
 step 5/5 "activation outliers (tools/activation_stats.py)"

@@ -31,33 +31,51 @@ TINY = [
 ]
 
 
-def run_training(
-    tmp: Path, name: str, extra: list[str], nproc: int = 1, check: bool = True, timeout: int = 600
-) -> subprocess.CompletedProcess:
-    """Run one job; metrics land in tmp/name.jsonl, its checkpoint (with --save) in tmp/name."""
+def job_env(tmp: Path | None, nproc: int) -> dict[str, str]:
+    """The environment of a launched job: this checkout importable, no inherited rank variables."""
     env = dict(
         os.environ,
         TORCHDYNAMO_DISABLE="1",
-        TMPDIR=str(tmp),
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
     )
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
-    script = str(REPO_ROOT / "pretrain_diff.py")
-    argv = [*TINY, "--metrics-file", str(tmp / f"{name}.jsonl"), *extra]
+    return env
+
+
+def launch_cmd(nproc: int, target: list[str]) -> list[str]:
+    """`python TARGET...` for one process, else torchrun with `nproc` processes on a free port."""
     if nproc == 1:
-        cmd = [sys.executable, script, *argv]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            f"--master_port={free_port()}",
-            script,
-            *argv,
-        ]
+        return [sys.executable, *target]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        *target,
+    ]
+
+
+def run_training(
+    tmp: Path,
+    name: str,
+    extra: list[str],
+    nproc: int = 1,
+    check: bool = True,
+    timeout: int = 600,
+    target: list[str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run one job; metrics land in tmp/name.jsonl, its checkpoint (with --save) in tmp/name.
+
+    `target` replaces pretrain_diff.py (e.g. ["-m", "tests.some_module"] with its own entry point)."""
+    target = target or [str(REPO_ROOT / "pretrain_diff.py")]
+    argv = [*TINY, "--metrics-file", str(tmp / f"{name}.jsonl"), *extra]
+    cmd, env = launch_cmd(nproc, [*target, *argv]), job_env(tmp, nproc)
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(

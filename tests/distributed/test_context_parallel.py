@@ -7,15 +7,13 @@ with `AllGatherCPAttention` installed where TEDotProductAttention would be built
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, free_port
-from tests.distributed.runner import TINY, assert_same_run, run_training
+from tests.conftest import REPO_ROOT
+from tests.distributed.runner import assert_same_run, run_training
 
 SEQ256 = ["--seq-length", "256", "--train-iters", "10", "--micro-batch-size", "1", "--global-batch-size", "4"]
 
@@ -40,34 +38,6 @@ def test_context_parallel_matches_single_rank(single_rank, single_rank_parallel_
     assert_same_run(single_rank, "single", name, iterations=10)
 
 
-def _run_with_te_standin(tmp, name: str, extra: list[str], nproc: int = 2) -> None:
-    """As `run_training` with torchrun, but through this module's entry (the TE stand-in installed)."""
-    env = dict(
-        os.environ, TORCHDYNAMO_DISABLE="1", TMPDIR=str(tmp), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"
-    )
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        "-m",
-        "tests.distributed.test_context_parallel",
-        *TINY,
-        "--metrics-file",
-        str(tmp / f"{name}.jsonl"),
-        *extra,
-    ]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("comm", ["p2p", "all_gather"])  # V of width 2d in one call / split in halves
 def test_te_style_context_parallel_matches_single_rank(single_rank, single_rank_parallel_state, comm):
@@ -82,7 +52,8 @@ def test_te_style_context_parallel_matches_single_rank(single_rank, single_rank_
         "--save",
         str(single_rank / name),
     ]
-    _run_with_te_standin(single_rank, name, extra)
+    # This module's entry point installs the TE stand-in, then runs pretrain_diff.py's main.
+    run_training(single_rank, name, extra, nproc=2, target=["-m", "tests.distributed.test_context_parallel"])
     assert_same_run(single_rank, "single", name, iterations=10)
 
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from diffmeg.te_context_parallel import te_attention_available
-from tests.conftest import REPO_ROOT, free_port
+from tests.distributed.runner import job_env, launch_cmd
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,19 +99,8 @@ def test_te_two_maps_match_float64_on_one_gpu(single_rank_parallel_state, comm):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CP=2 needs two GPUs")
 def test_te_context_parallel_matches_ulysses_on_two_gpus(tmp_path):
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "-m",
-        "tests.distributed.test_te_cp",
-    ]
+    env = job_env(None, 2)
+    cmd = launch_cmd(2, ["-m", "tests.distributed.test_te_cp"])
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "te-cp-ok" in proc.stdout
