@@ -89,7 +89,7 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: Log = stderr) -> dict:
     start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
     length = cfg.length or min(i.seq_length for i in infos)
-    vocab = needle_vocab(infos[0], cfg.text_files, cfg.tokenizer_file, cfg.seed)
+    vocab = needle_vocab(infos[0], cfg.text_files, cfg.tokenizer_file)
     prompts = {
         d: [
             build_prompt(vocab, length, d, cfg.num_needles, cfg.num_queries, seed=cfg.seed + 7919 * s)

@@ -84,9 +84,7 @@ def loaded_models(
                 torch.cuda.empty_cache()
 
 
-def needle_vocab(
-    info: CheckpointInfo, text_files: Sequence[str] | None, tokenizer_file: str | None, seed: int
-):
+def needle_vocab(info: CheckpointInfo, text_files: Sequence[str] | None, tokenizer_file: str | None):
     """`IdVocab` for mock-data checkpoints, `TextVocab` (filler from --text-files) for cl100k ones."""
     from diffmeg.analysis.needle import IdVocab, TextVocab
 

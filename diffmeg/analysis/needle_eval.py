@@ -75,7 +75,7 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: Log = stderr) -> dict:
     start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
     lengths = cfg.lengths or [min(i.seq_length for i in infos)]
-    vocab = needle_vocab(infos[0], cfg.text_files, cfg.tokenizer_file, cfg.seed)
+    vocab = needle_vocab(infos[0], cfg.text_files, cfg.tokenizer_file)
     grid = [(n, r, length, d) for n, r in combos for length in lengths for d in cfg.depths]
     prompts = {
         key: [
