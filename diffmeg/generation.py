@@ -45,10 +45,10 @@ class GenerationResult:
 
 def load_model(root: str, iteration: int | None = None, dtype: torch.dtype = torch.float32):
     """(model, args) of a checkpoint as one TP=PP=1 model in eval mode, whatever layout saved it."""
-    from diffmeg.conversion.checkpoint_io import single_process_group
-    from diffmeg.training.checkpointing import load_model_weights
+    from diffmeg.checkpoints import load_model_weights
+    from diffmeg.runtime import single_process
 
-    single_process_group()
+    single_process()
     return load_model_weights(root, iteration, dtype)
 
 
@@ -66,6 +66,12 @@ def _forward(model, tokens: torch.Tensor, start: int, context=None) -> torch.Ten
             runtime_gather_output=True,  # megatron-core requires gathered logits at inference
         )
     return logits[0, -1].float()  # [b, s, V] -> [V]
+
+
+def sampling_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A seeded generator on the device the probabilities live on: `torch.multinomial` refuses a CPU
+    generator for CUDA probabilities (so a seed gives one sequence per device type, not across them)."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
@@ -104,9 +110,7 @@ def generate(
     bad = [i for i in prompt_ids if not 0 <= i < vocab]
     if bad:
         raise DiffmegError(f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab}")
-    generator = None
-    if sampling.seed is not None:
-        generator = torch.Generator().manual_seed(sampling.seed)
+    generator = None  # made at the first step, on the logits' device (see sampling_generator)
     device = next(model.parameters()).device
     ids = list(prompt_ids)
     out: list[int] = []
@@ -122,6 +126,8 @@ def generate(
             start += pending.shape[1]
         if return_logits:
             logits_seen.append(logits)
+        if generator is None and sampling.seed is not None:
+            generator = sampling_generator(sampling.seed, logits.device)
         token = next_token(logits, sampling, generator)
         out.append(token)
         ids.append(token)

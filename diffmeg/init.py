@@ -4,7 +4,8 @@ megatron-core initialises each pipeline stage's layers from a shared RNG stream,
 start from different weights. Here every parameter is drawn from its own generator, seeded from the run
 seed and the parameter's *global* name (layer index from megatron-core's global `layer_number`); a
 tensor-parallel shard is cut from the full tensor. Any TP/PP/DP layout therefore starts from the same
-model, which is what makes single-rank parity tests meaningful from a fresh start.
+model, which is what makes single-rank parity tests meaningful from a fresh start. The numbers are drawn
+on the CPU and copied to the parameter's device, so CPU and GPU runs of one seed start identically too.
 """
 
 from __future__ import annotations
@@ -58,9 +59,14 @@ def _init_kind(name: str) -> str:
     raise DiffmegError(f"no initialisation rule for parameter {name!r}; add one in diffmeg/init.py")
 
 
-def _draw(shape: tuple[int, ...], std: float, seed: int, device: torch.device) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
+def draw_normal(shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    """N(0, std^2) in fp32 from a CPU generator, whatever device the parameter lives on.
+
+    CUDA's generator (Philox) and the CPU's (Mersenne Twister) give different numbers for one seed; drawing
+    on the CPU and copying makes a GPU run start from exactly the weights of a CPU run.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen)
 
 
 @torch.no_grad()
@@ -84,16 +90,16 @@ def initialize_parameters(model: torch.nn.Module, config: DiffTransformerConfig,
         seed_ = _param_seed(seed, name)
         sharded = getattr(param, "tensor_model_parallel", False) and tp > 1
         if not sharded:
-            param.copy_(_draw(tuple(param.shape), std, seed_, param.device))
+            param.copy_(draw_normal(tuple(param.shape), std, seed_))
             continue
         dim = param.partition_dim
         full_shape = list(param.shape)
         full_shape[dim] *= tp
         if name.endswith("mlp.linear_fc1.weight") and config.gated_linear_unit:
             # SwiGLU fc1 holds [gate; up] per rank: shard gate and up separately, as the TP=1 layout is.
-            full = _draw(tuple(full_shape), std, seed_, param.device)  # [2F, H] = [gate; up]
+            full = draw_normal(tuple(full_shape), std, seed_)  # [2F, H] = [gate; up]
             gate, up = full.chunk(2, dim=0)
             param.copy_(torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0))
         else:
-            full = _draw(tuple(full_shape), std, seed_, param.device)
+            full = draw_normal(tuple(full_shape), std, seed_)
             param.copy_(full.chunk(tp, dim=dim)[tp_rank])

@@ -49,6 +49,30 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, drop
     return out.transpose(1, 2)
 
 
+class _Combine(torch.autograd.Function):
+    """`o1 - lam * o2` computed in fp32 (or wider), as the reference and the fused kernel do.
+
+    In the activation dtype lambda would be rounded to bf16 and its gradient -sum(dO * o2) summed in bf16.
+    Autograd of the fp32 expression would save o2 in fp32 (twice the bytes); this keeps o2 as it came.
+    """
+
+    @staticmethod
+    def forward(ctx, o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(o1.dtype, torch.float32)
+        ctx.save_for_backward(o2, lam)
+        return (o1.to(wide) - lam.to(wide) * o2.to(wide)).to(o1.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        o2, lam = ctx.saved_tensors
+        wide = torch.promote_types(dout.dtype, torch.float32)
+        do2 = (-lam.to(wide) * dout.to(wide)).to(o2.dtype) if ctx.needs_input_grad[1] else None
+        dlam = None
+        if ctx.needs_input_grad[2]:
+            dlam = -(dout.to(wide) * o2.to(wide)).sum().to(lam).reshape(lam.shape)
+        return (dout if ctx.needs_input_grad[0] else None), do2, dlam
+
+
 def diff_attention_sdpa(
     q1: torch.Tensor,
     q2: torch.Tensor,
@@ -77,4 +101,4 @@ def diff_attention_sdpa(
     else:
         o1 = call(q1, k1, v, scale, dropout_p)  # [b, h, sq, 2d]
         o2 = call(q2, k2, v, scale, dropout_p)
-    return o1 - lam.to(o1.dtype) * o2
+    return _Combine.apply(o1, o2, lam)

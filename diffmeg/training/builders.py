@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,22 @@ from diffmeg.config import DiffTransformerConfig
 from diffmeg.model import build_model
 from diffmeg.training.grads import finalize_diff_model_grads
 from diffmeg.training.optim import build_optimizer, build_scheduler, params_dtype
+
+# megatron-core's FusedScaleMaskSoftmax imports these CUDA extensions (Megatron-LM's / apex's fused kernels)
+# when the fusion is on and the shapes qualify (bf16/fp16, 16 < sk <= 4096): without them every local-spec
+# Transformer run on a GPU would stop with ModuleNotFoundError.
+FUSED_SOFTMAX_MODULES = (
+    "scaled_upper_triang_masked_softmax_cuda",
+    "scaled_masked_softmax_cuda",
+    "scaled_softmax_cuda",
+)
+
+
+def fused_softmax_available() -> bool:
+    """megatron-core's fused masked softmax can run here: CUDA and its extension modules importable."""
+    if not torch.cuda.is_available():
+        return False
+    return all(importlib.util.find_spec(name) is not None for name in FUSED_SOFTMAX_MODULES)
 
 
 def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
@@ -54,7 +71,7 @@ def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=fused_softmax_available(),
         bias_activation_fusion=on_gpu,
         apply_rope_fusion=False,
         diff_attention=args.diff_attention,
