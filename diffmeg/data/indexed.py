@@ -154,7 +154,10 @@ def _strip_ext(path: str) -> str:
 
 
 def _prefixes_from_paths(paths: Iterable[str]) -> list[str]:
-    return sorted({_strip_ext(p) for p in paths if p.endswith((".bin", ".idx")) and exists(_strip_ext(p))})
+    from diffmeg.data.loss_mask import is_loss_mask_prefix  # a dataset's mask is part of it, not another
+
+    prefixes = {_strip_ext(p) for p in paths if p.endswith((".bin", ".idx"))}
+    return sorted(p for p in prefixes if exists(p) and not is_loss_mask_prefix(p))
 
 
 def order_shards(prefixes: Sequence[str]) -> list[str]:
@@ -188,6 +191,14 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str, overwrite: bool 
     if any(os.path.abspath(p) == out for p in prefixes):
         raise DiffmegError(f"output {output_prefix} is also an input; choose another --output-prefix")
     check_can_write([output_prefix], overwrite)
+    from diffmeg.data.loss_mask import has_loss_mask, loss_mask_prefix
+
+    masked = [p for p in prefixes if has_loss_mask(p)]
+    if masked and len(masked) < len(prefixes):
+        unmasked = next(p for p in prefixes if p not in masked)
+        raise DiffmegError(f"{masked[0]} has a loss mask but {unmasked} has none; merge only one kind")
+    if masked:  # the masks first, as every masked writer does
+        merge_datasets([loss_mask_prefix(p) for p in prefixes], loss_mask_prefix(output_prefix), overwrite)
     dtype = _IndexReader(get_idx_path(prefixes[0]), multimodal=False).dtype
     with IndexedWriter(output_prefix, dtype=dtype) as writer:
         for prefix in prefixes:
