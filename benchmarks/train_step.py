@@ -9,7 +9,9 @@ megatron-core's forward/backward schedule -> optimizer.step), on mock tokens, as
 them. FLOPs are diffmeg.training.flops.train_flops_per_iteration (model FLOPs: DIFF's core counted at
 1.5x the baseline's, no recompute), so MFU is comparable between the pair. For each DIFF model its
 FLOP-matched baseline `transformer-X` is run too; `ratio` = DIFF tokens/s over the baseline's, next to
-the equal-efficiency bound (baseline FLOPs / DIFF FLOPs per token). Prints a table; never a timed test.
+the equal-efficiency bound (baseline FLOPs / DIFF FLOPs per token). Each row also carries the peak
+memory and the memory plan's estimate (diffmeg.training.memory) for the same run.
+benchmarks/campaign.py calls `init_process` and `run_one` as a library. Prints a table; never a timed test.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,6 +54,49 @@ def peak_tflops(fp8: bool, override: float | None) -> float | None:
     return None
 
 
+@dataclass
+class StepOptions:
+    """How one model is run: batch shape, timing, backend, precision extras, recompute, layer cut."""
+
+    micro_batch_size: int | None = None
+    """None: max(1, tokens_per_microbatch // seq)."""
+    tokens_per_microbatch: int = 8192
+    microbatches: int = 4
+    warmup: int = 3
+    iters: int = 10
+    vocab_size: int | None = None
+    """None: the preset's (100288)."""
+    diff_attn_backend: str | None = None
+    """None: auto. Ignored for Transformer presets."""
+    fp8: bool = False
+    fp8_recipe: str = "delayed"
+    recompute: str | None = None
+    """None, "selective" or "full" (full: uniform, one layer per checkpoint)."""
+    num_layers: int | None = None
+    """Cut the preset to this many layers (a 3B-wide model that fits one GPU)."""
+    extra_args: list[str] = field(default_factory=list)
+
+
+def hide_gpu_for_cpu_runs(device: str) -> None:
+    """--device cpu: hide the GPUs. Must run before anything queries CUDA (torch caches the device count
+    at the first query, so a later CUDA_VISIBLE_DEVICES has no effect)."""
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def init_process(seed: int = 1234) -> None:
+    """One-rank torch.distributed (nccl on GPU, gloo on CPU) and megatron-core's TP=PP=1 state."""
+    from diffmeg import runtime
+
+    runtime.single_process(seed)
+
+
+def close_process() -> None:
+    from diffmeg import runtime
+
+    runtime.teardown()
+
+
 def _mock_batches(n: int, mbs: int, seq: int, vocab: int, device: str):
     gen = torch.Generator().manual_seed(0)
     for _ in range(n):
@@ -79,100 +125,142 @@ def _forward_step(data_iterator, model):
     return out, loss_func
 
 
-def run_one(preset: str, seq: int, a: argparse.Namespace, device: str) -> dict:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+def resolve_run_args(preset: str, seq: int, opts: StepOptions, device: str) -> argparse.Namespace:
+    """pretrain_diff.py's resolved arguments for this benchmark run."""
     from diffmeg.training.arguments import resolve_args
-    from diffmeg.training.builders import build_training_objects
-    from diffmeg.training.flops import train_flops_per_iteration
 
-    mbs = a.micro_batch_size or max(1, a.tokens_per_microbatch // seq)
+    mbs = opts.micro_batch_size or max(1, opts.tokens_per_microbatch // seq)
     argv = ["--model", preset, "--mock-data", "--seq-length", str(seq), "--micro-batch-size", str(mbs)]
-    argv += ["--global-batch-size", str(mbs * a.microbatches), "--train-iters", "100"]
+    argv += ["--global-batch-size", str(mbs * opts.microbatches), "--train-iters", "100"]
     argv += ["--max-position-embeddings", str(seq)]
-    if a.vocab_size:
-        argv += ["--vocab-size", str(a.vocab_size)]
+    if opts.vocab_size:
+        argv += ["--vocab-size", str(opts.vocab_size)]
+    if opts.num_layers:
+        argv += ["--num-layers", str(opts.num_layers)]
     if device == "cuda":
         argv += ["--bf16"]
-    if a.fp8:
-        argv += [
-            "--fp8-format",
-            "hybrid",
-            "--fp8-recipe",
-            a.fp8_recipe,
-            "--transformer-impl",
-            "transformer_engine",
-        ]
-    if a.recompute:
-        argv += [
-            "--recompute-granularity",
-            "full",
-            "--recompute-method",
-            "uniform",
-            "--recompute-num-layers",
-            "1",
-        ]
-    args = resolve_args(argv)
-    if a.diff_attn_backend:
-        args.diff_attn_backend = a.diff_attn_backend  # set after parsing: any backend the registry knows
-    config, model, optimizer, _ = build_training_objects(args)
-    backend = next((m.backend_name for m in model.modules() if hasattr(m, "backend_name")), "megatron-core")
+    if opts.fp8:
+        argv += ["--fp8-format", "hybrid", "--fp8-recipe", opts.fp8_recipe]
+        argv += ["--transformer-impl", "transformer_engine"]
+    if opts.recompute == "full":
+        argv += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        argv += ["--recompute-num-layers", "1"]
+    elif opts.recompute == "selective":
+        argv += ["--recompute-granularity", "selective"]
+    if opts.diff_attn_backend and preset.startswith("diff-"):
+        argv += ["--diff-attn-backend", opts.diff_attn_backend]
+    argv += opts.extra_args
+    return resolve_args(argv, world_size=1)
+
+
+def _reset_peak(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> tuple[float, str | None]:
+    """(seconds per optimizer step, attention backend) of the run `args` describes."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from diffmeg.training.builders import build_training_objects
+
+    _, model, optimizer, _ = build_training_objects(args)
+    backend = next((m.backend_name for m in model.modules() if hasattr(m, "backend_name")), None)
     fwd_bwd = get_forward_backward_func()
+    seq, mbs = args.seq_length, args.micro_batch_size
 
     def step():
         model.zero_grad_buffer()
         optimizer.zero_grad()
         fwd_bwd(
             forward_step_func=_forward_step,
-            data_iterator=_mock_batches(a.microbatches, mbs, seq, args.vocab_size, device),
+            data_iterator=_mock_batches(opts.microbatches, mbs, seq, args.vocab_size, device),
             model=[model],
-            num_microbatches=a.microbatches,
+            num_microbatches=opts.microbatches,
             seq_length=seq,
             micro_batch_size=mbs,
             forward_only=False,
         )
         optimizer.step()
 
-    try:
-        for _ in range(a.warmup):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(a.iters):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds = (time.perf_counter() - start) / a.iters
-        mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    except torch.OutOfMemoryError:
-        seconds, mem = float("inf"), float("inf")
+    for _ in range(opts.warmup):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(opts.iters):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / max(1, opts.iters), backend
+
+
+def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
+    """Build, warm up, time `opts.iters` optimizer steps. Failures (OOM, a backend that cannot run) are
+    returned in `error` with the timing figures None, so a sweep goes on."""
+    from diffmeg.training.flops import train_flops_per_iteration
+    from diffmeg.training.memory import estimate_memory
+
+    args = resolve_run_args(preset, seq, opts, device)
     flops = train_flops_per_iteration(args)
     tokens = args.global_batch_size * seq
     result = {
         "preset": preset,
         "seq": seq,
-        "mbs": mbs,
-        "backend": backend if args.diff_attention else "megatron-core",
-        "tokens_per_s": tokens / seconds,
-        "tflops": flops / seconds / 1e12,
+        "layers": args.num_layers,
+        "mbs": args.micro_batch_size,
+        "microbatches": opts.microbatches,
+        "recompute": opts.recompute,
+        "backend": None,
+        "tokens_per_s": None,
+        "tflops": None,
         "flops_per_token": flops / tokens,
-        "mem_gib": mem,
-        "step_s": seconds,
+        "mem_gib": None,
+        "estimated_gib": estimate_memory(args, on_gpu=device == "cuda").total / 2**30,
+        "step_s": None,
+        "error": None,
     }
+    _reset_peak(device)
+    try:
+        seconds, backend = _time_steps(args, opts, device)
+        result.update(step_s=seconds, tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12)
+        result["backend"] = backend if args.diff_attention else "megatron-core"
+        if device == "cuda":
+            result["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    except Exception as exc:  # noqa: BLE001 - every failure is a result here
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        result["error"] = "OOM" if oom else f"{type(exc).__name__}: {exc}"[:300]
+    _reset_peak(device)
     return result
 
 
-def _mem(gib: float) -> str:
-    return "-" if gib != gib else f"{gib:.1f}"  # nan on CPU
+def baseline_of(diff_preset: str) -> str | None:
+    """The FLOP-matched Transformer of a DIFF (V1 or V2) preset: diff-X / diff2-X -> transformer-X."""
+    for prefix in ("diff2-", "diff-"):
+        if diff_preset.startswith(prefix):
+            return "transformer-" + diff_preset[len(prefix) :]
+    return None
 
 
-def _release(device: str) -> None:
-    """Free the previous model's memory before the next one is built."""
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+def format_header() -> str:
+    return (
+        f"{'model':18s} {'seq':>5} {'mbs':>3} {'attn backend':14s} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}"
+        f" {'GFLOP/tok':>9} {'mem GiB':>7} {'est GiB':>7} {'ratio':>6} {'bound':>6}"
+    )
+
+
+def format_row(r: dict, peak: float | None, ratio: str = "", bound: str = "") -> str:
+    if r["error"]:
+        return f"{r['preset']:18s} {r['seq']:5d} {r['mbs']:3d} {str(r['backend']):14s} {r['error']}"
+    mfu = f"{100 * r['tflops'] / peak:5.1f}%" if peak else "  n/a"
+    mem = "-" if r["mem_gib"] is None else f"{r['mem_gib']:.1f}"
+    return (
+        f"{r['preset']:18s} {r['seq']:5d} {r['mbs']:3d} {r['backend']:14s}"
+        f" {r['tokens_per_s']:10.1f} {r['tflops']:8.3f} {mfu:>6}"
+        f" {r['flops_per_token'] / 1e9:9.3f} {mem:>7} {r['estimated_gib']:7.1f} {ratio:>6} {bound:>6}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,84 +269,66 @@ def main(argv: list[str] | None = None) -> None:
         "--model", nargs="+", default=["diff-830m", "diff-1.4b"], help="DIFF presets (baseline added)"
     )
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="default: 2048 4096 (GPU), 256 (CPU)")
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
-    )
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--micro-batch-size", type=int, default=None)
     p.add_argument("--tokens-per-microbatch", type=int, default=None, help="default 8192 (GPU), 256 (CPU)")
     p.add_argument("--microbatches", type=int, default=None, help="per step; default 4 (GPU), 1 (CPU)")
+    p.add_argument("--num-layers", type=int, default=None, help="cut every preset to this many layers")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--vocab-size", type=int, default=None, help="default: the preset's (100288)")
     p.add_argument("--diff-attn-backend", default=None, help="e.g. sdpa, flash, triton (default: auto)")
     p.add_argument("--fp8", action="store_true", help="FP8 hybrid linears via Transformer Engine (GPU)")
     p.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
-    p.add_argument("--recompute", action="store_true", help="full activation recompute (not counted in MFU)")
+    p.add_argument("--recompute", choices=["selective", "full"], default=None, help="not counted in MFU")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: by name)")
     a = p.parse_args(argv)
-    device = a.device
+    if a.device == "cpu":
+        hide_gpu_for_cpu_runs("cpu")  # before the first CUDA query below
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device == "cuda"
-    a.seqs = a.seqs or ([2048, 4096] if gpu else [256])
-    a.tokens_per_microbatch = a.tokens_per_microbatch or (8192 if gpu else 256)
-    a.microbatches = a.microbatches or (4 if gpu else 1)
-    a.warmup = a.warmup if a.warmup is not None else (3 if gpu else 1)
-    a.iters = a.iters if a.iters is not None else (10 if gpu else 3)
-    if a.fp8 and not (gpu and importlib.util.find_spec("transformer_engine")):
+    opts = StepOptions(
+        micro_batch_size=a.micro_batch_size,
+        tokens_per_microbatch=a.tokens_per_microbatch or (8192 if gpu else 256),
+        microbatches=a.microbatches or (4 if gpu else 1),
+        warmup=a.warmup if a.warmup is not None else (3 if gpu else 1),
+        iters=a.iters if a.iters is not None else (10 if gpu else 3),
+        vocab_size=a.vocab_size,
+        diff_attn_backend=a.diff_attn_backend,
+        fp8=a.fp8,
+        fp8_recipe=a.fp8_recipe,
+        recompute=a.recompute,
+        num_layers=a.num_layers,
+    )
+    seqs = a.seqs or ([2048, 4096] if gpu else [256])
+    if opts.fp8 and not (gpu and importlib.util.find_spec("transformer_engine")):
         print("note: --fp8 needs a GPU and Transformer Engine; running bf16/fp32 only")
-        a.fp8 = False
-    if not gpu:
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-
-    from megatron.core import parallel_state
-
-    from diffmeg.compat import apply_cpu_compat, model_parallel_manual_seed
-    from diffmeg.training.distributed import initialize_distributed
-
-    initialize_distributed("nccl" if gpu else "gloo")
-    apply_cpu_compat()
-    parallel_state.initialize_model_parallel()
-    model_parallel_manual_seed(1234)
+        opts.fp8 = False
+    init_process()
 
     import megatron.core
 
     name = torch.cuda.get_device_name() if gpu else f"CPU ({platform.processor() or 'x86_64'})"
-    peak = peak_tflops(a.fp8, a.peak_tflops)
+    peak = peak_tflops(opts.fp8, a.peak_tflops)
     print(
         f"device: {name}; torch {torch.__version__}; megatron-core {megatron.core.__version__}; "
-        f"precision {'fp8-hybrid' if a.fp8 else ('bf16' if gpu else 'fp32')}; "
+        f"precision {'fp8-hybrid' if opts.fp8 else ('bf16' if gpu else 'fp32')}; "
         f"threads {torch.get_num_threads()}"
     )
-    print(
-        f"peak for MFU: {peak if peak else 'unknown (MFU n/a)'} TFLOP/s; microbatches/step {a.microbatches}"
-    )
-    header = (
-        f"{'model':18s} {'seq':>5} {'mbs':>3} {'attn backend':14s} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}"
-        f" {'GFLOP/tok':>9} {'mem GiB':>7} {'ratio':>6} {'bound':>6}"
-    )
-    print(header)
-    print("-" * len(header))
+    print(f"peak for MFU: {peak or 'unknown (MFU n/a)'} TFLOP/s; microbatches/step {opts.microbatches}")
+    print(format_header())
+    print("-" * len(format_header()))
     for diff_preset in a.model:
-        pair = [diff_preset]
-        if diff_preset.startswith("diff-"):
-            pair.append("transformer-" + diff_preset[len("diff-") :])
-        for seq in a.seqs:
-            results = []
-            for preset in pair:
-                results.append(run_one(preset, seq, a, device))
-                _release(device)
+        pair = [diff_preset] + [b for b in [baseline_of(diff_preset)] if b]
+        for seq in seqs:
+            results = [run_one(preset, seq, opts, device) for preset in pair]
             for r in results:
-                mfu = f"{100 * r['tflops'] / peak:5.1f}%" if peak else "  n/a"
                 ratio = bound = ""
-                if len(results) == 2 and r is results[0]:
+                if len(results) == 2 and r is results[0] and not any(x["error"] for x in results):
                     ratio = f"{results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.3f}"
                     bound = f"{results[1]['flops_per_token'] / results[0]['flops_per_token']:.3f}"
-                print(
-                    f"{r['preset']:18s} {r['seq']:5d} {r['mbs']:3d} {r['backend']:14s}"
-                    f" {r['tokens_per_s']:10.1f} {r['tflops']:8.3f} {mfu:>6}"
-                    f" {r['flops_per_token'] / 1e9:9.3f} {_mem(r['mem_gib']):>7} {ratio:>6} {bound:>6}"
-                )
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+                print(format_row(r, peak, ratio, bound))
+    close_process()
 
 
 if __name__ == "__main__":

@@ -13,13 +13,20 @@ per step.
 
 Context parallelism (`cp_comm_type`): `ulysses` trades this rank's sequence shard for whole heads with an
 all-to-all around the backend; `p2p` / `all_gather` / `a2a` hand the two maps to megatron-core's
-TEDotProductAttention, which does its own CP (`diffmeg.te_context_parallel.DiffMapsWithCP`).
+TEDotProductAttention, which does its own CP (`diffmeg.parallel.DiffMapsWithCP`; the attention class is
+the spec's `cp_attention` submodule).
+
+`override_attention_backend` is the public way for analysis tools to run their own attention math
+(e.g. one that reports both maps) in place of the configured backend for a `with` block.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -28,12 +35,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from diffmeg.config import DiffTransformerConfig
-from diffmeg.context_parallel import head_to_sequence_shards, sequence_to_head_shards
 from diffmeg.errors import DiffmegError
-from diffmeg.kernels import resolve_backend
+from diffmeg.kernels import DiffAttentionFn, resolve_backend
 from diffmeg.kernels.reference import diff_attention_reference
 from diffmeg.norm import rms_norm
-from diffmeg.te_context_parallel import DiffMapsWithCP
+from diffmeg.parallel import DiffMapsWithCP, head_to_sequence_shards, sequence_to_head_shards
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +60,21 @@ class HeadRMSNorm(torch.nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+@dataclass
+class DiffCoreAttentionSubmodules:
+    """What the spec chooses for the differential core."""
+
+    cp_attention: type[torch.nn.Module] | None = None
+    """The CP-aware attention that runs each map for `cp_comm_type` p2p/all_gather/a2a (with
+    TEDotProductAttention's constructor and call signature); None: TEDotProductAttention where TE runs."""
+
+
 class DiffCoreAttention(MegatronModule):
     """Differential attention core: q/k/v per partition in, `[sq, b, h_p * 2d]` out."""
+
+    override: DiffAttentionFn | None = None
+    """When set, every call of this layer uses it instead of the configured backend (see
+    `override_attention_backend`)."""
 
     def __init__(
         self,
@@ -67,8 +86,10 @@ class DiffCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        submodules: DiffCoreAttentionSubmodules | None = None,
     ) -> None:
         super().__init__(config=config)
+        submodules = submodules or DiffCoreAttentionSubmodules()
         if not isinstance(config, DiffTransformerConfig) or not config.diff_attention:
             raise DiffmegError("DiffCoreAttention needs a DiffTransformerConfig with diff_attention=True")
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
@@ -93,9 +114,6 @@ class DiffCoreAttention(MegatronModule):
         self.backend_name = config.attention_backend_diff
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else "cuda"
         self.backend_name, self._backend = resolve_backend(self.backend_name, device)
-        # Exact math for what the fused paths cannot do (masks, dropout); an attribute so analysis
-        # tools that wrap the backend also see these calls.
-        self._exact_backend = diff_attention_reference
 
         # lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init, vectors of size d shared by the layer's heads.
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
@@ -117,6 +135,7 @@ class DiffCoreAttention(MegatronModule):
                 self.softmax_scale,
                 self.cp_comm_type,
                 pgs,
+                attention_cls=submodules.cp_attention,
             )
 
     def lambda_full(self) -> torch.Tensor:
@@ -164,9 +183,11 @@ class DiffCoreAttention(MegatronModule):
 
         dropout_p = self.dropout_p if self.training else 0.0
         backend = self._backend
-        if mask is not None or dropout_p > 0.0:
+        if self.override is not None:
+            backend = self.override
+        elif mask is not None or dropout_p > 0.0:
             # The fused paths are causal-only and would drop A1 and A2 separately: use the exact math.
-            backend = self._exact_backend
+            backend = diff_attention_reference
         lam = self.lambda_full()
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -193,3 +214,21 @@ class DiffCoreAttention(MegatronModule):
             out = head_to_sequence_shards(out.contiguous(), cp_group)  # [sq/cp, b, h*cp, 2d]
         # [sq', b, h', 2d] -> [sq', b, h' * 2d]
         return out.reshape(out.shape[0], b, -1)
+
+
+@contextmanager
+def override_attention_backend(
+    model: torch.nn.Module, backend_for_layer: Callable[[int], DiffAttentionFn]
+) -> Iterator[None]:
+    """Within the block, the differential core of layer i (0-based global layer index) attends with
+    `backend_for_layer(i)`, a function with the backends' signature (`diffmeg.kernels`), for every call
+    (also those with masks or dropout). Restored on exit."""
+    cores = [m for m in model.modules() if isinstance(m, DiffCoreAttention)]
+    saved = [core.override for core in cores]
+    try:
+        for core in cores:
+            core.override = backend_for_layer(core.layer_number - 1)
+        yield
+    finally:
+        for core, previous in zip(cores, saved, strict=True):
+            core.override = previous

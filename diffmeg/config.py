@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diffmeg.errors import DiffmegError
-from diffmeg.te_context_parallel import CP_COMM_TYPES
+from diffmeg.parallel.validation import validate_cp
 
-ATTENTION_BACKENDS = ("auto", "reference", "sdpa", "flash", "te", "triton")
+ATTENTION_BACKENDS = ("auto", "reference", "sdpa", "flash", "triton")
 
 
 def lambda_init_for_layer(layer_index: int) -> float:
@@ -43,22 +43,26 @@ class DiffTransformerConfig(TransformerConfig):
     """Epsilon of the per-head RMSNorm applied to each differential head's output (width 2d)."""
 
     attention_backend_diff: str = "auto"
-    """Differential attention core: reference (plain math), sdpa (torch), flash / te / triton on GPU,
-    or auto (the fastest available)."""
+    """Differential attention core: reference (plain math), sdpa (torch), flash / triton on GPU, or auto
+    (the fastest available)."""
 
     cp_comm_type: str | list[str] | None = None
     """megatron-core's field, with one more value for DIFF: `ulysses` (None means it) shards heads with
     diffmeg's all-to-all around any backend; `p2p`, `all_gather`, `a2a` run both maps through
-    megatron-core's TEDotProductAttention with its own CP (`diffmeg.te_context_parallel`; needs TE). The
+    megatron-core's TEDotProductAttention with its own CP (`diffmeg.parallel.te_attention`; needs TE). The
     baseline passes the value to megatron-core as is (None = p2p)."""
 
     def __post_init__(self) -> None:
         if self.diff_attention:
             self._validate_diff()
-        elif self.cp_comm_type == "ulysses":
-            raise DiffmegError(
-                "cp_comm_type 'ulysses' is the differential core's all-to-all; the Transformer baseline "
-                "uses megatron-core's TE attention: choose p2p, all_gather or a2a"
+        else:
+            validate_cp(
+                cp_size=self.context_parallel_size,
+                comm_type=self.cp_comm_type,
+                diff_attention=False,
+                heads=self.num_attention_heads,
+                kv_heads=self.num_query_groups or self.num_attention_heads,
+                tp=self.tensor_model_parallel_size,
             )
         super().__post_init__()
 
@@ -105,28 +109,15 @@ class DiffTransformerConfig(TransformerConfig):
                 f"unknown differential attention backend {self.attention_backend_diff!r}; "
                 f"choose one of {', '.join(ATTENTION_BACKENDS)}"
             )
-        cp, comm = self.context_parallel_size, self.cp_comm_type or "ulysses"
-        if comm not in CP_COMM_TYPES:  # also rejects megatron-core's per-layer lists
-            raise DiffmegError(
-                f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)} for differential attention, "
-                f"got {comm!r}"
-            )
-        if cp > 1 and comm == "a2a+p2p":
-            raise DiffmegError(
-                "cp_comm_type a2a+p2p needs megatron-core's hierarchical CP groups, which diffmeg does not "
-                "create; use p2p, all_gather, a2a or ulysses"
-            )
-        if cp > 1 and comm != "ulysses" and self.attention_dropout > 0:
-            raise DiffmegError(
-                f"cp_comm_type {comm} runs the two maps as separate TE attention calls, which would drop "
-                f"them out separately; use attention_dropout 0 or cp_comm_type ulysses"
-            )
-        if cp > 1 and comm in ("ulysses", "a2a") and ((heads // tp) % cp or (groups // 2 // tp) % cp):
-            raise DiffmegError(
-                f"context parallelism {cp} shards whole differential heads inside attention "
-                f"(cp_comm_type {comm}): the {heads // tp} heads and {groups // 2 // tp} KV heads per TP "
-                f"rank must be divisible by it; choose TP x CP dividing both, or cp_comm_type p2p/all_gather"
-            )
+        validate_cp(
+            cp_size=self.context_parallel_size,
+            comm_type=self.cp_comm_type,
+            diff_attention=True,
+            heads=heads,
+            kv_heads=groups // 2,
+            tp=tp,
+            attention_dropout=self.attention_dropout,
+        )
 
     @property
     def num_diff_heads(self) -> int:

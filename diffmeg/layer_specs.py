@@ -9,9 +9,7 @@ move between CPU and GPU.
 from __future__ import annotations
 
 import copy
-import importlib.util
 
-import torch
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
@@ -19,24 +17,28 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from diffmeg.attention import DiffCoreAttention
+from diffmeg.attention import DiffCoreAttention, DiffCoreAttentionSubmodules
 from diffmeg.config import DiffTransformerConfig
 from diffmeg.errors import DiffmegError
 from diffmeg.norm import RMSNorm
+from diffmeg.runtime import transformer_engine_available
 
 
-def transformer_engine_available() -> bool:
-    """TE is usable only with CUDA; on CPU its modules refuse to build."""
-    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+def diff_core_attention_spec(cp_attention: type | None = None) -> ModuleSpec:
+    """The differential core; `cp_attention` runs the maps for the TE context-parallel modes (None:
+    megatron-core's TEDotProductAttention)."""
+    return ModuleSpec(
+        module=DiffCoreAttention, submodules=DiffCoreAttentionSubmodules(cp_attention=cp_attention)
+    )
 
 
-def get_diff_layer_local_spec(config: DiffTransformerConfig) -> ModuleSpec:
+def get_diff_layer_local_spec(config: DiffTransformerConfig, cp_attention: type | None = None) -> ModuleSpec:
     """megatron-core modules only (runs on CPU and GPU), with our fp32 RMSNorm (SP-capable)."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
     if config.diff_attention:
-        spec.submodules.self_attention.submodules.core_attention = DiffCoreAttention
+        spec.submodules.self_attention.submodules.core_attention = diff_core_attention_spec(cp_attention)
     return spec
 
 
@@ -48,7 +50,7 @@ def get_diff_layer_te_spec(config: DiffTransformerConfig) -> ModuleSpec:
         )
     spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec())
     if config.diff_attention:
-        spec.submodules.self_attention.submodules.core_attention = DiffCoreAttention
+        spec.submodules.self_attention.submodules.core_attention = diff_core_attention_spec()
     return spec
 
 

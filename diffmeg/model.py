@@ -6,8 +6,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
-from diffmeg.compat import apply_cpu_compat
+from diffmeg import runtime
 from diffmeg.config import DiffTransformerConfig
+from diffmeg.errors import DiffmegError
 from diffmeg.init import initialize_parameters
 from diffmeg.layer_specs import get_diff_block_spec
 
@@ -23,8 +24,13 @@ def build_model(
     pre_process: bool | None = None,
     post_process: bool | None = None,
 ) -> GPTModel:
-    """This pipeline stage's part of the model, initialised independently of the parallel layout."""
-    apply_cpu_compat()
+    """This pipeline stage's part of the model, initialised independently of the parallel layout.
+
+    Needs `diffmeg.runtime.setup()` (and megatron-core's parallel state) first: building a model never
+    patches the process itself.
+    """
+    if not runtime.is_setup():
+        raise DiffmegError("call diffmeg.runtime.setup() (or single_process()) before building a model")
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

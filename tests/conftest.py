@@ -26,9 +26,10 @@ def single_rank_parallel_state():
     """torch.distributed (gloo, world 1) and megatron-core model-parallel groups, for the session."""
     import torch
 
-    from diffmeg.compat import apply_cpu_compat, model_parallel_manual_seed
+    from diffmeg import runtime
+    from diffmeg.compat import model_parallel_manual_seed
 
-    apply_cpu_compat()
+    runtime.setup()
     from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():

@@ -41,7 +41,10 @@ def test_valid_config_properties():
         (dict(lambda_init="bogus"), "lambda_init must be"),
         (dict(lambda_init=1.0), r"\[0, 1\)"),
         (dict(attention_backend_diff="magic"), "unknown differential attention backend"),
-        (dict(context_parallel_size=8), "context parallelism 8 shards whole differential heads"),
+        (
+            dict(context_parallel_size=8),
+            "context-parallel-size 8 with --cp-comm-type ulysses shards whole differential heads",
+        ),
     ],
 )
 def test_invalid_configs(kw, match):

@@ -173,16 +173,16 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
 
 def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
     """A DiffLlama / Llama folder -> weights-only megatron-core checkpoint at iteration 0."""
+    from diffmeg.checkpoints import build_single_rank_model
     from diffmeg.conversion.checkpoint_io import (
         atomic_output_dir,
-        build_single_rank_model,
         check_output_path,
         fill_model,
-        single_process_group,
         write_mcore_checkpoint,
     )
     from diffmeg.conversion.hf_config import pretrain_flags
     from diffmeg.conversion.hf_import import open_hf_folder, resolved_pretrain_args
+    from diffmeg.runtime import single_process
 
     check_output_path(args.save, args.overwrite, args.load)
     folder = open_hf_folder(args.load)
@@ -195,7 +195,7 @@ def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
     )
     dtype = _torch_dtype(args.dtype)
-    single_process_group()
+    single_process()
     model = build_single_rank_model(resolved, dtype)
     fill_model(model, folder.mcore_blocks(dtype))
     with atomic_output_dir(args.save) as out:

@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.max_new_tokens < 0:
         raise DiffmegError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    from diffmeg.checkpoints import read_checkpoint_args
     from diffmeg.data.tokenizer import EOD_ID, load_tokenizer
     from diffmeg.generation import SamplingConfig, check_length, decode, generate, load_model
-    from diffmeg.training.checkpointing import read_checkpoint_args
 
     sampling = SamplingConfig(
         greedy=args.greedy,

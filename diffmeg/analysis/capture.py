@@ -1,7 +1,7 @@
 """Read attention maps, attention logits and layer outputs out of a loaded model, without editing it.
 
-DIFF layers: the instance's attention backend (`DiffCoreAttention._backend`) is swapped, for the
-duration of a `with` block, for an explicit-softmax function with the reference path's math
+DIFF layers: `diffmeg.attention.override_attention_backend` runs, for the duration of a `with` block,
+an explicit-softmax function with the reference path's math
 (`diffmeg.kernels.reference`) that also hands both maps, both logit tensors and lambda to a sink.
 Transformer layers (megatron-core's DotProductAttention): hooks on its `scale_mask_softmax` module see
 the scaled logits going in and the probabilities coming out. Layer outputs come from forward hooks on
@@ -11,7 +11,7 @@ the decoder layers. Everything is undone on exit, so the model is usable as befo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -93,27 +93,22 @@ def capture_attention(
 ) -> Iterator[None]:
     """Within the block, every attention layer reports an `AttentionRecord` to `sink` per forward pass
     and applies `logit_fn` to its logits before the softmax (both maps for DIFF)."""
-    from diffmeg.attention import DiffCoreAttention
+    from diffmeg.attention import DiffCoreAttention, override_attention_backend
 
-    undo: list[Callable[[], None]] = []
-    try:
+    with ExitStack() as stack:
+        stack.enter_context(
+            override_attention_backend(model, lambda index: _diff_backend(index, sink, logit_fn))
+        )
         for index, layer in enumerate(decoder_layers(model)):
             core = layer.self_attention.core_attention
             if isinstance(core, DiffCoreAttention):
-                # Both the fused backend and the exact one used for masks/dropout report the maps.
-                for attr in ("_backend", "_exact_backend"):
-                    saved = core.__dict__.get(attr)
-                    setattr(core, attr, _diff_backend(index, sink, logit_fn))
-                    undo.append(lambda core=core, attr=attr, saved=saved: setattr(core, attr, saved))
                 continue
             softmax = getattr(core, "scale_mask_softmax", None)
             if softmax is None:
                 raise DiffmegError(f"layer {index}: unsupported attention module {type(core).__name__}")
-            undo.extend(h.remove for h in _softmax_hooks(softmax, index, sink, logit_fn))
+            for handle in _softmax_hooks(softmax, index, sink, logit_fn):
+                stack.callback(handle.remove)
         yield
-    finally:
-        for fn in reversed(undo):
-            fn()
 
 
 def _softmax_hooks(module: torch.nn.Module, index: int, sink: Sink | None, logit_fn: LogitFn | None):

@@ -1,7 +1,7 @@
 """What the analysis tools share: checkpoint selection and loading, needle vocabularies, outputs.
 
-Checkpoint reading, labels, the single-process group and output-directory checks are the long-context
-tool's (diffmeg.evaluation.long_context); this module only strings them together for several tools.
+Checkpoint reading is `diffmeg.checkpoints`', the single-process group `diffmeg.runtime`'s, labels and
+output-directory checks the long-context tool's; this module strings them together for several tools.
 """
 
 from __future__ import annotations
@@ -16,17 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from diffmeg.checkpoints import DTYPES, CheckpointInfo, load_checkpoint_model, read_checkpoint_info
 from diffmeg.errors import DiffmegError
-from diffmeg.evaluation.long_context import (
-    DTYPES,
-    CheckpointInfo,
-    check_same_vocabulary,
-    default_labels,
-    init_single_process,
-    load_checkpoint_model,
-    prepare_output_dir,
-    read_checkpoint_info,
-)
+from diffmeg.evaluation.long_context import check_same_vocabulary, default_labels, prepare_output_dir
+from diffmeg.runtime import single_process
 
 Log = Callable[[str], None]
 
@@ -72,7 +65,7 @@ def loaded_models(
     before the next loads)."""
     if dtype not in DTYPES:
         raise DiffmegError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype}")
-    init_single_process(seed)
+    single_process(seed)
     for info in infos:
         model = load_checkpoint_model(info, DTYPES[dtype])
         try:

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from diffmeg.checkpoints import WEIGHTS_ONLY_KEY, read_checkpoint_args, write_checkpoint
 from diffmeg.conversion.layout import DiffLayout, ModelLayout
 from diffmeg.errors import DiffmegError
 
@@ -36,34 +37,11 @@ _CKPT_LAYER_KEYS = {
 }
 CKPT_LAYER_PREFIX = "decoder.layers."
 """Prefix of layer tensors both in the state dict (then `N.`) and in the checkpoint (layers stacked)."""
-WEIGHTS_ONLY_KEY = "weights_only"
-"""Set in the common state of checkpoints written here: they hold model weights and nothing else."""
 
 
 def checkpoint_key(local_key: str) -> str:
     """The dist-checkpoint key of a layer tensor (`local_key` is relative to `decoder.layers.N.`)."""
     return CKPT_LAYER_PREFIX + _CKPT_LAYER_KEYS.get(local_key, local_key)
-
-
-def single_process_group(seed: int = 1234) -> None:
-    """torch.distributed (gloo, world size 1, in-process store) and megatron-core's TP=PP=1 state.
-
-    megatron-core's checkpointing and model code read both; a tool runs as one process and must not
-    join a job it was launched inside, so it uses an in-process store instead of the environment.
-    Reuses whatever is already initialised (tests share one group per session).
-    """
-    from megatron.core import parallel_state
-
-    from diffmeg.compat import apply_cpu_compat, model_parallel_manual_seed
-
-    apply_cpu_compat()
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-        model_parallel_manual_seed(seed)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -108,8 +86,6 @@ class McoreCheckpointReader:
 
     def __init__(self, root: str, iteration: int | None = None) -> None:
         from torch.distributed.checkpoint import FileSystemReader
-
-        from diffmeg.training.checkpointing import read_checkpoint_args
 
         if not os.path.isdir(root):
             raise DiffmegError(f"--load {root} is not a directory")
@@ -194,28 +170,6 @@ class McoreCheckpointReader:
         return {name: t[0] for name, t in self._load(requests).items()}
 
 
-def build_single_rank_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The TP=PP=1 GPTModel `pretrain_diff.py` builds for these arguments, its weights in `dtype`
-    (built in that dtype: no fp32 copy of a bf16 model). Needs `single_process_group`."""
-    from diffmeg.model import build_model
-    from diffmeg.training.builders import config_from_args
-    from diffmeg.training.checkpointing import single_rank_args
-
-    args = single_rank_args(args)
-    args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
-    model = build_model(
-        config_from_args(args),
-        vocab_size=args.vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        rotary_base=args.rotary_base,
-        use_te=False,
-        seed=args.seed,
-        pre_process=True,
-        post_process=True,
-    )
-    return model.to(dtype)  # the few tensors created in fp32 whatever the config (lambda vectors)
-
-
 @torch.no_grad()
 def fill_model(model: torch.nn.Module, blocks: Iterator[dict[str, torch.Tensor]]) -> None:
     """Copy TP=1 state-dict entries into `model`'s parameters, block by block; every parameter once."""
@@ -243,14 +197,8 @@ def write_mcore_checkpoint(
 ) -> None:
     """Save `model` as a weights-only checkpoint (`{path}/iter_N`, args.json, tracker) as pretrain_diff.py
     lays them out: the model's own sharded state dict, so every key (extra states included) is what a
-    training run saves and loads at any TP/PP. Needs `single_process_group`.
+    training run saves and loads at any TP/PP. Needs `diffmeg.runtime.single_process()`.
     """
-    from megatron.core import dist_checkpointing
-
-    from diffmeg.training.checkpointing import ARGS_FILE, TRACKER_FILE, checkpoint_path
-
-    iter_dir = checkpoint_path(path, iteration)
-    os.makedirs(iter_dir)
     state = {
         "model": model.sharded_state_dict(),
         "iteration": iteration,
@@ -259,11 +207,7 @@ def write_mcore_checkpoint(
         "args": json.dumps(vars(args), default=str),
         WEIGHTS_ONLY_KEY: True,
     }
-    dist_checkpointing.save(state, iter_dir)
-    with open(os.path.join(iter_dir, ARGS_FILE), "w") as f:
-        json.dump(vars(args), f, indent=2, default=str)
-    with open(os.path.join(path, TRACKER_FILE), "w") as f:
-        f.write(str(iteration))
+    write_checkpoint(path, iteration, state, args)
 
 
 class SafetensorsShardWriter:

@@ -36,7 +36,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # a buffer older transformers sav
 
 def is_hf_folder(path: str) -> bool:
     """A directory with config.json and no pretrain_diff.py checkpoint tracker."""
-    from diffmeg.training.checkpointing import TRACKER_FILE
+    from diffmeg.checkpoints import TRACKER_FILE
 
     return os.path.isfile(os.path.join(path, CONFIG_FILE)) and not os.path.isfile(
         os.path.join(path, TRACKER_FILE)
@@ -164,7 +164,8 @@ def load_hf_model(
     model (so an export and its source give the same numbers). Needs torch.distributed and megatron-core's
     TP=PP=1 state.
     """
-    from diffmeg.conversion.checkpoint_io import build_single_rank_model, fill_model
+    from diffmeg.checkpoints import build_single_rank_model
+    from diffmeg.conversion.checkpoint_io import fill_model
 
     model = build_single_rank_model(args, torch.float32)
     fill_model(model, folder.mcore_blocks(torch.float32))

@@ -27,12 +27,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from diffmeg.checkpoints import (
+    DTYPES,
+    CheckpointInfo,
+    first_line,
+    load_checkpoint_model,
+    read_checkpoint_info,
+)
 from diffmeg.errors import DiffmegError
+from diffmeg.runtime import single_process
 
 CSV_NAME = "long_context_nll.csv"
 PLOT_NAME = "long_context_nll.png"
 SUMMARY_NAME = "summary.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Log = Callable[[str], None]
 
@@ -129,7 +136,7 @@ class IndexedDocuments(DocumentSource):
         try:
             self._dataset = IndexedDataset(prefix)
         except Exception as exc:  # a truncated or foreign index raises many types
-            raise DiffmegError(f"cannot read indexed dataset {prefix}: {_first_line(exc)}") from None
+            raise DiffmegError(f"cannot read indexed dataset {prefix}: {first_line(exc)}") from None
         self.description = f"indexed dataset {prefix}"
         self._doc_index = np.asarray(self._dataset.document_indices, dtype=np.int64)
         seq_lengths = np.asarray(self._dataset.sequence_lengths, dtype=np.int64)
@@ -213,86 +220,6 @@ def select_documents(lengths: np.ndarray, min_length: int, num_docs: int | None,
 # Checkpoints
 
 
-@dataclass
-class CheckpointInfo:
-    """What the evaluation needs to know about a checkpoint before loading its weights.
-
-    A pretrain_diff.py checkpoint directory, or a Hugging Face DiffLlama / Llama folder (`hf` set; no
-    iteration; `args` are those a pretrain_diff.py run of it would resolve, from config.json).
-    """
-
-    root: str
-    iteration: int | None
-    path: str
-    args: dict
-    label: str = ""
-    hf: bool = False
-    """A Hugging Face folder: its weights are mapped into the model in memory (no checkpoint written)."""
-
-    @property
-    def architecture(self) -> str:
-        return "DIFF" if self.args.get("diff_attention", True) else "Transformer"
-
-    @property
-    def seq_length(self) -> int:
-        return int(self.args["seq_length"])
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.args["vocab_size"])
-
-    @property
-    def tokenizer(self) -> str:
-        """The vocabulary its token ids mean: mock data and `--tokenizer-type null` ids are not cl100k's."""
-        if self.args.get("mock_data") or self.args.get("tokenizer_type") == "null":
-            return "mock"
-        return "cl100k_base"
-
-
-def read_checkpoint_info(root: str, iteration: int | None = None) -> CheckpointInfo:
-    """The arguments a checkpoint was trained with (cheap: no weights are read).
-
-    A folder with config.json (a Hugging Face DiffLlama / Llama) is accepted too: its arguments come
-    from config.json (seq_length = max_position_embeddings; tokenizer cl100k_base when the vocabulary
-    holds cl100k's ids, else mock), its tensors are checked from the safetensors headers only.
-    """
-    from diffmeg.conversion.hf_import import is_hf_folder
-    from diffmeg.training.checkpointing import read_checkpoint_args
-
-    if not os.path.isdir(root):
-        raise DiffmegError(f"--load {root} is not a directory")
-    if is_hf_folder(root):
-        from diffmeg.conversion.hf_import import analysis_args, open_hf_folder
-
-        if iteration is not None:
-            raise DiffmegError(
-                f"--iteration {iteration} does not apply to {root}: a Hugging Face folder holds one model"
-            )
-        args = analysis_args(open_hf_folder(root))
-        return CheckpointInfo(root=root, iteration=None, path=root, args=vars(args), hf=True)
-    args, path = read_checkpoint_args(root, iteration)
-    resolved = int(os.path.basename(path).removeprefix("iter_"))
-    return CheckpointInfo(root=root, iteration=resolved, path=path, args=vars(args))
-
-
-def load_checkpoint_model(info: CheckpointInfo, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The single-rank model of a checkpoint or Hugging Face folder, in eval mode and `dtype`.
-
-    Needs `init_single_process`. Both are built the same way (fp32, then cast), so a Hugging Face export
-    of a checkpoint gives the checkpoint's numbers.
-    """
-    if info.hf:
-        import argparse
-
-        from diffmeg.conversion.hf_import import load_hf_model, open_hf_folder
-
-        return load_hf_model(open_hf_folder(info.root), argparse.Namespace(**info.args), dtype)
-    from diffmeg.training.checkpointing import load_model_weights
-
-    model, _ = load_model_weights(info.root, info.iteration, dtype=dtype)
-    return model
-
-
 def check_same_vocabulary(infos: Sequence[CheckpointInfo]) -> None:
     """Checkpoints on one plot must read the same token ids the same way."""
     first = infos[0]
@@ -340,29 +267,6 @@ def resolve_length(infos: Sequence[CheckpointInfo], max_length: int | None, log:
 
 # ----------------------------------------------------------------------------------------------------
 # The model side
-
-
-def init_single_process(seed: int = 1234) -> None:
-    """torch.distributed (world size 1, in-process store) and megatron-core's TP=PP=1 state.
-
-    megatron-core's model and checkpoint code need both. An in-process store, not the environment,
-    so a tool started inside a torchrun or Slurm job never tries to join it. Reuses an existing group.
-    """
-    from megatron.core import parallel_state
-
-    from diffmeg.compat import apply_cpu_compat, model_parallel_manual_seed
-
-    apply_cpu_compat()
-    if not torch.distributed.is_initialized():
-        if parallel_state.model_parallel_is_initialized():  # groups of a process group since destroyed
-            parallel_state.destroy_model_parallel()
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(
-            backend, store=torch.distributed.HashStore(), rank=0, world_size=1
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-        model_parallel_manual_seed(seed)
 
 
 @contextmanager
@@ -610,7 +514,7 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = _stderr) -> dict:
 
     check_token_ids(source, indices, length, infos[0].vocab_size)
 
-    init_single_process(cfg.seed)
+    single_process(cfg.seed)
     results: list[tuple[CheckpointInfo, PositionStats, float]] = []
     for info in infos:
         started = time.monotonic()
@@ -681,20 +585,10 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = _stderr) -> dict:
     return summary
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
-
-
 __all__ = [
     "CSV_NAME",
-    "DTYPES",
-    "init_single_process",
-    "load_checkpoint_model",
-    "read_checkpoint_info",
     "PLOT_NAME",
     "SUMMARY_NAME",
-    "CheckpointInfo",
     "DocumentSource",
     "IndexedDocuments",
     "LongContextConfig",

@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 
 from diffmeg.errors import DiffmegError
+from diffmeg.parallel.validation import validate_cp
 from diffmeg.presets import PRESETS, get_preset
 
 # Defaults for everything a preset may set (Megatron-LM's defaults where it has one).
@@ -272,7 +273,7 @@ def _derive(args: argparse.Namespace) -> None:
     if args.tokenizer_type == "null" and not args.mock_data and "builtin" in (args.data_path or []):
         raise DiffmegError("the builtin corpus is cl100k_base text: give --data-path with id datasets")
     if args.transformer_impl == "auto":
-        from diffmeg.layer_specs import transformer_engine_available
+        from diffmeg.runtime import transformer_engine_available
 
         args.transformer_impl = "transformer_engine" if transformer_engine_available() else "local"
     if args.save_interval is None:
@@ -306,53 +307,23 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--num-query-groups {args.num_query_groups} must divide the {heads} heads "
             f"and be divisible by TP {tp}"
         )
-    comm = getattr(args, "cp_comm_type", None) or ("ulysses" if args.diff_attention else "p2p")
-    args.cp_comm_type = comm
-    if cp > 1:
-        if comm == "a2a+p2p":
-            raise DiffmegError(
-                "--cp-comm-type a2a+p2p needs megatron-core's hierarchical CP groups, which diffmeg does not "
-                "create; use p2p, all_gather or a2a"
-            )
-        if not args.diff_attention and comm == "ulysses":
-            raise DiffmegError(
-                "--cp-comm-type ulysses is the differential core's all-to-all; the Transformer baseline uses "
-                "megatron-core's Transformer Engine attention: choose p2p, all_gather or a2a"
-            )
-        if comm in ("ulysses", "a2a"):
-            per_rank = heads // tp
-            kv_per_rank = args.num_query_groups // tp
-            if per_rank % cp or kv_per_rank % cp:
-                kind = "differential heads" if args.diff_attention else "heads"
-                alternative = ""
-                if args.diff_attention:
-                    alternative = "; --cp-comm-type p2p or all_gather (Transformer Engine) need not"
-                raise DiffmegError(
-                    f"--context-parallel-size {cp} with --cp-comm-type {comm} shards whole {kind} inside "
-                    f"attention: {per_rank} heads and {kv_per_rank} KV heads per TP rank must both be "
-                    f"divisible by it{alternative}"
-                )
-        if not args.diff_attention and args.transformer_impl != "transformer_engine":
-            raise DiffmegError(
-                "context parallelism for the Transformer baseline uses megatron-core's attention with "
-                "Transformer Engine on a GPU (--transformer-impl transformer_engine); "
-                "use --context-parallel-size 1"
-            )
-        if args.diff_attention and comm != "ulysses":
-            from diffmeg.te_context_parallel import cp_attention_available
+    if args.diff_attention:
+        from diffmeg.parallel import cp_attention_available
 
-            if not cp_attention_available():
-                raise DiffmegError(
-                    f"--cp-comm-type {comm} runs megatron-core's TEDotProductAttention, which needs "
-                    f"transformer_engine and a CUDA GPU; use --cp-comm-type ulysses (diffmeg's all-to-all)"
-                )
-            if args.attention_dropout > 0:
-                raise DiffmegError(
-                    f"--cp-comm-type {comm} runs DIFF's two maps as separate TE calls, which cannot share "
-                    f"one dropout of their difference; use --attention-dropout 0 or --cp-comm-type ulysses"
-                )
-        if args.seq_length % (2 * cp):
-            raise DiffmegError(f"--seq-length {args.seq_length} must be divisible by 2 x CP = {2 * cp}")
+        te_ok = cp_attention_available()
+    else:  # the baseline's CP is megatron-core's own attention with Transformer Engine
+        te_ok = args.transformer_impl == "transformer_engine"
+    args.cp_comm_type = validate_cp(
+        cp_size=cp,
+        comm_type=getattr(args, "cp_comm_type", None),
+        diff_attention=args.diff_attention,
+        heads=heads,
+        kv_heads=args.num_query_groups,
+        tp=tp,
+        attention_dropout=args.attention_dropout,
+        seq_length=args.seq_length,
+        cp_attention_available=te_ok,
+    )
     if args.vocab_size % tp:
         raise DiffmegError(
             f"vocab size {args.vocab_size} is not divisible by tensor-model-parallel-size {tp}"

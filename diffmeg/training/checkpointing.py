@@ -1,10 +1,5 @@
-"""megatron-core distributed checkpoints: save, resume exactly, and only ever point at complete ones.
-
-Layout (Megatron-LM's): `{dir}/iter_{N:07d}/` holds one checkpoint (model, optimizer, scheduler, RNG,
-iteration, consumed samples, arguments); `{dir}/latest_checkpointed_iteration.txt` names the newest
-*complete* one. It is written (atomically) only after every rank has finished writing, so a run killed
-mid-save resumes from the previous checkpoint. Model weights are layout-free: a checkpoint saved at
-any TP/PP loads into any other.
+"""Training state in checkpoints: what a run saves (model, optimizer, scheduler, RNG, counters) and how
+it resumes exactly. Paths, the tracker, the writer and offline reading are `diffmeg.checkpoints`'.
 """
 
 from __future__ import annotations
@@ -12,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +15,16 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from diffmeg.checkpoints import (
+    TRACKER_FILE,
+    WEIGHTS_ONLY_KEY,
+    checkpoint_path,
+    load_sharded,
+    read_tracker,
+    write_checkpoint,
+)
 from diffmeg.errors import DiffmegError
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-ARGS_FILE = "args.json"
 # megatron-core's distributed optimizer without TE/apex saves and reloads exactly in this format
 # (same TP/PP; DP may change); the default `fully_sharded_model_space` fails without them.
 DISTOPT_SHARDING = "dp_reshardable"
@@ -42,21 +42,6 @@ def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module"):
         module = module.module
     return module
-
-
-def checkpoint_path(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str) -> int | None:
-    """Iteration of the newest complete checkpoint under `root`, or None if there is none."""
-    path = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise DiffmegError(f"{path} should hold an iteration number, found {text[:40]!r}; fix or delete it")
-    return int(text)
 
 
 def _layout() -> dict[str, int]:
@@ -165,15 +150,6 @@ def save_checkpoint(
     scheduler: OptimizerParamScheduler,
 ) -> str:
     """Write `iter_N` on all ranks, then mark it latest. Returns the checkpoint directory."""
-    root = args.save
-    path = checkpoint_path(root, iteration)
-    rank = torch.distributed.get_rank()
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(path):  # an earlier, unfinished save of this iteration (never marked latest)
-            shutil.rmtree(path)
-        os.makedirs(path)
-    torch.distributed.barrier()
     state = _state_dict(model, optimizer, scheduler, is_loading=False, with_rng=True)
     state.update(
         iteration=iteration,
@@ -181,30 +157,7 @@ def save_checkpoint(
         layout=_layout(),
         args=json.dumps(vars(args), default=str),
     )
-    dist_checkpointing.save(state, path)
-    torch.distributed.barrier()
-    if rank == 0:
-        with open(os.path.join(path, ARGS_FILE), "w") as f:
-            json.dump(vars(args), f, indent=2, default=str)
-        tmp = os.path.join(root, TRACKER_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(root, TRACKER_FILE))
-    torch.distributed.barrier()
-    return path
-
-
-def _load(state: dict, path: str) -> dict:
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-
-    try:
-        return dist_checkpointing.load(state, path)
-    except (Exception, CheckpointException) as exc:  # many types for a damaged or foreign checkpoint
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DiffmegError(
-            f"cannot load checkpoint {path}: {first[:300]} (is it complete and from pretrain_diff.py? "
-            f"point --load elsewhere or remove the directory)"
-        ) from exc
+    return write_checkpoint(args.save, iteration, state, args)
 
 
 def load_checkpoint(
@@ -235,7 +188,7 @@ def load_checkpoint(
         saved_layout.get("tp") == _layout()["tp"] and saved_layout.get("pp") == _layout()["pp"]
     )
     # A weights-only checkpoint (an HF import) has no optimizer/scheduler/RNG state to resume.
-    weights_only = bool(common.get("weights_only"))
+    weights_only = bool(common.get(WEIGHTS_ONLY_KEY))
     load_optim = not (args.no_load_optim or args.finetune or weights_only)
     if load_optim and args.use_distributed_optimizer and not same_model_layout:
         raise DiffmegError(
@@ -251,7 +204,7 @@ def load_checkpoint(
         with_rng=load_rng,
     )
     with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
-        loaded = _load(state, path)
+        loaded = load_sharded(state, path)
         unwrap_model(model).load_state_dict(loaded["model"])
         if load_optim:
             if "optimizer" not in loaded:
@@ -285,60 +238,6 @@ def load_pretrained_weights(root: str, model: torch.nn.Module) -> int:
         raise DiffmegError(f"--pretrained-checkpoint {root} holds no complete checkpoint ({TRACKER_FILE})")
     path = checkpoint_path(root, iteration)
     with torch.no_grad():
-        loaded = _load({"model": unwrap_model(model).sharded_state_dict()}, path)
+        loaded = load_sharded({"model": unwrap_model(model).sharded_state_dict()}, path)
         unwrap_model(model).load_state_dict(loaded["model"])
     return iteration
-
-
-def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argparse.Namespace, str]:
-    """The resolved arguments a checkpoint was trained with, and its directory."""
-    if iteration is None:
-        iteration = read_tracker(root)
-        if iteration is None:
-            raise DiffmegError(f"{root} holds no complete checkpoint ({TRACKER_FILE} is missing)")
-    path = checkpoint_path(root, iteration)
-    args_file = os.path.join(path, ARGS_FILE)
-    if not os.path.isfile(args_file):
-        raise DiffmegError(f"{path} is not a complete pretrain_diff.py checkpoint ({ARGS_FILE} is missing)")
-    with open(args_file) as f:
-        return argparse.Namespace(**json.load(f)), path
-
-
-def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
-    """A copy of run arguments for one fp32 TP=PP=1 model (the layout checkpoints are read and built in)."""
-    args = argparse.Namespace(**vars(args))
-    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = args.context_parallel_size = 1
-    args.sequence_parallel = args.use_distributed_optimizer = False
-    args.bf16 = args.fp16 = False
-    args.fp8_format = None
-    args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
-    return args
-
-
-def load_model_weights(root: str, iteration: int | None = None, dtype: torch.dtype = torch.float32):
-    """A single-rank (TP=PP=1) model with a checkpoint's weights, for inference, export and tests.
-
-    Needs torch.distributed and megatron-core's parallel state initialised with TP=PP=1. Returns
-    (model, args); the model is in eval mode, in `dtype`.
-    """
-    from diffmeg.training.builders import config_from_args
-
-    args, path = read_checkpoint_args(root, iteration)
-    args = single_rank_args(args)
-    from diffmeg.model import build_model
-
-    model = build_model(
-        config_from_args(args),
-        vocab_size=args.vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        rotary_base=args.rotary_base,
-        use_te=False,
-        seed=args.seed,
-        pre_process=True,
-        post_process=True,
-    )
-    sharded = model.sharded_state_dict()
-    with torch.no_grad():
-        loaded = _load({"model": sharded}, path)
-    model.load_state_dict(loaded["model"])
-    return model.to(dtype).eval(), args

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 
-from diffmeg.context_parallel import slice_sequence_for_cp
+from diffmeg.parallel import slice_sequence_for_cp
 
 
 class MockTokenDataset(torch.utils.data.Dataset):

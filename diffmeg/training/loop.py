@@ -12,7 +12,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from diffmeg.compat import apply_cpu_compat, model_parallel_manual_seed
+from diffmeg import runtime
+from diffmeg.compat import model_parallel_manual_seed
 from diffmeg.errors import DiffmegError
 from diffmeg.model import lambda_parameters
 from diffmeg.training.arguments import args_to_json
@@ -134,8 +135,8 @@ class _SignalFlag:
 
 def pretrain(args: argparse.Namespace) -> dict:
     """Train as `args` says. Returns a summary (final iteration, last loss) for callers and tests."""
+    runtime.setup()
     rank, world = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    apply_cpu_compat()
     if (
         world
         != args.tensor_model_parallel_size
@@ -282,9 +283,4 @@ def _memory_report(args: argparse.Namespace, rss_before_model: int) -> dict:
     return {"measured_peak_mib": measured / 2**20, "estimated_mib": estimate.total / 2**20, "what": what}
 
 
-def shutdown() -> None:
-    """Tear down parallel state and the process group (tests run several trainings per process)."""
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+shutdown = runtime.teardown

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from diffmeg.checkpoints import build_single_rank_model
 from diffmeg.conversion.checkpoint_io import (
     McoreCheckpointReader,
     SafetensorsShardWriter,
     atomic_output_dir,
-    build_single_rank_model,
     fill_model,
     write_mcore_checkpoint,
 )
@@ -65,7 +65,7 @@ def test_parallel_checkpoints_export_the_same_weights(tmp_path_factory, tp1, lay
 
 def test_reader_equals_load_model_weights(single_rank_parallel_state, tp1):
     """Reading one layer at a time through DCP gives exactly what megatron-core's own loader gives."""
-    from diffmeg.training.checkpointing import load_model_weights
+    from diffmeg.checkpoints import load_model_weights
 
     model, args = load_model_weights(str(tp1))
     state = model.state_dict()
@@ -81,7 +81,7 @@ def test_reader_equals_load_model_weights(single_rank_parallel_state, tp1):
 
 def test_write_in_bf16_reads_back_in_bf16(single_rank_parallel_state, tp1, tmp_path):
     """A bf16 checkpoint is read in bf16 (no fp32 copy of the model), and loads into pretrain_diff's model."""
-    from diffmeg.training.checkpointing import load_model_weights, read_checkpoint_args
+    from diffmeg.checkpoints import load_model_weights, read_checkpoint_args
 
     args, _ = read_checkpoint_args(str(tp1))
     model, _ = load_model_weights(str(tp1))
@@ -107,7 +107,7 @@ def test_write_in_bf16_reads_back_in_bf16(single_rank_parallel_state, tp1, tmp_p
 
 
 def test_fill_model_refuses_missing_and_misshapen_tensors(single_rank_parallel_state, tp1):
-    from diffmeg.training.checkpointing import read_checkpoint_args
+    from diffmeg.checkpoints import read_checkpoint_args
 
     args, _ = read_checkpoint_args(str(tp1))
     model = build_single_rank_model(args)

@@ -57,7 +57,7 @@ def test_baseline_export_loads_as_llama_with_our_logits(tmp_path_factory, single
 def test_baseline_round_trip_is_bit_identical(tmp_path_factory, tmp_path, single_rank_parallel_state):
     """mcore -> Llama -> mcore gives the checkpoint's weights exactly (no head norm to fold), and the
     import exported again gives the same safetensors."""
-    from diffmeg.training.checkpointing import load_model_weights
+    from diffmeg.checkpoints import load_model_weights
 
     ckpt, exported = exported_eval(tmp_path_factory, "transformer")
     convert_ok("hf-to-mcore", "--load", exported, "--save", tmp_path / "back", "--", "--seq-length", "64")

@@ -133,7 +133,8 @@ def test_outputs_never_share_storage():
 def test_megatron_core_baseline_computes_llama_logits(single_rank_parallel_state, name):
     """Golden: the weights of a float64 Llama mapped into our megatron-core baseline (fp32, TP=1) give
     its logits: our QKV de-interleave and megatron-core's rotate-half RoPE are transformers'."""
-    from diffmeg.conversion.checkpoint_io import build_single_rank_model, fill_model
+    from diffmeg.checkpoints import build_single_rank_model
+    from diffmeg.conversion.checkpoint_io import fill_model
     from diffmeg.conversion.hf_import import resolved_pretrain_args
     from tests.conversion.helpers import our_logits
 

@@ -288,7 +288,8 @@ def test_checkpoint_keys_match_megatron_core(single_rank_parallel_state):
     """The reader's key table is what megatron-core's sharded state dict of our model uses."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from diffmeg.conversion.checkpoint_io import build_single_rank_model, checkpoint_key
+    from diffmeg.checkpoints import build_single_rank_model
+    from diffmeg.conversion.checkpoint_io import checkpoint_key
     from diffmeg.training.arguments import resolve_args
 
     layout = make_layout(4, 2)

@@ -97,7 +97,7 @@ def load_weights(root) -> dict:
     """A checkpoint's model weights, loaded into a single-rank model (checkpoints are layout-free)."""
     import torch
 
-    from diffmeg.training.checkpointing import load_model_weights
+    from diffmeg.checkpoints import load_model_weights
 
     model, _ = load_model_weights(str(root))
     return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}

@@ -59,14 +59,14 @@ def test_te_style_context_parallel_matches_single_rank(single_rank, single_rank_
 
 def test_all_to_all_round_trip_and_layout(single_rank_parallel_state):
     """With CP=1 groups the transforms are identities; the chunk bookkeeping is checked directly."""
-    from diffmeg.context_parallel import _natural_order, cp_chunk_ids, slice_sequence_for_cp
+    from diffmeg.parallel import cp_chunk_ids, natural_order, slice_sequence_for_cp
 
     assert cp_chunk_ids(0, 2) == (0, 3) and cp_chunk_ids(1, 2) == (1, 2)
     seq = torch.arange(16)[None]  # [b=1, s=16], cp=2 -> chunks of 4
     r0, r1 = (slice_sequence_for_cp(seq, 1, r, 2)[0] for r in (0, 1))
     assert r0.tolist() == [0, 1, 2, 3, 12, 13, 14, 15] and r1.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     gathered = torch.cat([r0, r1])
-    assert gathered[_natural_order(16, 2, gathered.device)].tolist() == list(range(16))
+    assert gathered[natural_order(16, 2, gathered.device)].tolist() == list(range(16))
 
 
 def test_cp_layout_errors(monkeypatch):
@@ -84,11 +84,9 @@ def test_cp_layout_errors(monkeypatch):
 
 # pretrain_diff.py with the TE stand-in installed; the dist-checkpoint writer's spawn needs the guard.
 if __name__ == "__main__":
-    from diffmeg.te_context_parallel import AllGatherCPAttention, use_cp_attention_factory
-
     sys.path.insert(0, str(REPO_ROOT))
     import pretrain_diff
+    from tests.parallel import cp_stand_in
 
-    with use_cp_attention_factory(AllGatherCPAttention):
-        code = pretrain_diff.main(sys.argv[1:])
-    sys.exit(code)
+    cp_stand_in.install()
+    sys.exit(pretrain_diff.main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """The real Transformer Engine path of `--cp-comm-type p2p/all_gather/a2a` on GPUs (skipped elsewhere).
 
-On CPU the TE path is tested through a stand-in (tests/test_context_parallel_te.py and the parity runs in
+On CPU the TE path is tested through a stand-in (tests/parallel/test_te_attention.py and the parity runs in
 tests/distributed/test_context_parallel.py). These tests check megatron-core's TEDotProductAttention
 itself; they have NOT been run yet (no GPU or TE where this was written):
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffmeg.te_context_parallel import te_attention_available
+from diffmeg.runtime import transformer_engine_available as te_attention_available
 from tests.distributed.runner import job_env, launch_cmd
 
 pytestmark = [
@@ -66,7 +66,7 @@ def test_te_two_maps_match_float64_on_one_gpu(single_rank_parallel_state, comm):
 
     from diffmeg.kernels.reference import diff_attention_reference
     from diffmeg.kernels.sdpa import diff_attention_sdpa
-    from diffmeg.te_context_parallel import DiffMapsWithCP
+    from diffmeg.parallel import DiffMapsWithCP
 
     heads, kv_heads, d, s, b = 8, 2, 128, 2048, 2
     cfg = _config(heads, kv_heads, d, 1, comm)
@@ -112,7 +112,7 @@ def _two_gpu_check() -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     from diffmeg.attention import DiffCoreAttention
-    from diffmeg.context_parallel import slice_sequence_for_cp
+    from diffmeg.parallel import slice_sequence_for_cp
 
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -167,7 +167,7 @@ class ListDocuments(DocumentSource):
 
 @pytest.fixture(scope="module")
 def diff_model(tiny_ckpts, single_rank_parallel_state):
-    from diffmeg.training.checkpointing import load_model_weights
+    from diffmeg.checkpoints import load_model_weights
 
     model, args = load_model_weights(str(tiny_ckpts["diff"]))
     assert args.diff_attention and args.vocab_size == MOCK_VOCAB

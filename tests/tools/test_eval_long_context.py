@@ -157,12 +157,12 @@ def test_bad_inputs_are_diffmeg_errors(ckpts, corpus, tmp_path, change, message)
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_loading(ckpts, tmp_path, monkeypatch):
-    import diffmeg.training.checkpointing as checkpointing
+    import diffmeg.checkpoints as checkpoints
 
     docs = periodic_documents([70, 70])
     docs[1][60] = 512  # inside the 65 tokens evaluated
     prefix = write_indexed_dataset(tmp_path / "ids", docs)
-    monkeypatch.setattr(checkpointing, "load_model_weights", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(checkpoints, "load_model_weights", lambda *a, **k: pytest.fail("loaded a model"))
     with pytest.raises(
         DiffmegError, match=r"document 1 of .* holds token id 512, outside .* vocabulary of 512"
     ):

@@ -34,7 +34,7 @@ def test_longer_context_and_new_rotary_base(tmp_path, single_rank_parallel_state
     losses = read_losses(tmp_path, "long")
     assert sorted(losses) == [1, 2, 3] and all(v == v and v < 10 for v in losses.values())
 
-    from diffmeg.training.checkpointing import load_model_weights
+    from diffmeg.checkpoints import load_model_weights
 
     for root, base, other in ((long, 640000.0, 10000.0), (short, 10000.0, 640000.0)):
         model, args = load_model_weights(root)

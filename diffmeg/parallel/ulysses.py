@@ -31,7 +31,7 @@ def slice_sequence_for_cp(t: torch.Tensor, seq_dim: int, cp_rank: int, cp_size: 
     return torch.cat([chunks[a], chunks[b]], dim=seq_dim)
 
 
-def _natural_order(seq_len: int, cp_size: int, device: torch.device) -> torch.Tensor:
+def natural_order(seq_len: int, cp_size: int, device: torch.device) -> torch.Tensor:
     """Index that turns the rank-concatenated sequence [r0: c0 c_{2cp-1} | r1: c1 c_{2cp-2} | ...]
     into natural order: natural = gathered[index]."""
     chunk = seq_len // (2 * cp_size)
@@ -52,7 +52,7 @@ def sequence_to_head_shards(x: torch.Tensor, group=None) -> torch.Tensor:
     x = x.view(s_local, b, cp, n // cp, e).permute(2, 0, 1, 3, 4).contiguous()
     x = all_to_all(group, x.view(cp * s_local, b * (n // cp) * e)).view(cp * s_local, b, n // cp, e)
     # received block j = rank j's tokens: [cp * s/cp, b, n/cp, e] in rank-concatenated order
-    return x.index_select(0, _natural_order(cp * s_local, cp, x.device))
+    return x.index_select(0, natural_order(cp * s_local, cp, x.device))
 
 
 def head_to_sequence_shards(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -60,7 +60,7 @@ def head_to_sequence_shards(x: torch.Tensor, group=None) -> torch.Tensor:
     group = group or parallel_state.get_context_parallel_group()
     cp = group.size()
     s, b, n_local, e = x.shape
-    inverse = torch.argsort(_natural_order(s, cp, x.device))
+    inverse = torch.argsort(natural_order(s, cp, x.device))
     x = x.index_select(0, inverse).contiguous()  # rank-concatenated order; block j = rank j's tokens
     x = all_to_all(group, x.view(s, b * n_local * e)).view(cp, s // cp, b, n_local, e)
     # received block j = head group j of our tokens: [cp, s/cp, b, n/cp, e] -> [s/cp, b, n, e]

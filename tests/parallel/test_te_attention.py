@@ -1,11 +1,11 @@
 """megatron-core-style (TE) context parallelism for DIFF, on CPU through the plain-torch stand-in.
 
-Transformer Engine is not installable here, so `AllGatherCPAttention` (TEDotProductAttention's
-constructor and call signature, CP by all-gathering K/V) is injected through
-`use_cp_attention_factory`. Two gloo ranks (CP=2) check the stand-in against plain causal attention and
-DiffCoreAttention's two-map composition against the float64 equations of tests/reference_model.py, values
-and gradients. What this cannot show is that real TE behaves like the stand-in: see the `gpu` test in
-tests/distributed/test_te_cp.py.
+Transformer Engine is not installable here, so `AllGatherCPAttention` (tests/parallel/cp_stand_in.py:
+TEDotProductAttention's constructor and call signature, CP by all-gathering K/V) goes in through the
+differential core's `cp_attention` submodule. Two gloo ranks (CP=2) check the stand-in against plain
+causal attention and DiffCoreAttention's two-map composition against the float64 equations of
+tests/reference_model.py, values and gradients. What this cannot show is that real TE behaves like the
+stand-in: see the `gpu` test in tests/distributed/test_te_cp.py.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _causal_attention(q, k, v, scale):
 
 
 def _local(t: torch.Tensor, rank: int) -> torch.Tensor:
-    from diffmeg.context_parallel import slice_sequence_for_cp
+    from diffmeg.parallel import slice_sequence_for_cp
 
     return slice_sequence_for_cp(t, 0, rank, CP)
 
@@ -46,7 +46,7 @@ def _check_standin(rank: int) -> None:
     """The stand-in on this rank's tokens equals full causal attention's rows at their positions."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from diffmeg.te_context_parallel import AllGatherCPAttention
+    from tests.parallel.cp_stand_in import AllGatherCPAttention
     from tests.test_attention import make_config
 
     for heads, kv_heads, dk, dv in [(4, 4, 8, 8), (4, 2, 8, 16), (3, 1, 8, 16)]:
@@ -74,8 +74,9 @@ def _check_diff_composition(rank: int) -> None:
     """DiffCoreAttention with cp_comm_type p2p/all_gather/a2a (and ulysses) vs the float64 equations."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from diffmeg.attention import DiffCoreAttention
-    from diffmeg.te_context_parallel import AllGatherCPAttention, DiffMapsWithCP, use_cp_attention_factory
+    from diffmeg.attention import DiffCoreAttention, DiffCoreAttentionSubmodules
+    from diffmeg.parallel import DiffMapsWithCP
+    from tests.parallel.cp_stand_in import AllGatherCPAttention
     from tests.reference_model import diff_heads, lambda_init
     from tests.test_attention import make_config
 
@@ -91,8 +92,8 @@ def _check_diff_composition(rank: int) -> None:
     d, s, b, layer_number = 8, 16, 2, 3
     for heads, kv_heads, comm in cases:
         cfg = make_config(heads, kv_heads, d, context_parallel_size=CP, cp_comm_type=comm)
-        with use_cp_attention_factory(AllGatherCPAttention):
-            core = DiffCoreAttention(cfg, layer_number, AttnMaskType.causal, "self").double()
+        stand_in = DiffCoreAttentionSubmodules(cp_attention=AllGatherCPAttention)
+        core = DiffCoreAttention(cfg, layer_number, AttnMaskType.causal, "self", submodules=stand_in).double()
         assert isinstance(core.cp_maps, DiffMapsWithCP) == (comm != "ulysses")
         if comm != "ulysses":
             assert core.cp_maps.split_value == (comm != "p2p")
@@ -141,9 +142,10 @@ def _worker(rank: int, port: int, checks: list[str]) -> None:
     )
     from megatron.core import parallel_state
 
-    from diffmeg.compat import apply_cpu_compat, model_parallel_manual_seed
+    from diffmeg import runtime
+    from diffmeg.compat import model_parallel_manual_seed
 
-    apply_cpu_compat()
+    runtime.setup()
     parallel_state.initialize_model_parallel(context_parallel_size=CP)
     model_parallel_manual_seed(1234)
     try:
@@ -163,19 +165,16 @@ def test_standin_and_two_map_composition_with_cp2():
 
 def test_cp_comm_type_flag(monkeypatch):
     """Defaults, and one clear line for every impossible combination."""
+    import diffmeg.parallel.te_attention as te_attention
     from diffmeg.errors import DiffmegError
-    from diffmeg.te_context_parallel import (
-        AllGatherCPAttention,
-        te_attention_available,
-        use_cp_attention_factory,
-    )
     from diffmeg.training.arguments import resolve_args
+    from tests.parallel.cp_stand_in import AllGatherCPAttention
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     cp2 = ["--model", "diff-tiny", "--context-parallel-size", "2"]
     assert resolve_args(cp2).cp_comm_type == "ulysses"
     assert resolve_args(["--model", "transformer-tiny"]).cp_comm_type == "p2p"
-    if not te_attention_available():
+    if not te_attention.cp_attention_available():
         with pytest.raises(
             DiffmegError, match=r"needs transformer_engine and a CUDA GPU; use --cp-comm-type ulysses"
         ):
@@ -195,13 +194,13 @@ def test_cp_comm_type_flag(monkeypatch):
         resolve_args(cp8)
     with pytest.raises(DiffmegError, match="with --cp-comm-type a2a"):
         resolve_args([*cp8, "--cp-comm-type", "a2a"])
-    with use_cp_attention_factory(AllGatherCPAttention):
-        for comm in ("p2p", "all_gather"):
-            assert resolve_args([*cp8, "--cp-comm-type", comm]).cp_comm_type == comm
-        with pytest.raises(DiffmegError, match=r"divisible by 2 x CP = 16"):
-            resolve_args([*cp8, "--cp-comm-type", "p2p", "--seq-length", "200"])
-        with pytest.raises(DiffmegError, match="--attention-dropout 0"):
-            resolve_args([*cp8, "--cp-comm-type", "p2p", "--attention-dropout", "0.1"])
+    monkeypatch.setattr(te_attention, "default_cp_attention", lambda: AllGatherCPAttention)
+    for comm in ("p2p", "all_gather"):
+        assert resolve_args([*cp8, "--cp-comm-type", comm]).cp_comm_type == comm
+    with pytest.raises(DiffmegError, match=r"divisible by 2 x CP = 16"):
+        resolve_args([*cp8, "--cp-comm-type", "p2p", "--seq-length", "200"])
+    with pytest.raises(DiffmegError, match="--attention-dropout 0"):
+        resolve_args([*cp8, "--cp-comm-type", "p2p", "--attention-dropout", "0.1"])
 
 
 def test_config_cp_comm_type_validation():
@@ -211,7 +210,7 @@ def test_config_cp_comm_type_validation():
     assert make_config(heads=3, kv_heads=1, context_parallel_size=2, cp_comm_type="p2p").cp_comm_type == "p2p"
     with pytest.raises(DiffmegError, match="shards whole differential heads"):
         make_config(heads=3, kv_heads=1, context_parallel_size=2)
-    with pytest.raises(DiffmegError, match="cp_comm_type must be one of"):
+    with pytest.raises(DiffmegError, match="cp-comm-type must be one of"):
         make_config(cp_comm_type="ring")
     with pytest.raises(DiffmegError, match="baseline"):
         make_config(diff_attention=False, cp_comm_type="ulysses")
@@ -221,11 +220,11 @@ def test_without_te_the_maps_refuse_to_build(single_rank_parallel_state, monkeyp
     """No stand-in and no TE: building the TE path is one clear error, not an ImportError deep inside."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from diffmeg import te_context_parallel
+    import diffmeg.parallel.te_attention as te_attention
     from diffmeg.errors import DiffmegError
     from tests.test_attention import make_config
 
-    monkeypatch.setattr(te_context_parallel, "te_attention_available", lambda: False)
+    monkeypatch.setattr(te_attention, "transformer_engine_available", lambda: False)
     cfg = make_config(context_parallel_size=2, cp_comm_type="p2p")
     with pytest.raises(DiffmegError, match="use --cp-comm-type ulysses"):
-        te_context_parallel.DiffMapsWithCP(cfg, 1, AttnMaskType.causal, "self", 0.1, "p2p", None)
+        te_attention.DiffMapsWithCP(cfg, 1, AttnMaskType.causal, "self", 0.1, "p2p", None)
