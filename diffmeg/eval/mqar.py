@@ -1,0 +1,240 @@
+"""Accuracy on loss-masked data such as MQAR: is each masked token the model's greedy prediction?
+
+One forward pass per batch of documents (teacher forcing: every answer is predicted from the true
+document before it, as in training). Position p with mask bit 1 is answered correctly when the argmax
+over the whole vocabulary of the logits at p - 1 is token p. Reported per checkpoint and dataset:
+accuracy over all answers, accuracy by answer index within the document (for MQAR the query's place in
+the query section), and for MQAR datasets (PREFIX.mqar.json present) by the queried pair's place in
+the context (0 = the first pair, farthest from its query on average). Documents are evaluated in
+dataset order: the first ``max_documents``, so every checkpoint sees the same ones.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from diffmeg.errors import DiffmegError
+
+SUMMARY_NAME = "mqar_summary.json"
+CSV_NAME = "mqar_accuracy.csv"
+
+
+@dataclass
+class Tally:
+    """Correct and total answers, overall and by a per-answer key (answer index, pair index)."""
+
+    correct: int = 0
+    total: int = 0
+    by_query: dict[int, list[int]] = field(default_factory=dict)
+    by_pair: dict[int, list[int]] = field(default_factory=dict)
+
+    def add(self, hits: np.ndarray, query_index: np.ndarray, pair_index: np.ndarray | None) -> None:
+        """One document's answers: hits[k] for its k-th answer; its query and pair indices."""
+        self.correct += int(hits.sum())
+        self.total += len(hits)
+        for table, keys in ((self.by_query, query_index), (self.by_pair, pair_index)):
+            if keys is None:
+                continue
+            for key, hit in zip(keys.tolist(), hits.tolist(), strict=True):
+                cell = table.setdefault(int(key), [0, 0])
+                cell[0] += int(hit)
+                cell[1] += 1
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else float("nan")
+
+    def summary(self) -> dict:
+        def table(t: dict[int, list[int]]) -> list[float]:
+            return [t[k][0] / t[k][1] for k in sorted(t)]
+
+        out = {"accuracy": self.accuracy, "answers": self.total, "by_query": table(self.by_query)}
+        if self.by_pair:
+            out["by_pair"] = table(self.by_pair)
+        return out
+
+
+def pair_indices(tokens: np.ndarray, answers: np.ndarray, vocab_size: int) -> np.ndarray:
+    """For each answer position of an MQAR document, the context pair its query key belongs to.
+
+    The key is the token before the answer; its pair index counts the value ids (the upper half of the
+    vocabulary) before the key's first occurrence, since in the context values appear only in pairs.
+    """
+    half = vocab_size // 2
+    is_value = tokens >= half
+    out = np.empty(len(answers), dtype=np.int64)
+    for k, pos in enumerate(answers):
+        first = int(np.flatnonzero(tokens == tokens[pos - 1])[0])
+        out[k] = int(is_value[:first].sum())
+    return out
+
+
+def score_batch(
+    logits: torch.Tensor, docs: Sequence[np.ndarray], masks: Sequence[np.ndarray]
+) -> list[np.ndarray]:
+    """Per document, whether each masked token is the argmax of the logits one position earlier.
+
+    `logits` [b, s, V] of inputs doc[:-1] (padded): position p - 1 predicts token p.
+    """
+    greedy = logits.argmax(-1).cpu().numpy()  # [b, s]
+    out = []
+    for row, (doc, mask) in enumerate(zip(docs, masks, strict=True)):
+        answers = np.flatnonzero(mask[1:]) + 1  # answer token positions in the document (never 0)
+        out.append(greedy[row, answers - 1] == doc[answers])
+    return out
+
+
+def evaluate_documents(
+    model: torch.nn.Module,
+    documents,
+    max_documents: int | None,
+    batch_size: int,
+    vocab_size: int,
+    mqar_vocab: int | None,
+) -> Tally:
+    """Accuracy of `model` on the first `max_documents` of a `MaskedDocuments` (all when None)."""
+    device = next(model.parameters()).device
+    count = len(documents) if max_documents is None else min(max_documents, len(documents))
+    tally = Tally()
+    for start in range(0, count, batch_size):
+        docs, masks = zip(
+            *(documents.get(i) for i in range(start, min(count, start + batch_size))), strict=True
+        )
+        longest = max(len(d) for d in docs) - 1
+        inputs = np.zeros((len(docs), longest), dtype=np.int64)
+        for row, doc in enumerate(docs):
+            if doc.max(initial=0) >= vocab_size:
+                raise DiffmegError(
+                    f"{documents.prefix} holds token id {int(doc.max())}, outside the model's vocabulary "
+                    f"of {vocab_size}; evaluate with data made for this model"
+                )
+            inputs[row, : len(doc) - 1] = doc[:-1]
+        ids = torch.from_numpy(inputs).to(device)
+        positions = torch.arange(longest, device=device).unsqueeze(0).expand_as(ids)
+        with torch.no_grad():
+            logits = model(input_ids=ids, position_ids=positions, attention_mask=None)  # [b, s, V]
+        for doc, mask, hits in zip(docs, masks, score_batch(logits, docs, masks), strict=True):
+            answers = np.flatnonzero(mask[1:]) + 1
+            pairs = pair_indices(doc, answers, mqar_vocab) if mqar_vocab else None
+            tally.add(hits, np.arange(len(answers)), pairs)
+    return tally
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _write_atomic(path: str, write: Callable) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+@dataclass
+class MQAREvalConfig:
+    loads: list[str]
+    data_prefixes: list[str]
+    labels: list[str] | None = None
+    all_iterations: bool = False
+    """Every saved iteration of each --load (accuracy over training), else the latest."""
+    max_documents: int | None = 512
+    batch_size: int = 64
+    dtype: str = "float32"
+    seed: int = 1234
+    output_dir: str | None = None
+
+
+def resolve_checkpoints(cfg: MQAREvalConfig) -> list:
+    """`CheckpointInfo`s of every (load, iteration) to evaluate, labelled one label per load."""
+    from diffmeg.checkpoints import iteration_dirs, read_checkpoint_info
+
+    if cfg.labels and len(cfg.labels) != len(cfg.loads):
+        raise DiffmegError(f"{len(cfg.labels)} --label value(s) for {len(cfg.loads)} --load; give one each")
+    infos = []
+    for k, root in enumerate(cfg.loads):
+        iterations: list[int | None] = [None]
+        if cfg.all_iterations:
+            iterations = iteration_dirs(root)
+            if not iterations:
+                raise DiffmegError(
+                    f"--load {root} holds no saved iteration; train with --save (and --save-interval)"
+                )
+        for iteration in iterations:
+            info = read_checkpoint_info(root, iteration)
+            name = os.path.basename(os.path.normpath(root)) or root
+            info.label = cfg.labels[k] if cfg.labels else f"{info.architecture} ({name})"
+            infos.append(info)
+    return infos
+
+
+def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> dict:
+    """Evaluate every (checkpoint, iteration) on every dataset; write the summary and CSV if asked."""
+    from diffmeg.checkpoints import DTYPES, load_checkpoint_model
+    from diffmeg.data.gpt_datasets import parse_data_path
+    from diffmeg.data.loss_mask import MaskedDocuments, has_loss_mask, loss_mask_prefix
+    from diffmeg.data.mqar import read_mqar_metadata
+    from diffmeg.runtime import single_process
+
+    if cfg.dtype not in DTYPES:
+        raise DiffmegError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype}")
+    prefixes = [p[:-4] if p.endswith((".bin", ".idx")) else p for p in cfg.data_prefixes]
+    for prefix in prefixes:
+        parse_data_path([prefix])  # both files present, with a hint for the usual slips
+        if not has_loss_mask(prefix):
+            raise DiffmegError(
+                f"--data-prefix {prefix} has no loss mask ({loss_mask_prefix(prefix)}.bin/.idx): the answers "
+                "to score are its masked tokens (tools/make_mqar_data.py writes one)"
+            )
+    infos = resolve_checkpoints(cfg)
+    if cfg.output_dir:
+        try:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+        except OSError as exc:
+            raise DiffmegError(f"cannot create --output-dir {cfg.output_dir}: {exc.strerror}") from None
+    datasets = [(prefix, MaskedDocuments(prefix), read_mqar_metadata(prefix)) for prefix in prefixes]
+
+    single_process(cfg.seed)
+    results = []
+    for info in infos:
+        model = load_checkpoint_model(info, DTYPES[cfg.dtype])
+        for prefix, documents, meta in datasets:
+            mqar_vocab = meta["setting"]["vocab_size"] if meta else None
+            tally = evaluate_documents(
+                model, documents, cfg.max_documents, cfg.batch_size, info.vocab_size, mqar_vocab
+            )
+            results.append(
+                {
+                    "label": info.label,
+                    "load": info.root,
+                    "iteration": info.iteration,
+                    "architecture": info.architecture,
+                    "data_prefix": prefix,
+                    "setting": meta["name"] if meta else None,
+                    **tally.summary(),
+                }
+            )
+            log(f"{info.label} @ {info.iteration}: {os.path.basename(prefix)} accuracy {tally.accuracy:.4f}")
+        del model
+        gc.collect()
+    summary = {"max_documents": cfg.max_documents, "results": results}
+    if cfg.output_dir:
+        _write_atomic(os.path.join(cfg.output_dir, SUMMARY_NAME), lambda f: json.dump(summary, f, indent=1))
+        columns = ("label", "iteration", "setting", "data_prefix", "accuracy")
+
+        def write_csv(f) -> None:
+            writer = csv.writer(f)
+            writer.writerow(columns)
+            writer.writerows([r[c] for c in columns] for r in results)
+
+        _write_atomic(os.path.join(cfg.output_dir, CSV_NAME), write_csv)
+    return summary

@@ -1,0 +1,348 @@
+r"""The toy comparison's results (examples/toy_compare.sh): collect them, choose learning rates, make tables.
+
+    python tools/toy_compare_results.py collect runs/toy_compare          # -> results.json + plots
+    python tools/toy_compare_results.py best-lr runs/toy_compare --model diff --setting kv16
+    python tools/toy_compare_results.py tables docs/results/toy_compare.json > tables.md
+
+results.json holds `mqar` rows {model, setting, seed, lr, step, accuracy, split} (split "test": the
+held-out test set; "valid": the validation set, whose final step chooses the learning rate; both at
+every saved step) and `lm` rows {model, seed, tokens, val_loss}, plus `meta` (how it was run). A model's
+learning rate for a setting is the one with the highest final validation accuracy of the first seed,
+which sweeps them all (ties: the smaller rate); its tables and curves use only runs at that rate.
+Steps to 90% is the first saved step whose held-out accuracy is >= 0.9 ("-" if none). The markdown
+tables are what docs/results.md shows, generated from the committed docs/results/toy_compare.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from diffmeg.errors import DiffmegError, cli_errors  # noqa: E402
+
+TARGET = 0.9
+"""The accuracy a run must reach to count as having learned the task (the issue's 90%)."""
+MODEL_NAMES = {"diff": "DIFF V1", "diff2": "DIFF V2", "transformer": "Transformer"}
+
+
+def load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DiffmegError(f"cannot read results {path}: {exc}") from None
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Collecting a run directory
+
+
+def collect(out: str) -> dict:
+    """results.json's content from a toy_compare.sh output directory (every finished run in it)."""
+    mqar, lm, runs = [], [], []
+    for path in sorted(glob.glob(os.path.join(out, "mqar", "*", "*", "*", "run.json"))):
+        run = load(path)
+        here = os.path.dirname(path)
+        key = {k: run[k] for k in ("model", "setting", "seed", "lr")}
+        summary = os.path.join(here, "eval", "mqar_summary.json")
+        for r in load(summary)["results"] if os.path.isfile(summary) else []:
+            split = r["data_prefix"].rsplit("-", 1)[-1]  # PREFIX-test / PREFIX-valid (make_mqar_data.py)
+            if split in ("test", "valid"):
+                mqar.append({**key, "step": r["iteration"], "accuracy": r["accuracy"], "split": split})
+        runs.append(run)
+    for path in sorted(glob.glob(os.path.join(out, "lm", "*", "*", "run.json"))):
+        run = load(path)
+        tokens_per_step = run["tokens_per_iter"]
+        metrics = os.path.join(os.path.dirname(path), "metrics.jsonl")
+        with open(metrics) as f:
+            for line in f:
+                record = json.loads(line)
+                if "validation_lm_loss" in record:
+                    lm.append(
+                        {
+                            "model": run["model"],
+                            "seed": run["seed"],
+                            "tokens": record["iteration"] * tokens_per_step,
+                            "val_loss": record["validation_lm_loss"],
+                        }
+                    )
+        runs.append(run)
+    meta_path = os.path.join(out, "meta.json")
+    meta = load(meta_path) if os.path.isfile(meta_path) else {}
+    return {"meta": {**meta, "runs": runs}, "mqar": mqar, "lm": lm}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Selection and summaries
+
+
+def final_rows(rows: list[dict], split: str) -> dict[tuple, dict]:
+    """The last step of every (model, setting, lr, seed) run in `split`."""
+    last: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("split", "test") != split:
+            continue
+        key = (r["model"], r["setting"], r["lr"], r["seed"])
+        if key not in last or r["step"] > last[key]["step"]:
+            last[key] = r
+    return last
+
+
+def sweep_seed(results: dict) -> int:
+    """The seed that sweeps the learning rates: the run's first seed, else the smallest validated one."""
+    seeds = results.get("meta", {}).get("seeds")
+    if seeds:
+        return seeds[0]
+    validated = [r["seed"] for r in results["mqar"] if r.get("split") == "valid"]
+    if not validated:
+        raise DiffmegError("no validation rows (split 'valid'): the learning rate cannot be chosen")
+    return min(validated)
+
+
+def sweep(results: dict) -> dict[tuple[str, str], dict[float, float]]:
+    """(model, setting) -> lr -> the sweep seed's final validation accuracy."""
+    seed = sweep_seed(results)
+    out: dict[tuple[str, str], dict[float, float]] = defaultdict(dict)
+    for (model, setting, lr, s), r in final_rows(results["mqar"], "valid").items():
+        if s == seed:
+            out[(model, setting)][lr] = r["accuracy"]
+    return out
+
+
+def best_lrs(results: dict) -> dict[tuple[str, str], float]:
+    """(model, setting) -> the learning rate with the best final validation accuracy of the sweep seed
+    (ties: the smaller rate)."""
+    return {key: max(sorted(by_lr), key=lambda lr: by_lr[lr]) for key, by_lr in sweep(results).items()}
+
+
+def steps_to(rows: list[dict], target: float = TARGET) -> int | None:
+    """The first step at which a run's held-out accuracy reaches `target` (rows of one run)."""
+    hits = [r["step"] for r in rows if r["accuracy"] >= target]
+    return min(hits) if hits else None
+
+
+def curves(results: dict) -> dict[tuple[str, str], dict[int, list[dict]]]:
+    """(model, setting) -> seed -> held-out rows by step, at the chosen learning rate only."""
+    chosen = best_lrs(results)
+    out: dict[tuple[str, str], dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in results["mqar"]:
+        if r.get("split", "test") == "test" and chosen.get((r["model"], r["setting"])) == r["lr"]:
+            out[(r["model"], r["setting"])][r["seed"]].append(r)
+    for seeds in out.values():
+        for rows in seeds.values():
+            rows.sort(key=lambda r: r["step"])
+    return out
+
+
+def _order(names, known=tuple(MODEL_NAMES)) -> list[str]:
+    return sorted(set(names), key=lambda n: (known.index(n) if n in known else len(known), n))
+
+
+def _settings(results: dict) -> list[str]:
+    declared = results.get("meta", {}).get("settings")
+    found = {r["setting"] for r in results["mqar"]}
+    if declared:
+        return [s for s in declared if s in found] + sorted(found - set(declared))
+    return sorted(found)
+
+
+def _spread(values: list[float], digits: int = 3) -> str:
+    """mean (min-max) of the seeds, or the one value."""
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def _lr(lr: float) -> str:
+    return f"{lr:g}"
+
+
+def mqar_table(results: dict) -> str:
+    """Per setting and model: chosen lr, seeds, final held-out accuracy, steps to 90% per seed."""
+    chosen = best_lrs(results)
+    runs = curves(results)
+    lines = [
+        "| setting | model | lr | seeds | final accuracy, mean (min-max) | steps to 90% per seed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for setting in _settings(results):
+        for model in _order(m for m, s in runs if s == setting):
+            seeds = runs[(model, setting)]
+            finals = [rows[-1]["accuracy"] for _, rows in sorted(seeds.items())]
+            reached = [steps_to(rows) for _, rows in sorted(seeds.items())]
+            to90 = ", ".join("-" if s is None else str(s) for s in reached)
+            name = MODEL_NAMES.get(model, model)
+            lr = _lr(chosen[(model, setting)])
+            lines.append(f"| {setting} | {name} | {lr} | {len(seeds)} | {_spread(finals)} | {to90} |")
+    return "\n".join(lines)
+
+
+def lr_table(results: dict) -> str:
+    """The sweep: the sweep seed's final validation accuracy per (setting, model, lr)."""
+    scores = sweep(results)
+    lrs = sorted({lr for by_lr in scores.values() for lr in by_lr})
+    lines = ["| setting | model | " + " | ".join(f"lr {_lr(lr)}" for lr in lrs) + " |"]
+    lines.append("|---|---|" + "---|" * len(lrs))
+    for setting in _settings(results):
+        for model in _order(m for m, s in scores if s == setting):
+            by_lr = scores[(model, setting)]
+            cells = ["-" if lr not in by_lr else f"{by_lr[lr]:.3f}" for lr in lrs]
+            lines.append(f"| {setting} | {MODEL_NAMES.get(model, model)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def lm_table(results: dict, columns: int = 5) -> str:
+    """Validation loss by tokens seen, mean (min-max) over seeds, at up to `columns` evaluation points."""
+    by_model: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in results["lm"]:
+        by_model[r["model"]][r["tokens"]].append(r["val_loss"])
+    tokens = sorted({t for points in by_model.values() for t in points})
+    if len(tokens) > columns:  # evenly spaced, always the last
+        step = (len(tokens) - 1) / (columns - 1)
+        tokens = sorted({tokens[round(i * step)] for i in range(columns)})
+    lines = ["| model | seeds | " + " | ".join(f"{t:,} tokens" for t in tokens) + " |"]
+    lines.append("|---|---|" + "---|" * len(tokens))
+    for model in _order(by_model):
+        points = by_model[model]
+        seeds = len({r["seed"] for r in results["lm"] if r["model"] == model})
+        cells = [_spread(points.get(t, [])) for t in tokens]
+        lines.append(f"| {MODEL_NAMES.get(model, model)} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tables(results: dict) -> str:
+    parts = []
+    if results["mqar"]:
+        parts += ["### MQAR: held-out accuracy at the chosen learning rate", "", mqar_table(results), ""]
+        title = f"### MQAR: learning-rate sweep (final validation accuracy, seed {sweep_seed(results)})"
+        parts += [title, "", lr_table(results), ""]
+    if results["lm"]:
+        parts += ["### Language modelling: validation loss", "", lm_table(results), ""]
+    return "\n".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plots
+
+
+def plot(results: dict, out_dir: str) -> list[str]:
+    """mqar_accuracy.png (held-out accuracy vs step, a panel per setting) and lm_val_loss.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    runs = curves(results)
+    settings = _settings(results)
+    if settings:
+        fig, axes = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.6), squeeze=False)
+        for ax, setting in zip(axes[0], settings, strict=True):
+            for model in _order(m for m, s in runs if s == setting):
+                for k, (_, rows) in enumerate(sorted(runs[(model, setting)].items())):
+                    ax.plot(
+                        [r["step"] for r in rows],
+                        [r["accuracy"] for r in rows],
+                        color=f"C{_order(MODEL_NAMES).index(model) if model in MODEL_NAMES else 9}",
+                        alpha=0.8,
+                        label=MODEL_NAMES.get(model, model) if k == 0 else None,
+                    )
+            ax.axhline(TARGET, color="grey", linewidth=0.5, linestyle="--")
+            ax.set(title=setting, xlabel="step", ylim=(0, 1.02))
+            ax.legend(fontsize=8)
+        axes[0][0].set_ylabel("held-out accuracy (one line per seed)")
+        fig.tight_layout()
+        written.append(os.path.join(out_dir, "mqar_accuracy.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    if results["lm"]:
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for model in _order({r["model"] for r in results["lm"]}):
+            seeds = sorted({r["seed"] for r in results["lm"] if r["model"] == model})
+            for k, seed in enumerate(seeds):
+                rows = sorted(
+                    (r for r in results["lm"] if r["model"] == model and r["seed"] == seed),
+                    key=lambda r: r["tokens"],
+                )
+                ax.plot(
+                    [r["tokens"] for r in rows],
+                    [r["val_loss"] for r in rows],
+                    color=f"C{_order(MODEL_NAMES).index(model) if model in MODEL_NAMES else 9}",
+                    alpha=0.8,
+                    label=MODEL_NAMES.get(model, model) if k == 0 else None,
+                )
+        ax.set(xlabel="training tokens", ylabel="validation loss (one line per seed)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(os.path.join(out_dir, "lm_val_loss.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("collect", help="OUT/results.json and OUT/plots from a toy_compare.sh directory")
+    c.add_argument("out")
+    c.add_argument("--no-plot", action="store_true")
+    b = sub.add_parser("best-lr", help="print the chosen learning rate of one model and setting")
+    b.add_argument("results", help="a results.json, or a toy_compare.sh output directory (collected now)")
+    b.add_argument("--model", required=True)
+    b.add_argument("--setting", required=True)
+    t = sub.add_parser("tables", help="print the markdown tables of docs/results.md")
+    t.add_argument("results")
+    return p.parse_args(argv)
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.command == "collect":
+        results = collect(args.out)
+        path = os.path.join(args.out, "results.json")
+        _write_json(path, results)
+        written = [path]
+        if not args.no_plot:
+            os.makedirs(os.path.join(args.out, "plots"), exist_ok=True)
+            written += plot(results, os.path.join(args.out, "plots"))
+        print(f"{len(results['mqar'])} mqar rows, {len(results['lm'])} lm rows; wrote {', '.join(written)}")
+    elif args.command == "best-lr":
+        chosen = best_lrs(collect(args.results) if os.path.isdir(args.results) else load(args.results))
+        if (args.model, args.setting) not in chosen:
+            raise DiffmegError(f"{args.results} has no validation result for {args.model} on {args.setting}")
+        print(_lr(chosen[(args.model, args.setting)]))
+    else:
+        results = load(args.results)
+        for key in ("mqar", "lm"):
+            if not isinstance(results.get(key), list):
+                raise DiffmegError(f"{args.results} has no '{key}' list; is it a toy_compare results.json?")
+        if any(not math.isfinite(r["accuracy"]) for r in results["mqar"]):
+            raise DiffmegError(f"{args.results} holds a non-finite accuracy")
+        print(tables(results))
+
+
+if __name__ == "__main__":
+    main()
