@@ -4,14 +4,22 @@ A dataset counts as present when both files exist, so every writer here builds u
 names (``.bin.tmp-<pid>``, never ending in ``.bin``/``.idx``) and renames only when complete: the
 ``.bin`` first, the ``.idx`` last. An interrupted run therefore never leaves a pair that looks
 complete, and replacing an existing dataset removes its old ``.idx`` before anything else moves.
+
+A run killed outright (SIGKILL, a node failure) cannot remove its temporaries; the next run for the
+same output removes those whose process is gone (``remove_stale_temporaries``). The process id in the
+name is checked on this host only: never write one output prefix from two nodes at once. A full disk
+(or quota) ends a writer with one line naming the directory, the free space and what was written
+(``DiskFullError``), after its temporaries are removed.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import re
-from collections.abc import Iterable, Sequence
+import shutil
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import (
@@ -28,6 +36,118 @@ TOKEN_DTYPE = np.int32
 """cl100k ids exceed uint16; megatron-core picks int32 for vocabularies over 65536 too."""
 
 _SHARD_RE = re.compile(r"-rank(\d+)-of-(\d+)(?=_|$)")
+_TMP_RE = re.compile(r"\.tmp-(\d+)(?:-[^/]*)?$")
+"""A temporary's owner: ``<name>.tmp-<pid>`` (files) or ``<name>.tmp-<pid>-<random>`` (scratch dirs)."""
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class DiskFullError(DiffmegError):
+    """The output's file system (or the user's quota) ran out of space; partial files are removed."""
+
+    def __init__(self, directory: str, written: int, free: int | None = None) -> None:
+        self.directory, self.written = directory, written
+        free = free_bytes(directory) if free is None else free
+        super().__init__(
+            f"disk full in {directory}: {format_bytes(free) if free >= 0 else 'unknown'} free after "
+            f"{format_bytes(written)} of output were written; the partial output was removed. Free space "
+            "(or raise the quota) and rerun, or write elsewhere"
+        )
+
+
+def free_bytes(directory: str) -> int:
+    """Free bytes for unprivileged users on the file system of ``directory`` (-1: unknown)."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return -1
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+def abort_writers(
+    writers: Sequence[IndexedWriter],
+    exc: BaseException | None,
+    directory: str,
+    extra_written: Callable[[], int] | None = None,
+) -> None:
+    """Abort ``writers`` (removing their temporaries); a full disk behind ``exc`` becomes one
+    ``DiskFullError`` line instead of a traceback. ``extra_written``: other bytes the run wrote."""
+    if not is_disk_full(exc):
+        for writer in writers:
+            writer.abort()
+        return
+    free = free_bytes(directory)  # before the partial files go: what the failing write saw
+    written = extra_written() if extra_written else 0
+    for writer in writers:
+        writer.abort()
+    raise DiskFullError(directory, written + sum(w.discarded_bytes for w in writers), free) from None
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process on this host; unknown counts as alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
+def remove_stale_temporaries(
+    paths: Iterable[str], log: Callable[[str], None] = _stderr, datasets: bool = True
+) -> list[str]:
+    """Remove the temporaries a killed run left for these outputs; refuse those of a running one.
+
+    ``paths`` are dataset prefixes (their ``.bin``/``.idx`` and scratch directories are checked) or,
+    with ``datasets=False``, plain output files. Returns the paths removed; logs one line per process.
+    """
+    found: dict[int, list[str]] = {}
+    for path in paths:
+        bases = [get_bin_path(path), get_idx_path(path), path] if datasets else [path]
+        for base in bases:
+            for tmp in glob.glob(glob.escape(base) + ".tmp-*"):
+                match = _TMP_RE.search(tmp[len(base) :])
+                if match and int(match.group(1)) != os.getpid():
+                    found.setdefault(int(match.group(1)), []).append(tmp)
+    removed: list[str] = []
+    for pid, tmps in sorted(found.items()):
+        if _pid_alive(pid):
+            raise DiffmegError(
+                f"process {pid} is writing the same output now ({tmps[0]}); wait for it or choose another "
+                f"output (if no such run is active, delete {tmps[0]})"
+            )
+        for tmp in sorted(tmps):
+            if os.path.isdir(tmp) and not os.path.islink(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            elif os.path.lexists(tmp):
+                os.remove(tmp)
+            removed.append(tmp)
+        log(
+            f"removed {len(tmps)} stale temporaries of process {pid}, which no longer runs: "
+            + ", ".join(sorted(tmps))
+        )
+    return removed
 
 
 def exists(prefix: str) -> bool:
@@ -62,6 +182,8 @@ class IndexedWriter:
         self._tmp_idx = get_idx_path(prefix) + tag
         self._builder = IndexedDatasetBuilder(self._tmp_bin, dtype=dtype)
         self._done = False
+        self.discarded_bytes = 0
+        """Bytes of temporary files ``abort()`` removed (what a failed run had written)."""
 
     def add_document(self, tokens: np.ndarray, lengths: Sequence[int] | None = None) -> None:
         """One document: one sequence (so document i is ``IndexedDataset[i]``), or ``lengths``."""
@@ -112,16 +234,20 @@ class IndexedWriter:
             return
         self._done = True
         if not self._builder.data_file.closed:
-            self._builder.data_file.close()
+            try:
+                self._builder.data_file.close()
+            except OSError:
+                pass  # flushing the rest failed (a full disk): the file is closed and goes anyway
         for path in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(path):
+                self.discarded_bytes += os.path.getsize(path)
                 os.remove(path)
 
     def __enter__(self) -> IndexedWriter:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.abort()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        abort_writers([self], exc, os.path.dirname(os.path.abspath(self.prefix)))
 
 
 def resolve_prefixes(specs: Sequence[str]) -> list[str]:
@@ -191,6 +317,7 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str, overwrite: bool 
     if any(os.path.abspath(p) == out for p in prefixes):
         raise DiffmegError(f"output {output_prefix} is also an input; choose another --output-prefix")
     check_can_write([output_prefix], overwrite)
+    remove_stale_temporaries([output_prefix])
     from diffmeg.data.loss_mask import has_loss_mask, loss_mask_prefix
 
     masked = [p for p in prefixes if has_loss_mask(p)]
@@ -200,7 +327,7 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str, overwrite: bool 
     if masked:  # the masks first, as every masked writer does
         merge_datasets([loss_mask_prefix(p) for p in prefixes], loss_mask_prefix(output_prefix), overwrite)
     dtype = _IndexReader(get_idx_path(prefixes[0]), multimodal=False).dtype
-    with IndexedWriter(output_prefix, dtype=dtype) as writer:
+    with IndexedWriter(output_prefix, dtype=dtype) as writer:  # a full disk: DiskFullError
         for prefix in prefixes:
             writer.add_dataset(prefix)
         writer.commit()

@@ -14,6 +14,10 @@ Parallelism, from the outside in:
 - ``--workers`` (in total, shared among partitions) encode batches of lines; the reading process
   writes their results in order. With one worker per partition, encoding runs in that process.
 Uncompressed JSON lines are split at line boundaries; compressed and text files go whole.
+
+Outputs are written under temporary names and renamed when complete (diffmeg/data/indexed.py): an
+interrupted run leaves nothing that looks like a dataset, the next run for the same prefix removes what
+a killed one left, and a full disk ends the run with one line (directory, free space, bytes written).
 """
 
 from __future__ import annotations
@@ -37,7 +41,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from diffmeg.data.indexed import IndexedWriter, check_can_write
+from diffmeg.data.indexed import (
+    DiskFullError,
+    IndexedWriter,
+    abort_writers,
+    check_can_write,
+    remove_stale_temporaries,
+)
 from diffmeg.data.tokenizer import EOD_ID, load_tokenizer
 from diffmeg.errors import DiffmegError
 
@@ -263,9 +273,10 @@ def preprocess(
     base = cfg.output_prefix if world_size == 1 else rank_prefix(cfg.output_prefix, rank, world_size)
     prefixes = {key: output_prefix(base, key) for key in cfg.json_keys}
     check_can_write(prefixes.values(), cfg.overwrite)
+    remove_stale_temporaries(prefixes.values(), log=lambda line: log(tag_for(rank, world_size) + line))
     tokenizer = load_tokenizer(cfg.tokenizer_file)  # fail fast, before any process starts
     segments = split_segments([Segment(f, 0, f.size) for f in files], world_size)[rank]
-    tag = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
+    tag = tag_for(rank, world_size)
     progress = _Progress(sum(s.nbytes for s in segments), cfg.log_interval, log, tag)
     start = time.time()
     if cfg.partitions == 1:
@@ -287,6 +298,23 @@ def preprocess(
     return result
 
 
+def tag_for(rank: int, world_size: int) -> str:
+    """The prefix of this rank's log lines (none in a single process)."""
+    return f"[rank {rank}/{world_size}] " if world_size > 1 else ""
+
+
+def _tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (what a run wrote to its scratch directory)."""
+    total = 0
+    for parent, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(parent, name))
+            except OSError:
+                pass
+    return total
+
+
 def _result(prefixes: dict[str, str], skipped: int, nbytes: int, seconds: float) -> PreprocessResult:
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
@@ -303,10 +331,12 @@ def _result(prefixes: dict[str, str], skipped: int, nbytes: int, seconds: float)
 
 
 class _Writers:
-    """One IndexedWriter per key, committed together."""
+    """One IndexedWriter per key, committed together; a full disk raises ``DiskFullError``."""
 
-    def __init__(self, prefixes: dict[str, str]) -> None:
+    def __init__(self, prefixes: dict[str, str], extra_written: Callable[[], int] | None = None) -> None:
         self.by_key: dict[str, IndexedWriter] = {}
+        self.directory = os.path.dirname(os.path.abspath(next(iter(prefixes.values()))))
+        self.extra_written = extra_written
         try:
             for key, prefix in prefixes.items():
                 self.by_key[key] = IndexedWriter(prefix)
@@ -325,8 +355,8 @@ class _Writers:
     def __enter__(self) -> _Writers:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.abort()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        abort_writers(list(self.by_key.values()), exc, self.directory, self.extra_written)
 
 
 class _Progress:
@@ -407,11 +437,29 @@ def _iter_batches(segments: list[Segment]) -> Iterator[_Batch]:
 _WORKER: dict = {}
 
 
-def _init_worker_process(tokenizer_source: str | None, keys: list[str], append_eod: bool) -> None:
+def _init_worker_process(
+    tokenizer_source: str | None, keys: list[str], append_eod: bool, parent: int
+) -> None:
     # Ctrl-C and termination are handled by the parent, which terminates the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent(parent)
     _init_worker(tokenizer_source, keys, append_eod)
+
+
+def die_with_parent(parent: int) -> None:
+    """Get SIGTERM when the parent process dies (Linux), so a SIGKILLed run leaves no workers behind.
+
+    Orphaned pool workers would otherwise wait forever on a queue whose other end they hold themselves.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _init_worker(tokenizer_source: str | None, keys: list[str], append_eod: bool) -> None:
@@ -504,7 +552,9 @@ def _encode_part(
     pool = None
     try:
         if workers > 1:
-            pool = _mp_context().Pool(workers, initializer=_init_worker_process, initargs=init_args)
+            pool = _mp_context().Pool(
+                workers, initializer=_init_worker_process, initargs=(*init_args, os.getpid())
+            )
             results = _ordered_map(pool, _encode_batch, _iter_batches(segments), 2 * workers + 2)
         else:
             _init_worker(*init_args)
@@ -539,9 +589,9 @@ def _run_partitions(
     parts = split_segments(segments, cfg.partitions)
     workers = max(1, cfg.workers // cfg.partitions)
     first = next(iter(prefixes.values()))
-    scratch = tempfile.mkdtemp(
-        prefix=os.path.basename(first) + ".tmp-", dir=os.path.dirname(os.path.abspath(first))
-    )
+    # Named after our process id, so a later run can tell a killed run's scratch from a live one's.
+    out_dir = os.path.dirname(os.path.abspath(first))
+    scratch = tempfile.mkdtemp(prefix=f"{os.path.basename(first)}.tmp-{os.getpid()}-", dir=out_dir)
     ctx = _mp_context()
     messages = ctx.Queue()
     procs = []
@@ -550,7 +600,7 @@ def _run_partitions(
             {key: os.path.join(scratch, f"part{i:05d}_{key}") for key in prefixes} for i in range(len(parts))
         ]
         for i, part in enumerate(parts):
-            args = (i, part, part_prefixes[i], cfg, tokenizer_source, workers, messages)
+            args = (i, part, part_prefixes[i], cfg, tokenizer_source, workers, messages, os.getpid())
             procs.append(ctx.Process(target=_partition_main, args=args, daemon=False))
             procs[-1].start()
         skipped, pending = 0, set(range(len(parts)))
@@ -567,11 +617,13 @@ def _run_partitions(
             elif message[0] == "done":
                 pending.discard(message[1])
                 skipped += message[2]
+            elif message[0] == "diskfull":  # the bytes it removed, plus what the others hold now
+                raise DiskFullError(out_dir, message[2] + _tree_bytes(scratch))
             else:
                 raise DiffmegError(message[2])
         for proc in procs:
             proc.join()
-        with _Writers(prefixes) as writers:
+        with _Writers(prefixes, extra_written=lambda: _tree_bytes(scratch)) as writers:
             for key, writer in writers.by_key.items():
                 for part in part_prefixes:
                     writer.add_dataset(part[key])
@@ -593,13 +645,17 @@ def _partition_main(
     tokenizer_source: str | None,
     workers: int,
     messages,
+    parent: int,
 ) -> None:
+    die_with_parent(parent)
     try:
         with _Writers(prefixes) as writers:
             report = lambda docs, nbytes: messages.put(("progress", docs, nbytes))
             skipped = _encode_part(segments, writers, cfg, tokenizer_source, workers, report)
             writers.commit()
         messages.put(("done", index, skipped))
+    except DiskFullError as exc:
+        messages.put(("diskfull", index, exc.written))
     except DiffmegError as exc:
         messages.put(("error", index, str(exc)))
     except (KeyboardInterrupt, SystemExit):

@@ -31,7 +31,16 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset, _IndexReader, get_idx_path
 
-from diffmeg.data.indexed import IndexedWriter, check_can_write, exists
+from diffmeg.data.indexed import (
+    DiskFullError,
+    IndexedWriter,
+    abort_writers,
+    check_can_write,
+    exists,
+    free_bytes,
+    is_disk_full,
+    remove_stale_temporaries,
+)
 from diffmeg.errors import DiffmegError
 
 
@@ -120,6 +129,8 @@ def length_upsample(
     for path in (weights_file, summary_file):
         if os.path.exists(path) and not overwrite:
             raise DiffmegError(f"output {path} already exists; pass --overwrite to replace it")
+    remove_stale_temporaries([b.prefix for b in buckets])
+    remove_stale_temporaries([weights_file, summary_file], datasets=False)
     dtypes = {np.dtype(_IndexReader(get_idx_path(p), multimodal=False).dtype) for p in inputs}
     if len(dtypes) != 1:
         raise DiffmegError(
@@ -129,6 +140,7 @@ def length_upsample(
 
     dtype = dtypes.pop().type
     writers: list[IndexedWriter] = []
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
     try:
         for bucket in buckets:
             writers.append(IndexedWriter(bucket.prefix, dtype=dtype))
@@ -158,6 +170,9 @@ def length_upsample(
                 writer.commit()
             else:
                 writer.abort()
+    except BaseException as exc:
+        abort_writers(writers, exc, out_dir)  # a full disk: one DiskFullError line
+        raise
     finally:
         for writer in writers:
             writer.abort()
@@ -179,6 +194,14 @@ def length_upsample(
 
 def _write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if is_disk_full(exc):
+            directory = os.path.dirname(os.path.abspath(path))
+            raise DiskFullError(directory, 0, free_bytes(directory)) from None
+        raise
     os.replace(tmp, path)

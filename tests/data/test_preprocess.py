@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import errno
 import gzip
+import os
+import re
+import stat
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from diffmeg.data import indexed
 from diffmeg.data import preprocess as pp
 from diffmeg.data.indexed import merge_datasets, read_documents
 from diffmeg.data.preprocess import (
@@ -207,3 +214,111 @@ def test_detect_rank_from_launcher_variables(monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     assert detect_rank() == (1, 2, "Open MPI environment")
+
+
+class _FillingFile:
+    """A data file on a disk with ``room`` bytes left: the write that does not fit fails with ENOSPC."""
+
+    def __init__(self, f, room: int) -> None:
+        self._f, self._room = f, room
+
+    def write(self, data) -> int:
+        if len(data) > self._room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= len(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def _fill_disk_after(monkeypatch, room: int) -> None:
+    """Every indexed-dataset writer (in this process and forked ones) runs out of space after ``room``."""
+
+    class Builder(indexed.IndexedDatasetBuilder):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.data_file = _FillingFile(self.data_file, room)
+
+    monkeypatch.setattr(indexed, "IndexedDatasetBuilder", Builder)
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_full_disk_is_one_line_and_removes_partial_outputs(tmp_path, bpe_file, monkeypatch, partitions):
+    corpus = write_jsonl(tmp_path / "small.jsonl", RECORDS[4:])  # ~60 KB of tokens in small writes
+    monkeypatch.setattr(pp, "BATCH_BYTES", 1024)
+    _fill_disk_after(monkeypatch, 20_000)
+    with pytest.raises(DiffmegError) as info:
+        run(tmp_path, [corpus], tokenizer_file=bpe_file, workers=partitions, partitions=partitions)
+    message = str(info.value)
+    assert "\n" not in message
+    where = re.escape(str(tmp_path))
+    assert re.match(rf"disk full in {where}: [\d.]+ \w+ free after [\d.]+ KiB of output", message), message
+    written = float(re.search(r"after ([\d.]+) KiB", message).group(1)) * 1024
+    assert 1024 < written <= partitions * 20_000 + 4096, message  # on disk when the write failed
+    assert "partial output was removed" in message
+    assert leftovers(tmp_path) == []
+
+
+def test_outputs_follow_the_umask(tmp_path, corpus, bpe_file):
+    """Datasets are shared files: group-writable under umask 002, never private like mkstemp's 0600."""
+    old = os.umask(0o002)
+    try:
+        for partitions in (1, 2):
+            name = f"p{partitions}"
+            run(
+                tmp_path,
+                [corpus],
+                name=name,
+                tokenizer_file=bpe_file,
+                workers=partitions,
+                partitions=partitions,
+            )
+            merge_datasets([str(tmp_path / f"{name}_text_document")], str(tmp_path / f"{name}_merged"))
+    finally:
+        os.umask(old)
+    outputs = sorted(p for p in tmp_path.iterdir() if p.suffix in (".bin", ".idx"))
+    assert len(outputs) == 8
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in outputs} == {
+        p.name: "0o664" for p in outputs
+    }
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # reaped: the pid names no process (until the system reuses it)
+    return proc.pid
+
+
+def test_stale_temporaries_of_dead_processes_go_and_those_of_live_ones_stop_the_run(
+    tmp_path, corpus, bpe_file
+):
+    prefix = tmp_path / "out_text_document"
+    dead = _dead_pid()
+    stale = [f"{prefix}.bin.tmp-{dead}", f"{prefix}.idx.tmp-{dead}"]
+    for path in stale:
+        Path(path).write_bytes(b"partial")
+    scratch = tmp_path / f"out_text_document.tmp-{dead}-x1y2"  # a killed --partitions run's shards
+    scratch.mkdir()
+    (scratch / "part00000_text.bin").write_bytes(b"partial")
+    unrelated = tmp_path / "other_text_document.bin.tmp-1"
+    unrelated.write_bytes(b"another output's")
+    lines: list[str] = []
+    cfg = PreprocessConfig(inputs=[str(corpus)], output_prefix=str(tmp_path / "out"), tokenizer_file=bpe_file)
+    preprocess(cfg, log=lines.append)
+    removed = [line for line in lines if line.startswith("removed")]
+    assert len(removed) == 1 and f"process {dead}, which no longer runs" in removed[0], lines
+    assert all(path in removed[0] for path in [*stale, str(scratch)])
+    assert not scratch.exists() and unrelated.exists()
+    assert leftovers(tmp_path) == [
+        "other_text_document.bin.tmp-1",
+        "out_text_document.bin",
+        "out_text_document.idx",
+    ]
+
+    live = tmp_path / f"new_text_document.bin.tmp-{os.getppid()}"  # our parent is certainly running
+    live.write_bytes(b"being written")
+    cfg = PreprocessConfig(inputs=[str(corpus)], output_prefix=str(tmp_path / "new"), tokenizer_file=bpe_file)
+    with pytest.raises(DiffmegError, match=rf"process {os.getppid()} is writing the same output now"):
+        preprocess(cfg, log=lines.append)
+    assert live.read_bytes() == b"being written"

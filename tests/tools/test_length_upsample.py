@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import stat
+
 import numpy as np
 
 from diffmeg.data.gpt_datasets import parse_data_path
@@ -27,3 +30,25 @@ def test_prints_the_data_path_and_writes_the_weights_file(tmp_path):
     args = f"--input {tmp_path}/corpus --output-prefix {tmp_path}/up2 --edges 100 200 --factors 1 2"
     proc = run_tool("length_upsample", *args.split())
     assert proc.returncode == 2 and "--factors needs 3 values" in proc.stderr
+
+
+def test_outputs_follow_the_umask(tmp_path):
+    with IndexedWriter(str(tmp_path / "corpus")) as w:
+        for n in (10, 300):
+            w.add_document(np.ones(n, dtype=np.int32))
+        w.commit()
+    old = os.umask(0o002)
+    try:
+        args = f"--input {tmp_path}/corpus --output-prefix {tmp_path}/up --target-length 256"
+        proc = run_tool("length_upsample", *args.split())
+    finally:
+        os.umask(old)
+    assert proc.returncode == 0, proc.stderr
+    outputs = sorted(p.name for p in tmp_path.glob("up*"))
+    assert outputs == [f"up_{b}.{x}" for b in ("long", "short") for x in ("bin", "idx")] + [
+        "up_upsample.json",
+        "up_weights.txt",
+    ]
+    assert {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in outputs} == dict.fromkeys(
+        outputs, 0o664
+    )

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+
 import numpy as np
 
 from diffmeg.data.indexed import IndexedWriter, read_documents
@@ -30,3 +34,21 @@ def test_merges_rank_shards_in_rank_order_and_refuses_incomplete_sets(tmp_path):
     assert "merged 3 datasets: 6 documents, 9 tokens" in proc.stderr
     docs = [d.tolist() for d in read_documents(str(tmp_path / "merged"))]
     assert docs == [[0, 0], [0], [], [1, 1, 1], [2, 2], [2]]
+
+
+def test_merged_dataset_follows_the_umask_and_replaces_a_killed_runs_temporaries(tmp_path):
+    make_shard(tmp_path / "a", [[1, 2], [3]])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"merged.bin.tmp-{dead.pid}"  # what a SIGKILLed merge leaves
+    stale.write_bytes(b"partial")
+    old = os.umask(0o002)
+    try:
+        proc = run_tool("merge_datasets", "--input", tmp_path / "a", "--output-prefix", tmp_path / "merged")
+    finally:
+        os.umask(old)
+    assert proc.returncode == 0, proc.stderr
+    assert f"removed 1 stale temporaries of process {dead.pid}, which no longer runs: {stale}" in proc.stderr
+    assert not stale.exists()
+    for suffix in (".bin", ".idx"):
+        assert stat.S_IMODE((tmp_path / f"merged{suffix}").stat().st_mode) == 0o664

@@ -3,9 +3,12 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
+import re
 import shutil
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -118,3 +121,89 @@ def test_mpirun_two_ranks_then_merge_equals_one_process(tmp_path, bpe_file):
     expected = [d.tolist() for d in read_documents(reference)]
     assert len(expected) == 120
     assert [d.tolist() for d in read_documents(str(tmp_path / "merged"))] == expected
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Running processes whose command line contains ``text`` (forked workers inherit their parent's)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+                with open(f"/proc/{entry}/stat") as f:
+                    zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except (OSError, IndexError):
+                continue
+            if text in cmdline and not zombie:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_sigkill_leaves_temporaries_that_the_next_run_removes(tmp_path, bpe_file, partitions):
+    big = tmp_path / "big.jsonl"
+    with open(big, "w") as f:
+        for i in range(8_000):
+            f.write(json.dumps({"text": f"document {i} " + "lorem ipsum dolor sit amet " * 80}) + "\n")
+    out = tmp_path / "out"
+    args = f"--input {big} --output-prefix {out} --workers 2 --partitions {partitions} --log-interval 200"
+    cmd = tool_cmd("preprocess_data", *args.split(), "--tokenizer-file", bpe_file)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=tool_env(), stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if line.startswith("processed"):
+            break
+    proc.kill()  # SIGKILL: no handler runs, nothing is cleaned up
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    left = [name for name in leftovers(tmp_path) if name != "big.jsonl"]
+    expected = (
+        f"out_text_document.bin.tmp-{proc.pid}" if partitions == 1 else f"out_text_document.tmp-{proc.pid}-"
+    )
+    assert left and all(name.startswith(expected) for name in left), left
+    # Its workers and partitions die with it (they would otherwise wait forever on their queues).
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(out)) == []
+
+    again = run_tool("preprocess_data", *args.split(), "--log-interval", "0", "--tokenizer-file", bpe_file)
+    assert again.returncode == 0, again.stderr
+    removed = [line for line in again.stderr.splitlines() if line.startswith("removed")]
+    assert (
+        len(removed) == 1 and f"stale temporaries of process {proc.pid}, which no longer runs" in removed[0]
+    )
+    assert leftovers(tmp_path) == ["out_text_document.bin", "out_text_document.idx"]
+    assert len(read_documents(str(out) + "_text_document")) == 8_000
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (needs root and permission to mount; skipped otherwise)."""
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_on_a_small_tmpfs_is_one_line(tmp_path, bpe_file, small_disk):
+    corpus = write_jsonl(
+        tmp_path / "c.jsonl", [{"text": f"doc {i} " + "lorem ipsum " * 200} for i in range(800)]
+    )
+    args = f"--input {corpus} --output-prefix {small_disk}/out --log-interval 0 --tokenizer-file {bpe_file}"
+    proc = run_tool("preprocess_data", *args.split())
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: disk full in {small_disk}: "), line
+    assert re.search(r": [\d.]+ (B|KiB) free after [\d.]+ (KiB|MiB) of output were written", line), line
+    assert "partial output was removed" in line
+    assert os.listdir(small_disk) == []
