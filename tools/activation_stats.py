@@ -24,8 +24,8 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
-from diffmeg.analysis.common import add_checkpoint_arguments, add_output_arguments  # noqa: E402
 from diffmeg.errors import cli_errors  # noqa: E402
+from diffmeg.eval.common import add_checkpoint_arguments, add_output_arguments  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @cli_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from diffmeg.analysis.activation_stats import RANKS, ActivationStatsConfig, run_activation_stats
-    from diffmeg.analysis.common import common_config_fields
+    from diffmeg.eval.activation_stats import RANKS, ActivationStatsConfig, run_activation_stats
+    from diffmeg.eval.common import common_config_fields
 
     summary = run_activation_stats(
         ActivationStatsConfig(

@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @cli_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from diffmeg.evaluation.long_context import (
+    from diffmeg.eval.long_context import (
         CSV_NAME,
         PLOT_NAME,
         SUMMARY_NAME,

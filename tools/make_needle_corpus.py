@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @cli_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from diffmeg.analysis.needle_corpus import NeedleCorpusConfig, write_needle_corpus
+    from diffmeg.eval.needle_corpus import NeedleCorpusConfig, write_needle_corpus
 
     documents, tokens = write_needle_corpus(
         NeedleCorpusConfig(

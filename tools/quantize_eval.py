@@ -25,8 +25,8 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
-from diffmeg.analysis.common import add_checkpoint_arguments, add_output_arguments  # noqa: E402
 from diffmeg.errors import cli_errors  # noqa: E402
+from diffmeg.eval.common import add_checkpoint_arguments, add_output_arguments  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,8 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @cli_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from diffmeg.analysis.common import common_config_fields
-    from diffmeg.analysis.quantize import QuantizeEvalConfig, run_quantize_eval
+    from diffmeg.eval.common import common_config_fields
+    from diffmeg.eval.quantize import QuantizeEvalConfig, run_quantize_eval
 
     summary = run_quantize_eval(
         QuantizeEvalConfig(

@@ -257,9 +257,9 @@ def imported(factory, name: str) -> tuple[Path, Path]:
 
 
 def exported_eval(factory, arch: str) -> tuple[Path, Path]:
-    """(checkpoint, its mcore-to-hf export) of tests/evaluation's tiny `arch` ("diff": DiffLlama,
+    """(checkpoint, its mcore-to-hf export) of tests/eval's tiny `arch` ("diff": DiffLlama,
     "transformer": Llama), trained once per session and shared with the evaluation and analysis tests."""
-    from tests.evaluation.helpers import tiny_checkpoints
+    from tests.eval.helpers import tiny_checkpoints
 
     ckpt = tiny_checkpoints(factory.getbasetemp())[arch]
     folder = cached(

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.evaluation.helpers import periodic_documents, tiny_checkpoints, write_indexed_dataset
+from tests.eval.helpers import periodic_documents, tiny_checkpoints, write_indexed_dataset
 from tests.tools.helpers import run_tool
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

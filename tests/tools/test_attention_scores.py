@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.evaluation.helpers import tiny_checkpoints
+from tests.eval.helpers import tiny_checkpoints
 from tests.tools.helpers import run_tool
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -50,9 +50,9 @@ def test_two_checkpoints_give_csv_json_and_png(ckpts, tmp_path):
 
 
 def test_text_files_with_a_mock_checkpoint_is_refused_before_loading(ckpts, tmp_path):
-    from diffmeg.analysis.attention_scores import AttentionScoresConfig, run_attention_scores
-    from diffmeg.analysis.common import CheckpointSet
     from diffmeg.errors import DiffmegError
+    from diffmeg.eval.attention_scores import AttentionScoresConfig, run_attention_scores
+    from diffmeg.eval.common import CheckpointSet
 
     cfg = AttentionScoresConfig(
         CheckpointSet([str(ckpts["diff"])]), text_files=[str(tmp_path)], output_dir=str(tmp_path / "o")

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from diffmeg.errors import DiffmegError
-from diffmeg.evaluation.long_context import LongContextConfig, run_long_context_eval
+from diffmeg.eval.long_context import LongContextConfig, run_long_context_eval
 from tests.data.helpers import REPO_ROOT
-from tests.evaluation.helpers import (
+from tests.eval.helpers import (
     CKPT_SEQ_LENGTH,
     checkpoint_args,
     fake_checkpoint,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.evaluation.helpers import tiny_checkpoints
+from tests.eval.helpers import tiny_checkpoints
 from tests.tools.helpers import run_tool
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

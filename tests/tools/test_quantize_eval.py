@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.evaluation.helpers import tiny_checkpoints
+from tests.eval.helpers import tiny_checkpoints
 from tests.tools.helpers import run_tool
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -55,9 +55,9 @@ def test_two_checkpoints_give_csv_json_and_png(ckpts, tmp_path):
 
 
 def test_a_bad_choices_file_is_one_line_error(ckpts, tmp_path):
-    from diffmeg.analysis.common import CheckpointSet
-    from diffmeg.analysis.quantize import QuantizeEvalConfig, run_quantize_eval
     from diffmeg.errors import DiffmegError
+    from diffmeg.eval.common import CheckpointSet
+    from diffmeg.eval.quantize import QuantizeEvalConfig, run_quantize_eval
 
     (tmp_path / "bad.jsonl").write_text('{"context_ids": [1], "choices_ids": [[2]], "label": 0}\n')
     cfg = QuantizeEvalConfig(

@@ -1,4 +1,4 @@
-"""diffmeg.evaluation.long_context: the position statistics against brute force, the per-token NLL
+"""diffmeg.eval.long_context: the position statistics against brute force, the per-token NLL
 against the model's own logits, and the checks made before any model is loaded."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from diffmeg.errors import DiffmegError
-from diffmeg.evaluation.long_context import (
+from diffmeg.eval.long_context import (
     CheckpointInfo,
     DocumentSource,
     IndexedDocuments,
@@ -23,7 +23,7 @@ from diffmeg.evaluation.long_context import (
     select_documents,
     write_csv,
 )
-from tests.evaluation.helpers import MOCK_VOCAB, periodic_documents, write_indexed_dataset
+from tests.eval.helpers import MOCK_VOCAB, periodic_documents, write_indexed_dataset
 
 # ---------------------------------------------------------------------------------------------------
 # Pure numpy parts

@@ -1,11 +1,11 @@
-"""diffmeg.evaluation.plotting: tick labels and an atomically written PNG."""
+"""diffmeg.eval.plotting: tick labels and an atomically written PNG."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from diffmeg.evaluation.plotting import Curve, count_label, plot_curves
+from diffmeg.eval.plotting import Curve, count_label, plot_curves
 
 
 @pytest.mark.parametrize(

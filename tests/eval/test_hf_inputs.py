@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from diffmeg.errors import DiffmegError
-from diffmeg.evaluation.long_context import (
+from diffmeg.eval.long_context import (
     CheckpointInfo,
     LongContextConfig,
     default_labels,
@@ -17,7 +17,7 @@ from diffmeg.evaluation.long_context import (
     run_long_context_eval,
 )
 from tests.conversion.helpers import exported_eval, hf_folder_variant
-from tests.evaluation.helpers import periodic_documents, write_indexed_dataset
+from tests.eval.helpers import periodic_documents, write_indexed_dataset
 
 
 @pytest.fixture(scope="module")

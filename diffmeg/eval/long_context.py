@@ -492,7 +492,7 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = _stderr) -> dict:
     _validate(cfg)
     prepare_output_dir(cfg.output_dir)
     if cfg.plot:
-        from diffmeg.evaluation.plotting import require_matplotlib
+        from diffmeg.eval.plotting import require_matplotlib
 
         require_matplotlib()
     iterations = cfg.iterations or [None]
@@ -542,7 +542,7 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = _stderr) -> dict:
     curves = {info.label: stats.cumulative()[:covered] for info, stats, _ in results}
     write_csv(os.path.join(cfg.output_dir, CSV_NAME), curves, cfg.csv_every)
     if cfg.plot:
-        from diffmeg.evaluation.plotting import Curve, plot_curves
+        from diffmeg.eval.plotting import Curve, plot_curves
 
         x = np.arange(1, covered + 1)
         plot_curves(

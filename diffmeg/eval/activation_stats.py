@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffmeg.analysis.capture import AttentionRecord, capture_attention, capture_layer_outputs
-from diffmeg.analysis.common import (
+from diffmeg.errors import DiffmegError
+from diffmeg.eval.capture import AttentionRecord, capture_attention, capture_layer_outputs
+from diffmeg.eval.common import (
     CheckpointSet,
     Log,
     forward,
@@ -36,7 +37,6 @@ from diffmeg.analysis.common import (
     write_json,
     write_rows,
 )
-from diffmeg.errors import DiffmegError
 
 CSV_NAME = "activation_stats.csv"
 PLOT_NAME = "activation_stats.png"
@@ -124,7 +124,7 @@ def token_windows(
             yield rng.integers(0, vocab_size, n)
             remaining -= n
         return
-    from diffmeg.evaluation.long_context import IndexedDocuments
+    from diffmeg.eval.long_context import IndexedDocuments
 
     source = IndexedDocuments(cfg.data_prefix)
     buffer = np.zeros(0, dtype=np.int64)
@@ -207,7 +207,7 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: Log = stderr) -> dict:
     }
     write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
-        from diffmeg.evaluation.plotting import Curve, plot_curves
+        from diffmeg.eval.plotting import Curve, plot_curves
 
         curves = []
         for ckpt in checkpoints:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffmeg.analysis.needle import IdVocab, build_prompt
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.needle import IdVocab, build_prompt
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.evaluation.helpers import tiny_checkpoints
+from tests.eval.helpers import tiny_checkpoints
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffmeg.analysis.needle import IdVocab, NeedlePrompt, build_prompt
-from diffmeg.analysis.needle_eval import score_prompt
+from diffmeg.eval.needle import IdVocab, NeedlePrompt, build_prompt
+from diffmeg.eval.needle_eval import score_prompt
 
 VOCAB = 512
 

@@ -1,4 +1,4 @@
-"""Heatmaps for the analysis tools (line plots reuse diffmeg.evaluation.plotting), drawn on an
+"""Heatmaps for the analysis tools (line plots reuse diffmeg.eval.plotting), drawn on an
 explicit Agg canvas like the evaluation plots, so no global matplotlib state is touched."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diffmeg.evaluation.plotting import require_matplotlib
+from diffmeg.eval.plotting import require_matplotlib
 
 
 def plot_heatmaps(

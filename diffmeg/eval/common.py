@@ -18,7 +18,7 @@ import torch
 
 from diffmeg.checkpoints import DTYPES, CheckpointInfo, load_checkpoint_model, read_checkpoint_info
 from diffmeg.errors import DiffmegError
-from diffmeg.evaluation.long_context import check_same_vocabulary, default_labels, prepare_output_dir
+from diffmeg.eval.long_context import check_same_vocabulary, default_labels, prepare_output_dir
 from diffmeg.runtime import single_process
 
 Log = Callable[[str], None]
@@ -79,7 +79,7 @@ def loaded_models(
 
 def needle_vocab(info: CheckpointInfo, text_files: Sequence[str] | None, tokenizer_file: str | None):
     """`IdVocab` for mock-data checkpoints, `TextVocab` (filler from --text-files) for cl100k ones."""
-    from diffmeg.analysis.needle import IdVocab, TextVocab
+    from diffmeg.eval.needle import IdVocab, TextVocab
 
     if info.tokenizer == "mock":
         if text_files:
@@ -91,7 +91,7 @@ def needle_vocab(info: CheckpointInfo, text_files: Sequence[str] | None, tokeniz
     if not text_files:
         raise DiffmegError(f"{info.root} reads cl100k text: give --text-files for the filler")
     from diffmeg.data.tokenizer import load_tokenizer
-    from diffmeg.evaluation.long_context import expand_text_files
+    from diffmeg.eval.long_context import expand_text_files
 
     texts = []
     for path in expand_text_files(text_files):
@@ -135,7 +135,7 @@ def start_outputs(output_dir: str, plot: bool) -> None:
     """Fail on an unwritable directory or a missing matplotlib before any model is loaded."""
     prepare_output_dir(output_dir)
     if plot:
-        from diffmeg.evaluation.plotting import require_matplotlib
+        from diffmeg.eval.plotting import require_matplotlib
 
         require_matplotlib()
 

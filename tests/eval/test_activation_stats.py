@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffmeg.analysis.activation_stats import RANKS, ActivationStatsConfig, StreamingMagnitudes, token_windows
-from tests.evaluation.helpers import tiny_checkpoints
+from diffmeg.eval.activation_stats import RANKS, ActivationStatsConfig, StreamingMagnitudes, token_windows
+from tests.eval.helpers import tiny_checkpoints
 
 
 def exact_lower_median(values: torch.Tensor) -> float:
@@ -44,9 +44,9 @@ def ckpts(tmp_path_factory):
 
 def test_streaming_over_a_model_equals_brute_force_over_kept_activations(ckpts):
     """Two tiny models over two windows: stream vs keep-everything give the same top-k and median."""
-    from diffmeg.analysis.activation_stats import collect_stats
-    from diffmeg.analysis.capture import capture_attention, capture_layer_outputs
-    from diffmeg.analysis.common import CheckpointSet, forward, loaded_models
+    from diffmeg.eval.activation_stats import collect_stats
+    from diffmeg.eval.capture import capture_attention, capture_layer_outputs
+    from diffmeg.eval.common import CheckpointSet, forward, loaded_models
 
     infos = CheckpointSet([str(ckpts["diff"]), str(ckpts["transformer"])]).resolve()
     cfg = ActivationStatsConfig(CheckpointSet([]), tokens=80, seed=3)

@@ -1,5 +1,5 @@
 """Two tiny checkpoints (DIFF and its Transformer baseline) and small indexed datasets for the
-evaluation tests, shared by tests/evaluation and tests/tools within one pytest session."""
+evaluation tests, shared by tests/eval and tests/tools within one pytest session."""
 
 from __future__ import annotations
 

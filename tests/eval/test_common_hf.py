@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from diffmeg.analysis.common import CheckpointSet, forward, loaded_models
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.common import CheckpointSet, forward, loaded_models
 from tests.conversion.helpers import exported_eval
 
 
@@ -34,7 +34,7 @@ def test_mixed_inputs_load_the_same_models(loads):
 
 
 def test_activation_stats_of_exports_equal_their_checkpoints(loads, tmp_path):
-    from diffmeg.analysis.activation_stats import ActivationStatsConfig, run_activation_stats
+    from diffmeg.eval.activation_stats import ActivationStatsConfig, run_activation_stats
 
     summary = run_activation_stats(
         ActivationStatsConfig(

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diffmeg.analysis.capture import AttentionRecord, capture_attention, decoder_layers
-from diffmeg.analysis.common import (
+from diffmeg.errors import DiffmegError
+from diffmeg.eval.capture import AttentionRecord, capture_attention, decoder_layers
+from diffmeg.eval.common import (
     CheckpointSet,
     Log,
     forward,
@@ -32,8 +33,7 @@ from diffmeg.analysis.common import (
     write_json,
     write_rows,
 )
-from diffmeg.analysis.needle import build_prompt
-from diffmeg.errors import DiffmegError
+from diffmeg.eval.needle import build_prompt
 
 CSV_NAME = "attention_scores.csv"
 PLOT_NAME = "attention_scores.png"
@@ -180,7 +180,7 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: Log = stderr) -> dict:
 
 
 def _plot(checkpoints: list[dict], cfg: AttentionScoresConfig, length: int) -> None:
-    from diffmeg.evaluation.plotting import Curve, plot_curves
+    from diffmeg.eval.plotting import Curve, plot_curves
 
     x = np.asarray(cfg.depths, dtype=np.float64) * 100
     curves = []

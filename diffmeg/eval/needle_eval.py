@@ -1,7 +1,7 @@
 """Multi-needle retrieval accuracy (LWM / Gemini 1.5 protocol, as in the DIFF paper).
 
 Each prompt holds N needles (city -> magic number) in filler and asks for R of them (see
-`diffmeg.analysis.needle`). Scoring is greedy decoding by teacher forcing: one forward pass over
+`diffmeg.eval.needle`). Scoring is greedy decoding by teacher forcing: one forward pass over
 prompt + answer gives, at every answer position, the model's greedy next token given the correct
 answer so far; a queried number counts as retrieved when every one of its tokens is the greedy
 choice. For R = 1 this is exactly "greedy generation reproduces the number"; for R > 1 each number is
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diffmeg.analysis.common import (
+from diffmeg.errors import DiffmegError
+from diffmeg.eval.common import (
     CheckpointSet,
     Log,
     forward,
@@ -29,8 +30,7 @@ from diffmeg.analysis.common import (
     write_json,
     write_rows,
 )
-from diffmeg.analysis.needle import NeedlePrompt, build_prompt
-from diffmeg.errors import DiffmegError
+from diffmeg.eval.needle import NeedlePrompt, build_prompt
 
 CSV_NAME = "needle_accuracy.csv"
 PLOT_NAME = "needle_heatmap.png"
@@ -118,7 +118,7 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: Log = stderr) -> dict:
     }
     write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
-        from diffmeg.analysis.plots import plot_heatmaps
+        from diffmeg.eval.plots import plot_heatmaps
 
         grids = []
         for ckpt in checkpoints:

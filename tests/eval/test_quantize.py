@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from diffmeg.analysis.quantize import Choice, absmax_quantizer, choice_scores, quantized, validation_loss
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.quantize import Choice, absmax_quantizer, choice_scores, quantized, validation_loss
 from diffmeg.kernels.reference import causal_keep_mask
-from tests.evaluation.helpers import tiny_checkpoints
+from tests.eval.helpers import tiny_checkpoints
 
 
 def test_absmax_quantizer_rounds_visible_logits_to_the_grid():
@@ -29,8 +29,8 @@ def ckpts(tmp_path_factory):
 
 
 def test_16_bits_is_exactly_unquantized_and_4_bits_changes_the_loss(ckpts):
-    from diffmeg.analysis.capture import capture_attention
-    from diffmeg.analysis.common import CheckpointSet, loaded_models
+    from diffmeg.eval.capture import capture_attention
+    from diffmeg.eval.common import CheckpointSet, loaded_models
 
     infos = CheckpointSet([str(ckpts["diff"]), str(ckpts["transformer"])]).resolve()
     windows = [np.random.default_rng(0).integers(0, 512, 33) for _ in range(2)]

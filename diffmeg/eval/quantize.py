@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diffmeg.analysis.capture import LogitFn, capture_attention
-from diffmeg.analysis.common import (
+from diffmeg.errors import DiffmegError
+from diffmeg.eval.capture import LogitFn, capture_attention
+from diffmeg.eval.common import (
     CheckpointSet,
     Log,
     loaded_models,
@@ -32,7 +33,6 @@ from diffmeg.analysis.common import (
     write_json,
     write_rows,
 )
-from diffmeg.errors import DiffmegError
 
 CSV_NAME = "quantize_eval.csv"
 PLOT_NAME = "quantize_eval.png"
@@ -112,7 +112,7 @@ def read_choices(path: str, vocab_size: int, tokenizer) -> list[Choice]:
 
 def choice_scores(model: torch.nn.Module, item: Choice) -> list[tuple[float, int]]:
     """(log-likelihood of each choice's tokens after the context, its token count)."""
-    from diffmeg.evaluation.long_context import per_token_nll
+    from diffmeg.eval.long_context import per_token_nll
 
     device = next(model.parameters()).device
     out = []
@@ -126,7 +126,7 @@ def choice_scores(model: torch.nn.Module, item: Choice) -> list[tuple[float, int
 
 def validation_loss(model: torch.nn.Module, windows: list[np.ndarray]) -> float:
     """Mean NLL per predicted token over the windows (each window predicts its tokens 1..n-1)."""
-    from diffmeg.evaluation.long_context import per_token_nll
+    from diffmeg.eval.long_context import per_token_nll
 
     device = next(model.parameters()).device
     total, count = 0.0, 0
@@ -153,7 +153,7 @@ class QuantizeEvalConfig:
 
 
 def _windows(cfg: QuantizeEvalConfig, vocab_size: int, mock: bool, length: int) -> Iterator[np.ndarray]:
-    from diffmeg.analysis.activation_stats import ActivationStatsConfig, token_windows
+    from diffmeg.eval.activation_stats import ActivationStatsConfig, token_windows
 
     # One more token per window than positions scored: the window's first token has no prediction.
     acfg = ActivationStatsConfig(
@@ -213,7 +213,7 @@ def run_quantize_eval(cfg: QuantizeEvalConfig, log: Log = stderr) -> dict:
     }
     write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
-        from diffmeg.evaluation.plotting import Curve, plot_curves
+        from diffmeg.eval.plotting import Curve, plot_curves
 
         metric = "acc" if items else "val_loss"
         x = np.array(cfg.bits, dtype=np.float64)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from diffmeg.analysis.needle import IdVocab
-from diffmeg.analysis.needle_corpus import NeedleCorpusConfig, needle_document, write_needle_corpus
 from diffmeg.data.tokenizer import IdTokenizer
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.needle import IdVocab
+from diffmeg.eval.needle_corpus import NeedleCorpusConfig, needle_document, write_needle_corpus
 from tests.slurm.helpers import REPO_ROOT
 
 VOCAB, SEQ = 256, 96

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffmeg.analysis.attention_scores import record_masses, span_masses
-from diffmeg.analysis.capture import AttentionRecord, _diff_backend
+from diffmeg.eval.attention_scores import record_masses, span_masses
+from diffmeg.eval.capture import AttentionRecord, _diff_backend
 from diffmeg.kernels.reference import causal_keep_mask, diff_attention_reference
 
 

@@ -1,6 +1,6 @@
 """A generated multi-needle training corpus in token ids, for toy-scale retrieval experiments on a CPU.
 
-Every document is one needle prompt of the evaluation's own format (`diffmeg.analysis.needle`, the
+Every document is one needle prompt of the evaluation's own format (`diffmeg.eval.needle`, the
 `IdVocab` of the model's vocabulary), followed by its answer and an end-of-document id, and is exactly
 `seq_length` tokens long. A GPT sample is `seq_length + 1` consecutive tokens, so each training window
 holds one whole document (plus the next one's first token): the model sees the question at the end of
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffmeg.analysis.needle import IdVocab, build_prompt
 from diffmeg.data.indexed import IndexedWriter, check_can_write
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.needle import IdVocab, build_prompt
 
 SEED_OFFSET = 1_000_000_007
 """Document i of a corpus with seed s is built from seed SEED_OFFSET * (s + 1) + i: far from the small
