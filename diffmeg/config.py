@@ -1,10 +1,15 @@
 """Model configuration: megatron-core's `TransformerConfig` plus the Differential Transformer fields.
 
-Head bookkeeping (the one place it is defined): megatron-core's `SelfAttention` is configured with
-`num_attention_heads = 2h` *sub-heads* of `kv_channels = d`. Sub-heads `2i` and `2i+1` are Q1/Q2 of
-differential head `i`, and V of head `i` is sub-heads `2i, 2i+1` of V concatenated (width 2d). GQA
-works in KV *pairs*: `num_query_groups = 2g` sub-groups, differential KV head `j` is sub-groups
-`2j, 2j+1`. So the projections have exactly the shapes of a Transformer with 2h heads of size d.
+Head bookkeeping (the one place it is defined, `megatron_head_counts`): the command line counts h
+differential (output) heads and g KV heads for every architecture; megatron-core's `SelfAttention` sees
+- DIFF V1 (the paper): `num_attention_heads = 2h` *sub-heads* of `kv_channels = d`. Sub-heads `2i` and
+  `2i+1` are Q1/Q2 of differential head `i`, and V of head `i` is sub-heads `2i, 2i+1` of V concatenated
+  (width 2d). GQA works in KV *pairs*: `num_query_groups = 2g` sub-groups, differential KV head `j` is
+  sub-groups `2j, 2j+1`. So the projections have exactly the shapes of a Transformer with 2h heads of d.
+- DIFF V2: `num_attention_heads = 2h` query heads of d over ordinary GQA with `num_query_groups = g`
+  (query head j uses KV head j // (2h/g), so heads 2i and 2i+1 share K and V); head i's output is
+  `attn[2i] - sigmoid(lambda_proj(x))_i attn[2i+1]`, h heads of d into the output projection.
+- the Transformer baseline: h heads of d, g KV heads, as given.
 """
 
 from __future__ import annotations
@@ -20,6 +25,18 @@ from diffmeg.parallel.validation import validate_cp
 ATTENTION_BACKENDS = ("auto", "reference", "sdpa", "flash", "triton")
 
 
+DIFF_VERSIONS = (1, 2)
+
+
+def megatron_head_counts(
+    heads: int, kv_heads: int, diff_attention: bool, diff_version: int = 1
+) -> tuple[int, int]:
+    """(num_attention_heads, num_query_groups) for megatron-core from h output heads and g KV heads."""
+    if not diff_attention:
+        return heads, kv_heads
+    return (2 * heads, 2 * kv_heads) if diff_version == 1 else (2 * heads, kv_heads)
+
+
 def lambda_init_for_layer(layer_index: int) -> float:
     """The paper's depth schedule `0.8 - 0.6 * exp(-0.3 * (l - 1))` for 0-based `layer_index = l - 1`."""
     return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
@@ -31,6 +48,11 @@ class DiffTransformerConfig(TransformerConfig):
 
     diff_attention: bool = True
     """Use differential attention. False builds the plain Transformer baseline from the same code."""
+
+    diff_version: int = 1
+    """1: the paper's differential attention (two maps over V of 2d, lambda reparameterisation, head
+    RMSNorm); 2: DIFF V2 (2h query heads over ordinary GQA attention, a per-token sigmoid lambda from
+    `lambda_proj`, no head norm). The V1-only fields below are ignored by V2."""
 
     lambda_init: str | float = "exp"
     """`"exp"`: the paper's layer-wise schedule from the global layer number; a float: a constant
@@ -53,7 +75,11 @@ class DiffTransformerConfig(TransformerConfig):
     baseline passes the value to megatron-core as is (None = p2p)."""
 
     def __post_init__(self) -> None:
-        if self.diff_attention:
+        if self.diff_attention and self.diff_version not in DIFF_VERSIONS:
+            raise DiffmegError(f"diff_version must be 1 or 2, got {self.diff_version!r}")
+        if self.diff_attention and self.diff_version == 2:
+            self._validate_diff_v2()
+        elif self.diff_attention:
             self._validate_diff()
         else:
             validate_cp(
@@ -117,6 +143,33 @@ class DiffTransformerConfig(TransformerConfig):
             kv_heads=groups // 2,
             tp=tp,
             attention_dropout=self.attention_dropout,
+        )
+
+    def _validate_diff_v2(self) -> None:
+        tp = self.tensor_model_parallel_size
+        if self.num_attention_heads % 2:
+            raise DiffmegError(
+                f"DIFF V2 needs an even number of query heads (2 x output heads), got "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        heads = self.num_attention_heads // 2
+        groups = self.num_query_groups if self.num_query_groups is not None else heads
+        if groups < 1 or heads % groups:
+            raise DiffmegError(f"{groups} KV heads must divide the {heads} DIFF V2 heads")
+        if heads % tp or groups % tp:
+            raise DiffmegError(
+                f"DIFF V2 with {heads} heads and {groups} KV heads cannot be split over "
+                f"tensor-model-parallel-size {tp}: choose a TP size dividing both (each rank keeps whole "
+                f"query-head pairs and their KV heads)"
+            )
+        validate_cp(
+            cp_size=self.context_parallel_size,
+            comm_type=self.cp_comm_type,
+            diff_attention=True,
+            heads=self.num_attention_heads,
+            kv_heads=groups,
+            tp=tp,
+            unit="query heads",
         )
 
     @property

@@ -3,7 +3,9 @@
 A preset is a flat dict of `pretrain_diff.py` argument names to values; explicit command-line flags
 override it. `--num-attention-heads` counts *differential* heads for DIFF models (the paper's count) and
 ordinary heads for Transformer baselines; the baselines have twice the heads of size 128, so
-parameters and FLOPs outside the attention core match exactly.
+parameters and FLOPs outside the attention core match exactly. DIFF V2 (`diff2-*`) has the layers,
+hidden and FFN sizes of both and the Transformer's h heads of d as its output heads (2h query heads,
+h KV heads, plus the lambda projection).
 """
 
 from __future__ import annotations
@@ -104,11 +106,12 @@ def _build_presets() -> dict[str, dict]:
         presets[f"diff-{size}"] = {**recipe, "diff_attention": True}
         baseline = dict(recipe, diff_attention=False, num_attention_heads=2 * recipe["num_attention_heads"])
         presets[f"transformer-{size}"] = baseline
+        presets[f"diff2-{size}"] = dict(baseline, diff_attention=True, diff_version=2)
     # The 64K extension of the 3B run: 1.5B tokens of 64 x 65536-token batches (4M tokens), RoPE theta
     # 640000, lr 8e-5, started from the 3B checkpoint (--pretrained-checkpoint) on the upsampled blend.
     # Layout for H100x8 nodes (the Slurm recipe): TP 2 x CP 2, sequence parallel, full recompute, the
     # distributed optimizer: ~33 GiB per GPU by the dry-run plan (selective recompute: ~102 GiB).
-    for arch in ("diff", "transformer"):
+    for arch in ("diff", "diff2", "transformer"):
         presets[f"{arch}-3b-64k"] = {
             **presets[f"{arch}-3b"],
             "seq_length": 65536,
@@ -124,6 +127,7 @@ def _build_presets() -> dict[str, dict]:
         }
     presets["diff-13.1b"] = presets["diff-13b"]
     presets["transformer-13.1b"] = presets["transformer-13b"]
+    presets["diff2-13.1b"] = presets["diff2-13b"]
     for recipe in presets.values():
         recipe.setdefault("vocab_size", PADDED_VOCAB_SIZE)
     return presets
@@ -149,20 +153,27 @@ def count_parameters(
     num_query_groups: int | None = None,
     diff_attention: bool = True,
     untie_embeddings: bool = True,
+    diff_version: int = 1,
 ) -> int:
-    """Exact parameter count of the GPT model built from these sizes (for dry runs and tests)."""
-    sub_heads = 2 * num_attention_heads if diff_attention else num_attention_heads
-    groups = (
-        sub_heads
-        if num_query_groups is None
-        else (2 * num_query_groups if diff_attention else num_query_groups)
-    )
-    q = sub_heads * kv_channels
+    """Exact parameter count of the GPT model built from these sizes (for dry runs and tests); head
+    counts as on the command line (h output heads, g KV heads)."""
+    from diffmeg.config import megatron_head_counts
+
+    kv_heads = num_attention_heads if num_query_groups is None else num_query_groups
+    query_heads, groups = megatron_head_counts(num_attention_heads, kv_heads, diff_attention, diff_version)
+    q = query_heads * kv_channels
     kv = 2 * groups * kv_channels
-    attn = hidden_size * (q + kv) + q * hidden_size
+    v2 = diff_attention and diff_version == 2
+    out = num_attention_heads * kv_channels if v2 else q  # V2 projects the h combined heads
+    attn = hidden_size * (q + kv) + out * hidden_size
     mlp = 3 * hidden_size * ffn_hidden_size
     norms = 2 * hidden_size
-    diff_extra = (4 * kv_channels + 2 * kv_channels) if diff_attention else 0  # lambdas + head norm
+    if v2:
+        diff_extra = hidden_size * num_attention_heads  # lambda_proj
+    elif diff_attention:
+        diff_extra = 4 * kv_channels + 2 * kv_channels  # lambda vectors + head norm
+    else:
+        diff_extra = 0
     per_layer = attn + mlp + norms + diff_extra
     embeddings = vocab_size * hidden_size * (2 if untie_embeddings else 1)
     return num_layers * per_layer + embeddings + hidden_size

@@ -113,3 +113,74 @@ def semantic_weights_from_mcore(sd: dict, cfg: dict) -> dict:
             }
         )
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# DIFF V2 (unilm Diff-Transformer-V2): 2h query heads over ordinary GQA, per-token sigmoid lambda
+
+
+def diff_v2_heads(q, k, v, lam):
+    """q: [2h, s, d]; k, v: [g, s, d]; lam: [s, h] -> [s, h * d]: attn[2i] - lam_i attn[2i+1]."""
+    n, s, d = q.shape
+    g = k.shape[0]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    attn = []
+    for j in range(n):
+        kv = j // (n // g)  # contiguous groups: query heads 2i and 2i+1 share K and V
+        scores = (q[j] @ k[kv].T) / math.sqrt(d)
+        attn.append(torch.softmax(scores.masked_fill(~causal, -math.inf), -1) @ v[kv])  # [s, d]
+    outs = [attn[2 * i] - lam[:, i : i + 1] * attn[2 * i + 1] for i in range(n // 2)]
+    return torch.cat(outs, dim=-1)
+
+
+def reference_logits_v2(tokens: torch.Tensor, w: dict, cfg: dict) -> torch.Tensor:
+    """tokens [s] -> logits [s, vocab] of a DIFF V2 model with semantic weights `w`."""
+    x = w["embed"][tokens]  # [s, H]
+    eps = cfg.get("eps", 1e-5)
+    for lw in w["layers"]:
+        hn = rmsnorm(x, lw["input_norm"], eps)
+        q = rope(torch.einsum("sH,ndH->snd", hn, lw["wq"]), cfg["rotary_base"]).transpose(0, 1)
+        k = rope(torch.einsum("sH,gdH->sgd", hn, lw["wk"]), cfg["rotary_base"]).transpose(0, 1)
+        v = torch.einsum("sH,gdH->sgd", hn, lw["wv"]).transpose(0, 1)
+        lam = torch.sigmoid(hn @ lw["wlambda"].T)  # [s, h]
+        x = x + diff_v2_heads(q, k, v, lam) @ lw["wo"].T
+        hn = rmsnorm(x, lw["mlp_norm"], eps)
+        x = x + (torch.nn.functional.silu(hn @ lw["gate"].T) * (hn @ lw["up"].T)) @ lw["down"].T
+    return rmsnorm(x, w["final_norm"], eps) @ w["output"].T
+
+
+def semantic_weights_v2_from_mcore(sd: dict, cfg: dict) -> dict:
+    """Unpack a TP=1 DIFF V2 GPTModel state dict (local spec) into semantic float64 weights.
+
+    Fused QKV rows per KV group: [r query heads of d, one key, one value] with r = 2h / g; query head j
+    is row block j % r of group j // r.
+    """
+    h, g, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    r = 2 * h // g
+    # no detach: a test may differentiate the reference with respect to leaf copies of the state dict
+    f64 = {k: v.to(torch.float64) for k, v in sd.items() if v is not None and hasattr(v, "dtype")}
+    out = {
+        "embed": f64["embedding.word_embeddings.weight"],
+        "final_norm": f64["decoder.final_layernorm.weight"],
+        "output": f64["output_layer.weight"],
+        "layers": [],
+    }
+    for li in range(cfg["layers"]):
+        p = f"decoder.layers.{li}."
+        qkv = f64[p + "self_attention.linear_qkv.weight"].view(g, r + 2, d, -1)
+        fc1 = f64[p + "mlp.linear_fc1.weight"]
+        out["layers"].append(
+            {
+                "input_norm": f64[p + "input_layernorm.weight"],
+                "mlp_norm": f64[p + "pre_mlp_layernorm.weight"],
+                "wq": qkv[:, :r].reshape(2 * h, d, -1),
+                "wk": qkv[:, r],
+                "wv": qkv[:, r + 1],
+                "wlambda": f64[p + "self_attention.linear_lambda.weight"],
+                "wo": f64[p + "self_attention.linear_proj.weight"],
+                "gate": fc1[: fc1.shape[0] // 2],
+                "up": fc1[fc1.shape[0] // 2 :],
+                "down": f64[p + "mlp.linear_fc2.weight"],
+            }
+        )
+    return out

@@ -104,3 +104,50 @@ def test_count_matches_built_model(single_rank_parallel_state):
         built = sum(p.numel() for p in model.parameters())
         assert built == count_parameters(2, 64, 96, 128, heads, 16, 1 if diff else 2, diff_attention=diff)
         assert isinstance(next(model.parameters()), torch.Tensor)
+
+
+def test_diff2_presets_share_the_transformer_sizes():
+    """diff2-SIZE: the layers, hidden and FFN of diff-SIZE and transformer-SIZE, the Transformer's heads."""
+    for size in ("tiny", "830m", "1.4b", "2.8b", "6.8b", "13b", "3b", "3b-64k"):
+        v2, base, v1 = (
+            get_preset(f"diff2-{size}"),
+            get_preset(f"transformer-{size}"),
+            get_preset(f"diff-{size}"),
+        )
+        assert v2["diff_attention"] is True and v2["diff_version"] == 2
+        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "lr", "global_batch_size"):
+            assert v2[key] == base[key] == v1[key], (size, key)
+        assert (v2["num_attention_heads"], v2["kv_channels"]) == (
+            base["num_attention_heads"],
+            base["kv_channels"],
+        )
+    p = get_preset("diff2-3b")
+    assert (p["num_attention_heads"], p["kv_channels"]) == (24, 128)
+    n = count_parameters(28, 3072, 8192, 100288, 24, 128, None, diff_attention=True, diff_version=2)
+    assert n == 4_053_543_936  # issue 13: 48 query heads, 24 KV heads, lambda_proj, untied output
+
+
+def test_diff2_count_matches_built_model(single_rank_parallel_state):
+    import torch.nn.functional as F
+
+    from diffmeg.config import DiffTransformerConfig
+    from diffmeg.model import build_model
+
+    for kv_heads in (4, 2):
+        cfg = DiffTransformerConfig(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=8,  # 2h query heads
+            num_query_groups=kv_heads,
+            kv_channels=16,
+            ffn_hidden_size=96,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            use_cpu_initialization=True,
+            diff_version=2,
+        )
+        model = build_model(cfg, vocab_size=128, max_sequence_length=16)
+        built = sum(p.numel() for p in model.parameters())
+        assert built == count_parameters(2, 64, 96, 128, 4, 16, kv_heads, diff_attention=True, diff_version=2)

@@ -10,9 +10,14 @@ never straddle ranks.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import all_to_all
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 
 def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -65,3 +70,83 @@ def head_to_sequence_shards(x: torch.Tensor, group=None) -> torch.Tensor:
     x = all_to_all(group, x.view(s, b * n_local * e)).view(cp, s // cp, b, n_local, e)
     # received block j = head group j of our tokens: [cp, s/cp, b, n/cp, e] -> [s/cp, b, n, e]
     return x.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * n_local, e)
+
+
+@dataclass
+class UlyssesAttentionSubmodules:
+    """The core attention that runs on whole sequences inside the all-to-all."""
+
+    attention: ModuleSpec | type = None
+
+
+class UlyssesAttention(MegatronModule):
+    """Any megatron-core core attention under context parallelism, through the all-to-all above.
+
+    Built where megatron-core builds its core attention (same constructor keywords); the wrapped core is
+    built for whole sequences and this rank's share of the heads (`num_attention_heads / cp`,
+    `num_query_groups / cp`, no CP of its own). Contiguous head blocks keep GQA's query-to-KV mapping.
+    Used by DIFF V2, whose core is megatron-core's own attention (V1's core does the same exchange itself).
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        submodules: UlyssesAttentionSubmodules | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if submodules is None or submodules.attention is None:
+            raise ValueError("UlyssesAttention needs the core attention to wrap (submodules.attention)")
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+        cp = self.cp_group.size()
+        inner = copy.copy(config)
+        inner.context_parallel_size = 1
+        inner.cp_comm_type = None
+        inner.num_attention_heads = config.num_attention_heads // cp
+        inner.num_query_groups = config.num_query_groups // cp
+        kwargs = dict(
+            config=inner,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type=attention_type,
+            softmax_scale=softmax_scale,
+            pg_collection=pg_collection,
+        )
+        if attention_dropout is not None:
+            kwargs["attention_dropout"] = attention_dropout
+        self.attention = build_module(submodules.attention, **kwargs)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("Ulysses context parallelism does not support packed sequences")
+        # [s/cp, b, n, d] -> [s, b, n/cp, d] for q, k and v (whole sequences, this rank's heads)
+        query, key, value = (sequence_to_head_shards(t, self.cp_group) for t in (query, key, value))
+        out = self.attention(
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=attn_mask_type,
+            attention_bias=attention_bias,
+            packed_seq_params=None,
+        )  # [s, b, n/cp * dv]
+        s, b, n_local = query.shape[0], query.shape[1], query.shape[2]
+        out = out.reshape(s, b, n_local, -1)  # [s, b, n/cp * dv] -> [s, b, n/cp, dv]
+        out = head_to_sequence_shards(out.contiguous(), self.cp_group)  # [s/cp, b, n, dv]
+        return out.reshape(out.shape[0], b, -1)  # [s/cp, b, n, dv] -> [s/cp, b, n * dv]

@@ -22,13 +22,15 @@ def validate_cp(
     attention_dropout: float = 0.0,
     seq_length: int | None = None,
     cp_attention_available: bool | None = None,
+    unit: str | None = None,
 ) -> str:
     """Resolve `comm_type` (None: `ulysses` for DIFF, `p2p` for the baseline) and check the layout.
 
     `heads`/`kv_heads` count what moves as a whole inside attention: differential heads and KV heads
-    for DIFF, ordinary heads for the baseline. `seq_length` and `cp_attention_available` (whether
-    megatron-core's CP attention can be built here) are checked when given: the command line knows them
-    before any work, a config built in a test may not. Returns the resolved comm type.
+    for DIFF V1, query and KV heads for DIFF V2 (`unit` names them), ordinary heads for the baseline.
+    `seq_length` and `cp_attention_available` (whether megatron-core's CP attention can be built here)
+    are checked when given: the command line knows them before any work, a config built in a test may
+    not. Returns the resolved comm type.
     """
     comm = comm_type or ("ulysses" if diff_attention else "p2p")
     if comm not in CP_COMM_TYPES:  # also rejects megatron-core's per-layer lists
@@ -46,7 +48,7 @@ def validate_cp(
             "create; use p2p, all_gather, a2a or (DIFF) ulysses"
         )
     if comm in ("ulysses", "a2a") and ((heads // tp) % cp_size or (kv_heads // tp) % cp_size):
-        kind = "differential heads" if diff_attention else "heads"
+        kind = unit or ("differential heads" if diff_attention else "heads")
         alternative = (
             "; --cp-comm-type p2p or all_gather (Transformer Engine) need not" if diff_attention else ""
         )

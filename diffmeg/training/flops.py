@@ -9,6 +9,13 @@ Per token and layer (forward, multiply-add = 2 FLOPs, causal attention counted a
   SwiGLU MLP            2 * 3 H F
 plus the logits 2 H V once per token. Training = 3 x forward (backward is twice the forward); activation
 recompute is not counted (model FLOPs, as MFU is defined). DIFF's core is 1.5x the baseline's.
+
+DIFF V2 (h output heads, 2h query heads of d, g KV heads):
+  QKV projection        2 H (2h d + 2 g d)          Q twice the baseline's
+  lambda projection     2 H h
+  scores and context    2 * (s/2) * 2h d each       an ordinary attention over 2h heads: 2x the baseline
+  output projection     2 h d H                     the baseline's
+(the pair combination, 3 h d per token, is negligible and not counted).
 """
 
 from __future__ import annotations
@@ -38,19 +45,28 @@ def forward_flops_per_token(
     seq_length: int,
     vocab_size: int,
     diff_attention: bool,
+    diff_version: int = 1,
 ) -> FlopsBreakdown:
     """Forward FLOPs per token; head counts as on the command line (DIFF heads for DIFF models)."""
+    from diffmeg.config import megatron_head_counts
+
     d, H = kv_channels, hidden_size
-    sub_heads = 2 * num_attention_heads if diff_attention else num_attention_heads
-    kv_sub = 2 * num_query_groups if diff_attention else num_query_groups
-    qkv = 2 * H * (sub_heads * d + 2 * kv_sub * d)
-    proj = 2 * sub_heads * d * H
+    query_heads, kv_heads = megatron_head_counts(
+        num_attention_heads, num_query_groups, diff_attention, diff_version
+    )
+    v2 = diff_attention and diff_version == 2
+    qkv = 2 * H * (query_heads * d + 2 * kv_heads * d)
+    proj = 2 * (num_attention_heads if v2 else query_heads) * d * H
+    lam = 2 * H * num_attention_heads if v2 else 0
     mlp = 2 * 3 * H * ffn_hidden_size
     half = seq_length / 2  # causal
-    scores = 2 * half * sub_heads * d
-    context = 2 * half * (num_attention_heads * 2 * (2 * d) if diff_attention else sub_heads * d)
+    scores = 2 * half * query_heads * d
+    if diff_attention and not v2:
+        context = 2 * half * num_attention_heads * 2 * (2 * d)  # two maps against V of 2d
+    else:
+        context = 2 * half * query_heads * d
     return FlopsBreakdown(
-        linear=num_layers * (qkv + proj + mlp),
+        linear=num_layers * (qkv + proj + lam + mlp),
         attention_core=num_layers * (scores + context),
         logits=2 * H * vocab_size,
     )
@@ -68,5 +84,6 @@ def train_flops_per_iteration(args) -> float:
         seq_length=args.seq_length,
         vocab_size=args.vocab_size,
         diff_attention=args.diff_attention,
+        diff_version=getattr(args, "diff_version", 1),
     )
     return 3.0 * per_token.total * args.global_batch_size * args.seq_length

@@ -52,3 +52,34 @@ def test_hand_count_tiny():
     # 4 sub-heads of 2: QKV 2*8*(8 q + 8 k + 8 v)=384, proj 2*8*8=128, mlp 2*3*8*16=768;
     # scores 2*(4/2)*8=32, context 2*(4/2)*(2 heads * 2 maps * V width 4)=64
     assert (f.linear, f.attention_core, f.logits) == (1280, 96, 160)
+
+
+def test_diff2_counts_and_throughput_bound_for_3b():
+    """V2: core 2x the baseline's, Q projection 2x plus lambda_proj; bound 0.892 (2K), 0.861 (4K)."""
+    from diffmeg.training.arguments import resolve_args
+    from diffmeg.training.flops import train_flops_per_iteration
+
+    for seq in (2048, 4096):
+        v2 = forward_flops_per_token(
+            num_layers=28,
+            hidden_size=3072,
+            ffn_hidden_size=8192,
+            num_attention_heads=24,
+            num_query_groups=24,
+            kv_channels=128,
+            seq_length=seq,
+            vocab_size=100288,
+            diff_attention=True,
+            diff_version=2,
+        )
+        base = _flops("transformer-3b", seq)
+        assert v2.attention_core == pytest.approx(2 * base.attention_core)
+        h, d, H, layers = 24, 128, 3072, 28
+        assert v2.linear - base.linear == pytest.approx(layers * (2 * H * h * d + 2 * H * h))
+    ratio = {
+        s: train_flops_per_iteration(resolve_args(["--model", "transformer-3b", "--seq-length", str(s)]))
+        / train_flops_per_iteration(resolve_args(["--model", "diff2-3b", "--seq-length", str(s)]))
+        for s in (2048, 4096)
+    }
+    assert ratio[2048] == pytest.approx(0.892, abs=0.001)
+    assert ratio[4096] == pytest.approx(0.861, abs=0.001)

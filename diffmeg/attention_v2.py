@@ -1,0 +1,129 @@
+"""DIFF V2: differential attention over ordinary GQA attention, as megatron-core's `SelfAttention`.
+
+The authors' second version (unilm `Diff-Transformer/Diff-Transformer-V2`) keeps a standard attention
+kernel: 2h query heads of d attend over g KV heads (query head j uses KV head j // (2h/g), so heads 2i
+and 2i+1 share K and V), and head i's output is
+
+    out_i = attn[2i] - sigmoid(lambda_proj(x))_i * attn[2i+1]          (width d)
+
+with a per-token, per-head lambda from a bias-free projection of the attention input x. No head
+RMSNorm, no `(1 - lambda_init)`, no lambda reparameterisation. The output projection maps h x d back.
+
+In megatron-core this is `SelfAttention` configured with `num_attention_heads = 2h` and
+`num_query_groups = g` (`diffmeg.config.megatron_head_counts`): its fused QKV projection, RoPE, KV
+cache, sequence parallelism and *its own core attention* (DotProductAttention, torch SDPA, or TE's
+fused attention with all of megatron-core's context-parallel modes) run unchanged. This subclass adds
+`linear_lambda` (column-parallel over heads; under sequence parallelism its input is gathered like
+QKV's), sizes `linear_proj` for h x d, and combines each head pair right before `linear_proj`. Pairs
+never straddle tensor-parallel ranks: a rank holds 2h/tp consecutive query heads and h/tp lambdas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from diffmeg.errors import DiffmegError
+
+
+@dataclass
+class DiffV2SelfAttentionSubmodules(SelfAttentionSubmodules):
+    """megatron-core's self-attention submodules plus the lambda projection."""
+
+    linear_lambda: ModuleSpec | type = None
+    """hidden -> h (no bias), column-parallel over heads."""
+
+
+def combine_head_pairs(attn: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """`attn[2i] - lam_i * attn[2i+1]` in fp32 (or wider): [s, b, 2n * d], [s, b, n] -> [s, b, n * d] in
+    attn's dtype."""
+    s, b, n = lam.shape
+    dtype = torch.promote_types(attn.dtype, torch.float32)
+    pairs = attn.view(s, b, n, 2, -1).to(dtype)  # [s, b, 2n * d] -> [s, b, n, 2, d]; pair i = heads 2i, 2i+1
+    out = pairs[..., 0, :] - lam.to(dtype).unsqueeze(-1) * pairs[..., 1, :]  # [s, b, n, d]
+    return out.to(attn.dtype).reshape(s, b, -1)  # [s, b, n, d] -> [s, b, n * d]
+
+
+class DiffV2SelfAttention(SelfAttention):
+    """megatron-core's SelfAttention with DIFF V2's head-pair combination and per-token lambda."""
+
+    def __init__(
+        self,
+        config,
+        submodules: DiffV2SelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        if self.num_attention_heads_per_partition % 2 or config.num_attention_heads % 2:
+            raise DiffmegError("DIFF V2 needs whole query-head pairs on every tensor-parallel rank")
+        self.num_output_heads_per_partition = self.num_attention_heads_per_partition // 2
+        output_heads = config.num_attention_heads // 2
+        # megatron-core sized linear_proj for the 2h query heads; V2 projects the h combined heads.
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            output_heads * config.kv_channels,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+            tp_group=self.pg_collection.tp,
+        )
+        self.linear_lambda = build_module(
+            submodules.linear_lambda,
+            config.hidden_size,
+            output_heads,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=False,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="lambda",
+            tp_group=self.pg_collection.tp,
+        )
+        # The combination runs on linear_proj's input on every path of SelfAttention.forward (training,
+        # KV-cache decoding, selective recompute of the core), with this forward's lambda.
+        self.linear_proj.register_forward_pre_hook(self._combine_before_projection)
+        self._lambda: torch.Tensor | None = None
+
+    def lambda_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """sigmoid(lambda_proj(x)) in fp32 or wider: [s, b, hidden] -> [s, b, h/tp] (all tokens under SP)."""
+        logits, _ = self.linear_lambda(hidden_states)
+        return torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask, *args, **kwargs):
+        self._lambda = self.lambda_values(hidden_states)
+        try:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        finally:
+            self._lambda = None
+
+    def _combine_before_projection(self, module: torch.nn.Module, args: tuple) -> tuple:
+        if self._lambda is None:
+            raise DiffmegError("DIFF V2's output projection ran outside DiffV2SelfAttention.forward")
+        attn = args[0]  # [s, b, 2h/tp * d]
+        if attn.shape[:2] != self._lambda.shape[:2]:
+            raise DiffmegError(
+                f"DIFF V2: attention output {tuple(attn.shape)} and lambda {tuple(self._lambda.shape)} "
+                f"cover different tokens (packed sequences are not supported)"
+            )
+        return (combine_head_pairs(attn, self._lambda), *args[1:])

@@ -1,0 +1,122 @@
+"""Golden tests for DIFF V2: the whole model and its gradients against float64 equations, the KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.reference_model import reference_logits_v2, semantic_weights_v2_from_mcore
+
+
+def make_v2_config(heads=4, kv_heads=4, head_dim=8, layers=1, **kw):
+    from diffmeg.config import DiffTransformerConfig
+
+    return DiffTransformerConfig(
+        num_layers=layers,
+        hidden_size=heads * head_dim,
+        num_attention_heads=2 * heads,
+        num_query_groups=kv_heads,
+        kv_channels=head_dim,
+        ffn_hidden_size=32,
+        use_cpu_initialization=True,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float64,
+        diff_version=2,
+        **kw,
+    )
+
+
+def _v2_model(heads, kv_heads, d, layers, vocab=64):
+    from diffmeg.model import build_model
+
+    cfg = make_v2_config(heads, kv_heads, d, layers=layers)
+    model = build_model(cfg, vocab_size=vocab, max_sequence_length=16, rotary_base=500.0, seed=3).double()
+    with torch.no_grad():  # lambda far from sigmoid's midpoint, norms away from one
+        gen = torch.Generator().manual_seed(5)
+        for name, p in model.named_parameters():
+            if "linear_lambda" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+@pytest.mark.parametrize("heads,kv_heads,layers", [(2, 2, 1), (4, 2, 3), (4, 1, 2)])
+def test_diff_v2_model_and_gradients_match_reference(single_rank_parallel_state, heads, kv_heads, layers):
+    """Logits and every parameter's gradient (lambda_proj included) vs the float64 definition."""
+    from diffmeg.attention_v2 import DiffV2SelfAttention
+
+    d = 8
+    model = _v2_model(heads, kv_heads, d, layers)
+    attention = model.decoder.layers[0].self_attention
+    assert isinstance(attention, DiffV2SelfAttention)
+    assert attention.linear_proj.weight.shape == (heads * d, heads * d)  # h x d in, hidden out
+    assert attention.linear_lambda.weight.shape == (heads, heads * d)
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 64, (1, 13), generator=gen)
+    logits = model(input_ids=tokens, position_ids=torch.arange(13)[None], attention_mask=None)  # [b, s, V]
+    cfg = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "layers": layers}
+    sd = {k: v.detach().clone().requires_grad_(True) for k, v in model.state_dict().items() if v is not None}
+    ref = reference_logits_v2(tokens[0], semantic_weights_v2_from_mcore(sd, cfg), {"rotary_base": 500.0})
+    # megatron-core's RoPE frequencies are fp32: agreement to ~1e-9, not float64's 1e-15
+    torch.testing.assert_close(logits[0], ref, rtol=1e-7, atol=1e-8)
+
+    weights = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (logits[0] * weights).sum().backward()
+    (ref * weights).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, sd[name].grad, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_combine_head_pairs_is_the_definition():
+    from diffmeg.attention_v2 import combine_head_pairs
+
+    gen = torch.Generator().manual_seed(0)
+    s, b, n, d = 5, 2, 3, 4
+    attn = torch.randn(s, b, 2 * n * d, generator=gen, dtype=torch.bfloat16)
+    lam = torch.rand(s, b, n, generator=gen)
+    out = combine_head_pairs(attn, lam)
+    a = attn.float().view(s, b, 2 * n, d)
+    want = torch.cat([a[:, :, 2 * i] - lam[:, :, i : i + 1] * a[:, :, 2 * i + 1] for i in range(n)], dim=-1)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_kv_cache_decoding_equals_full_recompute(single_rank_parallel_state):
+    """generate() with megatron-core's KV cache gives the logits of recomputing the whole prefix."""
+    from diffmeg.generation import SamplingConfig, generate
+
+    model = _v2_model(4, 2, 8, 2).eval()
+    prompt = [3, 17, 5, 42, 8]
+    cached = generate(model, prompt, 6, SamplingConfig(greedy=True), use_cache=True, return_logits=True)
+    full = generate(model, prompt, 6, SamplingConfig(greedy=True), use_cache=False, return_logits=True)
+    assert cached.output_ids == full.output_ids and len(cached.output_ids) == 6
+    for a, b in zip(cached.step_logits, full.step_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(num_attention_heads=7), "even number of query heads"),
+        (dict(num_query_groups=3), "3 KV heads must divide the 4 DIFF V2 heads"),
+        (dict(tensor_model_parallel_size=8), "cannot be split over tensor-model-parallel-size 8"),
+        (dict(context_parallel_size=16), "16 with --cp-comm-type ulysses shards whole query heads"),
+        (dict(diff_version=3), "diff_version must be 1 or 2"),
+    ],
+)
+def test_invalid_v2_configs(kw, match):
+    from diffmeg.errors import DiffmegError
+
+    base = dict(heads=4, kv_heads=4, head_dim=8)
+    with pytest.raises(DiffmegError, match=match):
+        cfg = make_v2_config(**base)
+        for k, v in kw.items():  # re-validate with one field changed
+            setattr(cfg, k, v)
+        cfg.__post_init__()
