@@ -1,4 +1,4 @@
-"""Generate text from a pretrain_diff.py checkpoint (any TP/PP it was saved at), with a KV cache.
+r"""Generate text from a pretrain_diff.py checkpoint (any TP/PP it was saved at), with a KV cache.
 
     python tools/generate.py --load ckpt/ --prompt "The capital of France is" --max-new-tokens 32 --greedy
     python tools/generate.py --load ckpt/ --prompt "Once" --max-new-tokens 64 --temperature 0.8 --top-p 0.95 \

@@ -1,4 +1,4 @@
-"""Build the length-upsampled blend for long-context training (the 64K extension).
+r"""Build the length-upsampled blend for long-context training (the 64K extension).
 
     python tools/length_upsample.py --input data/corpus_text_document --output-prefix data/up64k \
         --target-length 65536 --long-factor 4

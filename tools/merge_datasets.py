@@ -1,4 +1,4 @@
-"""Concatenate indexed datasets (e.g. the per-rank shards of preprocess_data.py) into one.
+r"""Concatenate indexed datasets (e.g. the per-rank shards of preprocess_data.py) into one.
 
     python tools/merge_datasets.py --input 'data/corpus-rank*-of-00004_text_document' \
         --output-prefix data/corpus_text_document

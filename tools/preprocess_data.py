@@ -1,4 +1,4 @@
-"""Tokenize JSONL / text corpora with cl100k_base into megatron-core indexed datasets.
+r"""Tokenize JSONL / text corpora with cl100k_base into megatron-core indexed datasets.
 
     python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' --output-prefix data/corpus \
         --append-eod --workers 16 --tokenizer-file cl100k_base.tiktoken

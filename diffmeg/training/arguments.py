@@ -78,12 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--diff-attention", dest="diff_attention", action="store_true", default=None)
+    # No parser default (SUPPRESS): the preset or DEFAULTS decide, and --help shows no "(default: ...)".
+    g.add_argument(
+        "--diff-attention",
+        dest="diff_attention",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="differential attention (the default, except for the transformer-* presets)",
+    )
     g.add_argument(
         "--no-diff-attention",
         dest="diff_attention",
         action="store_false",
-        help="build the FLOP-matched Transformer baseline",
+        default=argparse.SUPPRESS,
+        help="build the FLOP-matched Transformer baseline instead of DIFF",
     )
     g.add_argument("--lambda-init", default="exp", help="'exp' (layer-wise schedule) or a constant in [0, 1)")
     g.add_argument("--lambda-std", type=float, default=0.1)
