@@ -299,6 +299,34 @@ def plot(results: dict, out_dir: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Model shapes
+
+
+def model_flags(dry_run: dict, layers: int, hidden: int) -> str:
+    """pretrain_diff.py flags for a preset's architecture at another depth and width.
+
+    `dry_run` is `pretrain_diff.py --model <preset> --dry-run`'s JSON. The head size is kept and the
+    head and KV-group counts scale with the width, so the presets' DIFF / Transformer pairing (identical
+    projections) holds at every size; the SwiGLU width is 8/3 of the hidden size (as the presets').
+    """
+    m = dry_run["model"]
+    scale = hidden / m["hidden_size"]
+    heads, groups = m["num_attention_heads"] * scale, m["num_query_groups"] * scale
+    if heads != int(heads) or groups != int(groups) or heads < 1 or groups < 1:
+        raise DiffmegError(
+            f"hidden {hidden} cannot scale {m['preset']}'s {m['num_attention_heads']} heads and "
+            f"{m['num_query_groups']} KV groups of {m['head_dim']} at hidden {m['hidden_size']}; "
+            "pick a multiple of the preset's width per head"
+        )
+    ffn = max(64, int(4 * hidden * 2 / 3 / 64) * 64)
+    return (
+        f"--model {m['preset']} --num-layers {layers} --hidden-size {hidden} "
+        f"--num-attention-heads {int(heads)} --num-query-groups {int(groups)} "
+        f"--kv-channels {m['head_dim']} --ffn-hidden-size {ffn}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
 # The command line
 
 
@@ -314,6 +342,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     b.add_argument("--setting", required=True)
     t = sub.add_parser("tables", help="print the markdown tables of docs/results.md")
     t.add_argument("results")
+    f = sub.add_parser("model-flags", help="flags for a preset at another size (dry-run JSON on stdin)")
+    f.add_argument("--layers", type=int, required=True)
+    f.add_argument("--hidden", type=int, required=True)
     return p.parse_args(argv)
 
 
@@ -329,6 +360,12 @@ def main(argv: list[str] | None = None) -> None:
             os.makedirs(os.path.join(args.out, "plots"), exist_ok=True)
             written += plot(results, os.path.join(args.out, "plots"))
         print(f"{len(results['mqar'])} mqar rows, {len(results['lm'])} lm rows; wrote {', '.join(written)}")
+    elif args.command == "model-flags":
+        try:
+            dry_run = json.load(sys.stdin)
+        except json.JSONDecodeError:
+            raise DiffmegError("model-flags reads `pretrain_diff.py --model X --dry-run` on stdin") from None
+        print(model_flags(dry_run, args.layers, args.hidden))
     elif args.command == "best-lr":
         chosen = best_lrs(collect(args.results) if os.path.isdir(args.results) else load(args.results))
         if (args.model, args.setting) not in chosen:

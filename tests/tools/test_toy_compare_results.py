@@ -92,3 +92,30 @@ def test_collect_a_run_directory(tmp_path):
     assert results["meta"]["settings"] == ["kv4"] and len(results["meta"]["runs"]) == 2
     for png in ("mqar_accuracy.png", "lm_val_loss.png"):
         assert (out / "plots" / png).stat().st_size > 0
+
+
+def test_model_flags_keep_the_head_size_and_scale_the_heads():
+    import subprocess
+
+    from tests.tools.helpers import tool_cmd, tool_env
+
+    def flags(hidden: int, heads: int = 8, groups: int = 8) -> subprocess.CompletedProcess:
+        dry = {"model": {"preset": "transformer-tiny", "hidden_size": 256, "num_attention_heads": heads}}
+        dry["model"].update(num_query_groups=groups, head_dim=32)
+        cmd = tool_cmd("toy_compare_results", "model-flags", "--layers", "2", "--hidden", str(hidden))
+        return subprocess.run(cmd, input=json.dumps(dry), env=tool_env(), capture_output=True, text=True)
+
+    proc = flags(64)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        proc.stdout.split()
+        == (
+            "--model transformer-tiny --num-layers 2 --hidden-size 64 --num-attention-heads 2 "
+            "--num-query-groups 2 --kv-channels 32 --ffn-hidden-size 128"
+        ).split()
+    )
+    assert "--num-attention-heads 4 --num-query-groups 1" in flags(128, 8, 2).stdout
+    three = flags(96, 8, 8)  # 8 heads x 96/256 = 3 heads: fine; 2 KV groups would not be
+    assert three.returncode == 0 and "--num-attention-heads 3" in three.stdout
+    proc = flags(96, 8, 2)
+    assert proc.returncode == 2 and "cannot scale transformer-tiny" in proc.stderr
