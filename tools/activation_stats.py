@@ -16,21 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron-core compiles fusions at import; not needed here
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-warnings.filterwarnings("ignore", category=FutureWarning)
-warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 from diffmeg.errors import cli_errors  # noqa: E402
-from diffmeg.eval.common import add_checkpoint_arguments, add_output_arguments  # noqa: E402
+from diffmeg.eval import cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_checkpoint_arguments(p)
+    p = cli.parser(__doc__, output_dir="activation_stats")
     p.add_argument(
         "--data-prefix", default=None, help="indexed dataset (default for mock checkpoints: random ids)"
     )
@@ -38,30 +32,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--seq-length", type=int, default=None, help="window length (default: shortest training length)"
     )
-    p.add_argument("--seed", type=int, default=1234)
-    add_output_arguments(p, "activation_stats")
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
 @cli_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from diffmeg.eval.activation_stats import RANKS, ActivationStatsConfig, run_activation_stats
-    from diffmeg.eval.common import common_config_fields
 
-    summary = run_activation_stats(
-        ActivationStatsConfig(
-            **common_config_fields(args),
-            tokens=args.tokens,
-            seq_length=args.seq_length,
-            data_prefix=args.data_prefix,
-        )
+    summary = run_activation_stats(cli.config(ActivationStatsConfig, args))
+    cli.print_table(
+        [
+            {"checkpoint": c["label"], "kind": kind}
+            | {k: s[k] for k in [f"top{r}" for r in RANKS] + ["median"]}
+            for c in summary["checkpoints"]
+            for kind, s in c["stats"].items()
+        ],
+        digits=3,
     )
-    cols = [f"top{r}" for r in RANKS] + ["median"]
-    print(f"{'checkpoint':32s} {'kind':20s} " + " ".join(f"{c:>9s}" for c in cols))
-    for c in summary["checkpoints"]:
-        for kind, s in c["stats"].items():
-            print(f"{c['label']:32s} {kind:20s} " + " ".join(f"{s[k]:9.3f}" for k in cols))
     print(f"wrote {args.output_dir}")
 
 

@@ -17,56 +17,36 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron-core compiles fusions at import; not needed here
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-warnings.filterwarnings("ignore", category=FutureWarning)
-warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 from diffmeg.errors import cli_errors  # noqa: E402
-from diffmeg.eval.common import add_checkpoint_arguments, add_output_arguments  # noqa: E402
+from diffmeg.eval import cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_checkpoint_arguments(p)
+    p = cli.parser(__doc__, output_dir="attention_scores", tokenizer=True)
     p.add_argument(
         "--length", type=int, default=None, help="prompt tokens (default: shortest training length)"
     )
-    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--num-needles", type=int, default=1, help="needles in the context (N)")
     p.add_argument("--num-queries", type=int, default=1, help="needles asked for (R)")
-    p.add_argument("--samples", type=int, default=4, help="prompts per depth")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--text-files", nargs="+", default=None, help="filler text (cl100k checkpoints)")
-    p.add_argument("--tokenizer-file", default=None)
-    add_output_arguments(p, "attention_scores")
-    return p.parse_args(argv)
+    cli.add_needle_arguments(p, samples=4, samples_help="prompts per depth")
+    return cli.parse(p, argv)
 
 
 @cli_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from diffmeg.eval.attention_scores import AttentionScoresConfig, run_attention_scores
-    from diffmeg.eval.common import common_config_fields
 
-    summary = run_attention_scores(
-        AttentionScoresConfig(
-            **common_config_fields(args),
-            length=args.length,
-            depths=args.depths,
-            num_needles=args.num_needles,
-            num_queries=args.num_queries,
-            samples=args.samples,
-            text_files=args.text_files,
-            tokenizer_file=args.tokenizer_file,
-        )
+    summary = run_attention_scores(cli.config(AttentionScoresConfig, args))
+    cli.print_table(
+        [
+            {"checkpoint": c["label"], "answer": c["answer_mass"], "noise": c["noise_mass"]}
+            for c in summary["checkpoints"]
+        ]
     )
-    print(f"{'checkpoint':40s} {'answer':>10s} {'noise':>10s}")
-    for c in summary["checkpoints"]:
-        print(f"{c['label']:40s} {c['answer_mass']:10.4f} {c['noise_mass']:10.4f}")
     print(f"wrote {args.output_dir}")
 
 

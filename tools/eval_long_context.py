@@ -17,47 +17,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron-core compiles fusions at import; not needed here
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-warnings.filterwarnings("ignore", category=FutureWarning)  # torch's ShardedTensor deprecations on load
-warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron-core config default
 
 from diffmeg.errors import cli_errors  # noqa: E402
+from diffmeg.eval import cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--load",
-        action="extend",
-        nargs="+",
-        required=True,
-        help="checkpoint directories (pretrain_diff.py --save) or Hugging Face DiffLlama / Llama folders; "
-        "several values or repeated",
-    )
-    p.add_argument(
-        "--label",
-        action="extend",
-        nargs="+",
-        default=None,
-        help="curve label, one per --load in order (default: "
-        "'DIFF (dirname)' or 'Transformer (dirname)' from the checkpoint's arguments)",
-    )
-    p.add_argument(
-        "--iteration",
-        type=int,
-        nargs="+",
-        default=None,
-        help="checkpoint iteration (checkpoint directories only): one for all, or one per --load "
-        "(default: each checkpoint's latest)",
-    )
+    p = cli.parser(__doc__, output_dir="long_context_eval", tokenizer=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data-prefix", help="indexed dataset prefix ({prefix}.bin/.idx, one document each)")
     src.add_argument("--text-files", nargs="+", help="text files or globs, each file one document (cl100k)")
-    p.add_argument("--tokenizer-file", default=None, help="cl100k_base BPE file for --text-files")
     p.add_argument(
         "--max-length",
         type=int,
@@ -73,7 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "position; smaller lets shorter documents count at the positions they reach)",
     )
     p.add_argument("--num-docs", type=int, default=100, help="documents evaluated (a seeded sample if more)")
-    p.add_argument("--seed", type=int, default=1234, help="seed of the document sample")
     p.add_argument("--batch-size", type=int, default=1, help="documents per forward pass")
     p.add_argument(
         "--loss-chunk-size",
@@ -81,13 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4096,
         help="positions per output-projection chunk (bounds logits memory to chunk x batch x vocab floats)",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
         "--csv-every", type=int, default=1, help="CSV keeps position 0, every N-th and the last (plot: all)"
     )
-    p.add_argument("--output-dir", default="long_context_eval", help="where the CSV, PNG and summary go")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
 @cli_errors
@@ -101,26 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         run_long_context_eval,
     )
 
-    summary = run_long_context_eval(
-        LongContextConfig(
-            loads=args.load,
-            labels=args.label,
-            iterations=args.iteration,
-            data_prefix=args.data_prefix,
-            text_files=args.text_files,
-            tokenizer_file=args.tokenizer_file,
-            max_length=args.max_length,
-            min_doc_length=args.min_doc_length,
-            num_docs=args.num_docs,
-            seed=args.seed,
-            batch_size=args.batch_size,
-            loss_chunk_size=args.loss_chunk_size,
-            csv_every=args.csv_every,
-            output_dir=args.output_dir,
-            dtype=args.dtype,
-            plot=not args.no_plot,
-        )
-    )
+    summary = run_long_context_eval(cli.config(LongContextConfig, args))
     for ckpt in summary["checkpoints"]:
         print(
             f"{ckpt['label']}: {ckpt['docs_used']} docs, {ckpt['tokens_evaluated']} tokens, "

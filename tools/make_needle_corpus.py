@@ -39,20 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @cli_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    from diffmeg.eval.cli import config
     from diffmeg.eval.needle_corpus import NeedleCorpusConfig, write_needle_corpus
 
-    documents, tokens = write_needle_corpus(
-        NeedleCorpusConfig(
-            output_prefix=args.output_prefix,
-            vocab_size=args.vocab_size,
-            seq_length=args.seq_length,
-            documents=args.documents,
-            needles=args.needles,
-            queries=args.queries,
-            seed=args.seed,
-            overwrite=args.overwrite,
-        )
-    )
+    documents, tokens = write_needle_corpus(config(NeedleCorpusConfig, args))
     print(f"wrote {args.output_prefix}.bin/.idx: {documents} documents, {tokens} tokens")
 
 

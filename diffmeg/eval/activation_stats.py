@@ -26,17 +26,8 @@ import numpy as np
 import torch
 
 from diffmeg.errors import DiffmegError
+from diffmeg.eval import common
 from diffmeg.eval.capture import AttentionRecord, capture_attention, capture_layer_outputs
-from diffmeg.eval.common import (
-    CheckpointSet,
-    Log,
-    forward,
-    loaded_models,
-    start_outputs,
-    stderr,
-    write_json,
-    write_rows,
-)
 
 CSV_NAME = "activation_stats.csv"
 PLOT_NAME = "activation_stats.png"
@@ -98,15 +89,10 @@ class StreamingMagnitudes:
 
 
 @dataclass
-class ActivationStatsConfig:
-    checkpoints: CheckpointSet
+class ActivationStatsConfig(common.EvalConfig):
     tokens: int = 409_600
     seq_length: int | None = None
     data_prefix: str | None = None
-    seed: int = 1234
-    output_dir: str = "activation_stats"
-    dtype: str = "float32"
-    plot: bool = True
 
 
 def token_windows(
@@ -165,14 +151,14 @@ def collect_stats(model: torch.nn.Module, windows: Iterator[np.ndarray]) -> dict
         capture_layer_outputs(model, lambda i, h: add("hidden_states", h)),
     ):
         for window in windows:
-            forward(model, window.tolist())
+            common.forward(model, window.tolist())
     return stats
 
 
-def run_activation_stats(cfg: ActivationStatsConfig, log: Log = stderr) -> dict:
+def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = common.stderr) -> dict:
     if cfg.tokens < 1:
         raise DiffmegError(f"--tokens must be >= 1, got {cfg.tokens}")
-    start_outputs(cfg.output_dir, cfg.plot)
+    common.start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
     length = cfg.seq_length or min(i.seq_length for i in infos)
     if cfg.data_prefix is not None:
@@ -180,7 +166,7 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: Log = stderr) -> dict:
             token_windows(cfg, infos[0].vocab_size, infos[0].tokenizer == "mock", length), None
         )  # check early
     rows, checkpoints = [], []
-    for info, model in loaded_models(infos, cfg.dtype, cfg.seed):
+    for info, model in common.loaded_models(infos, cfg.dtype, cfg.seed):
         windows = token_windows(cfg, info.vocab_size, info.tokenizer == "mock", length)
         stats = collect_stats(model, windows)
         kinds = {}
@@ -196,7 +182,7 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: Log = stderr) -> dict:
             f"{kinds['attention_logits']['median']:.3f}; hidden top1 {kinds['hidden_states']['top1']:.3f} "
             f"median {kinds['hidden_states']['median']:.3f}"
         )
-    write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
+    common.write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
     summary = {
         "tokens": cfg.tokens,
         "seq_length": length,
@@ -205,7 +191,7 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: Log = stderr) -> dict:
         f"{StreamingMagnitudes().relative_median_error:.4f}",
         "checkpoints": checkpoints,
     }
-    write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
+    common.write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
         from diffmeg.eval.plotting import Curve, plot_curves
 
@@ -218,12 +204,6 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: Log = stderr) -> dict:
                         f"{ckpt['label']}: {kind}", np.array(RANKS), np.array([s[f"top{r}"] for r in RANKS])
                     )
                 )
-        plot_curves(
-            curves,
-            os.path.join(cfg.output_dir, PLOT_NAME),
-            xlabel="rank (top-k)",
-            ylabel="magnitude",
-            title=f"Activation outliers over {cfg.tokens} tokens",
-            logx=True,
-        )
+        path, title = os.path.join(cfg.output_dir, PLOT_NAME), f"Activation outliers over {cfg.tokens} tokens"
+        plot_curves(curves, path, xlabel="rank (top-k)", ylabel="magnitude", title=title, logx=True)
     return summary

@@ -15,25 +15,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from diffmeg.errors import DiffmegError
+from diffmeg.eval import common
 from diffmeg.eval.capture import AttentionRecord, capture_attention, decoder_layers
-from diffmeg.eval.common import (
-    CheckpointSet,
-    Log,
-    forward,
-    loaded_models,
-    needle_vocab,
-    start_outputs,
-    stderr,
-    write_json,
-    write_rows,
-)
-from diffmeg.eval.needle import build_prompt
+from diffmeg.eval.needle import build_prompt, needle_vocab
+from diffmeg.eval.needle_eval import NeedlePromptsConfig
 
 CSV_NAME = "attention_scores.csv"
 PLOT_NAME = "attention_scores.png"
@@ -65,28 +56,16 @@ def record_masses(
 
 
 @dataclass
-class AttentionScoresConfig:
-    checkpoints: CheckpointSet
+class AttentionScoresConfig(NeedlePromptsConfig):
+    samples: int = 4
     length: int | None = None
-    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     num_needles: int = 1
     num_queries: int = 1
-    samples: int = 4
-    seed: int = 1234
-    text_files: list[str] | None = None
-    tokenizer_file: str | None = None
-    output_dir: str = "attention_scores"
-    dtype: str = "float32"
-    plot: bool = True
 
 
-def run_attention_scores(cfg: AttentionScoresConfig, log: Log = stderr) -> dict:
+def run_attention_scores(cfg: AttentionScoresConfig, log: common.Log = common.stderr) -> dict:
     """Masses per (checkpoint, depth, layer, head); writes the CSV, the JSON summary and the plot."""
-    if cfg.samples < 1:
-        raise DiffmegError(f"--samples must be >= 1, got {cfg.samples}")
-    if not cfg.depths:
-        raise DiffmegError("give at least one --depths value")
-    start_outputs(cfg.output_dir, cfg.plot)
+    common.start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
     length = cfg.length or min(i.seq_length for i in infos)
     vocab = needle_vocab(infos[0], cfg.text_files, cfg.tokenizer_file)
@@ -99,7 +78,7 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: Log = stderr) -> dict:
     }
     rows: list[dict] = []
     checkpoints = []
-    for info, model in loaded_models(infos, cfg.dtype, cfg.seed):
+    for info, model in common.loaded_models(infos, cfg.dtype, cfg.seed):
         per_depth = {}
         lambdas: dict[int, list[float]] = {}
         for depth, batch in prompts.items():
@@ -121,7 +100,7 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: Log = stderr) -> dict:
                         lambdas.setdefault(rec.layer, []).append(rec.lam)
 
                 with capture_attention(model, on_record):
-                    forward(model, prompt.tokens)
+                    common.forward(model, prompt.tokens)
                 if len(seen) != len(decoder_layers(model)):
                     raise DiffmegError(
                         f"{info.label}: attention maps came from {len(seen)} of {len(decoder_layers(model))} "
@@ -161,7 +140,7 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: Log = stderr) -> dict:
             f"{info.label}: attention to answer {checkpoints[-1]['answer_mass']:.4f}, "
             f"noise {checkpoints[-1]['noise_mass']:.4f} (mean over layers, heads, depths)"
         )
-    write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
+    common.write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
     summary = {
         "length": length,
         "depths": cfg.depths,
@@ -173,7 +152,7 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: Log = stderr) -> dict:
         "normalisation": "DIFF: A1 - lambda*A2 as is (rows sum to 1 - lambda); Transformer: softmax",
         "checkpoints": checkpoints,
     }
-    write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
+    common.write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
         _plot(checkpoints, cfg, length)
     return summary

@@ -1,24 +1,27 @@
-"""What the analysis tools share: checkpoint selection and loading, needle vocabularies, outputs.
+"""What every evaluation shares: the checkpoints it reads, the models it loads, the files it writes.
 
-Checkpoint reading is `diffmeg.checkpoints`', the single-process group `diffmeg.runtime`'s, labels and
-output-directory checks the long-context tool's; this module strings them together for several tools.
+Checkpoint reading and building are `diffmeg.checkpoints`', the one-process group `diffmeg.runtime`'s;
+this module strings them together for the tools: a `CheckpointSet` (the --load/--label/--iteration
+values) resolved and checked before any weights are read, the models loaded one at a time, and the
+output directory proven writable before the work starts. `EvalConfig` holds the fields every tool's
+config has (the flags of `diffmeg.eval.cli`).
 """
 
 from __future__ import annotations
 
 import csv
 import gc
+import glob
 import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
 from diffmeg.checkpoints import DTYPES, CheckpointInfo, load_checkpoint_model, read_checkpoint_info
 from diffmeg.errors import DiffmegError
-from diffmeg.eval.long_context import check_same_vocabulary, default_labels, prepare_output_dir
 from diffmeg.runtime import single_process
 
 Log = Callable[[str], None]
@@ -28,16 +31,46 @@ def stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def check_same_vocabulary(infos: Sequence[CheckpointInfo]) -> None:
+    """Checkpoints compared side by side must read the same token ids the same way."""
+    first = infos[0]
+    for other in infos[1:]:
+        if (other.tokenizer, other.vocab_size) != (first.tokenizer, first.vocab_size):
+            raise DiffmegError(
+                f"checkpoints use different tokenizers/vocabularies: {first.root} ({first.tokenizer}, "
+                f"vocab {first.vocab_size}) vs {other.root} ({other.tokenizer}, vocab {other.vocab_size}); "
+                "compare checkpoints trained with the same tokenizer"
+            )
+
+
+def default_labels(infos: Sequence[CheckpointInfo]) -> list[str]:
+    """`DIFF (dirname)` / `Transformer (dirname)`, made unique by iteration, then by order."""
+
+    def name(info: CheckpointInfo) -> str:
+        return os.path.basename(os.path.normpath(info.root)) or info.root
+
+    labels = [f"{i.architecture} ({name(i)})" for i in infos]
+    if len(set(labels)) < len(labels):
+        labels = [f"{i.architecture} ({name(i)} @ {'hf' if i.hf else i.iteration})" for i in infos]
+    if len(set(labels)) < len(labels):
+        labels = [f"{label} #{k + 1}" for k, label in enumerate(labels)]
+    return labels
+
+
 @dataclass
 class CheckpointSet:
     """The --load/--label/--iteration flags of a tool, resolved before any weights are read."""
 
     loads: list[str]
     labels: list[str] | None = None
-    iterations: list[int] | None = None
+    iterations: list[int | None] | None = None
 
     def resolve(self) -> list[CheckpointInfo]:
-        """Checkpoint infos with labels; one vocabulary for all (they see the same prompts)."""
+        """Checkpoint infos with labels; one vocabulary for all (they see the same inputs)."""
         if not self.loads:
             raise DiffmegError("give at least one --load")
         if self.labels and len(self.labels) != len(self.loads):
@@ -56,6 +89,24 @@ class CheckpointSet:
         for info, label in zip(infos, self.labels or default_labels(infos), strict=True):
             info.label = label
         return infos
+
+
+@dataclass
+class EvalConfig:
+    """The fields every evaluation's config has; a tool's config adds its own after `checkpoints`."""
+
+    checkpoints: CheckpointSet
+    _: KW_ONLY
+    seed: int = 1234
+    """Seeds the sampled inputs (prompts, documents, random ids) and the model-parallel RNG."""
+    output_dir: str = "eval_output"
+    dtype: str = "float32"
+    """Weights and activations: float32 (exact; CPU), bfloat16 or float16."""
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise DiffmegError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype}")
 
 
 def loaded_models(
@@ -77,32 +128,6 @@ def loaded_models(
                 torch.cuda.empty_cache()
 
 
-def needle_vocab(info: CheckpointInfo, text_files: Sequence[str] | None, tokenizer_file: str | None):
-    """`IdVocab` for mock-data checkpoints, `TextVocab` (filler from --text-files) for cl100k ones."""
-    from diffmeg.eval.needle import IdVocab, TextVocab
-
-    if info.tokenizer == "mock":
-        if text_files:
-            raise DiffmegError(
-                f"{info.root} was trained on mock ids (vocab {info.vocab_size}); --text-files need a cl100k "
-                "checkpoint (mock checkpoints get random-id filler)"
-            )
-        return IdVocab(info.vocab_size)  # fixed ids per vocabulary: what an id-corpus model was trained on
-    if not text_files:
-        raise DiffmegError(f"{info.root} reads cl100k text: give --text-files for the filler")
-    from diffmeg.data.tokenizer import load_tokenizer
-    from diffmeg.eval.long_context import expand_text_files
-
-    texts = []
-    for path in expand_text_files(text_files):
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                texts.append(f.read())
-        except OSError as exc:
-            raise DiffmegError(f"cannot read text file {path}: {exc.strerror}") from None
-    return TextVocab(load_tokenizer(tokenizer_file), "\n".join(texts))
-
-
 def forward(model: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:
     """Logits [s, V] (float32) of one prompt at positions 0..s-1."""
     device = next(model.parameters()).device
@@ -113,7 +138,59 @@ def forward(model: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:
     return logits[0].float()
 
 
+# ----------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def expand_text_files(patterns: Sequence[str]) -> list[str]:
+    """Files matching each glob (sorted), or the path itself; each file once, in the order given."""
+    paths: list[str] = []
+    for pattern in patterns:
+        found = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        found = [p for p in found if os.path.isfile(p)]
+        if not found:
+            raise DiffmegError(f"--text-files {pattern!r} matches no file")
+        paths.extend(p for p in found if p not in paths)
+    return paths
+
+
+def read_text_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError as exc:
+        raise DiffmegError(f"cannot read text file {path}: {exc.strerror}") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Outputs
+
+
+def prepare_output_dir(path: str) -> None:
+    """Create the output directory and prove it writable before hours of evaluation."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DiffmegError(f"--output-dir {path} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise DiffmegError(f"--output-dir {path} is not writable: {exc.strerror}") from None
+
+
+def start_outputs(output_dir: str, plot: bool) -> None:
+    """Fail on an unwritable directory or a missing matplotlib before any model is loaded."""
+    prepare_output_dir(output_dir)
+    if plot:
+        from diffmeg.eval.plotting import require_matplotlib
+
+        require_matplotlib()
+
+
 def write_json(path: str, data: dict) -> None:
+    """`data` as indented JSON, written atomically (a crash leaves the previous file)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2, default=str)
@@ -129,49 +206,3 @@ def write_rows(path: str, rows: Sequence[dict]) -> None:
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, path)
-
-
-def start_outputs(output_dir: str, plot: bool) -> None:
-    """Fail on an unwritable directory or a missing matplotlib before any model is loaded."""
-    prepare_output_dir(output_dir)
-    if plot:
-        from diffmeg.eval.plotting import require_matplotlib
-
-        require_matplotlib()
-
-
-def add_checkpoint_arguments(parser) -> None:
-    """--load/--label/--iteration, the same for every analysis tool (several checkpoints side by side)."""
-    parser.add_argument(
-        "--load",
-        action="extend",
-        nargs="+",
-        required=True,
-        help="checkpoint directories (pretrain_diff.py --save) or Hugging Face DiffLlama / Llama folders",
-    )
-    parser.add_argument("--label", action="extend", nargs="+", default=None, help="one label per --load")
-    parser.add_argument(
-        "--iteration",
-        type=int,
-        nargs="+",
-        default=None,
-        help="one for all, or one per --load (checkpoint directories only)",
-    )
-
-
-def add_output_arguments(parser, output_dir: str) -> None:
-    """--dtype/--output-dir/--no-plot, the same for every analysis tool."""
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--output-dir", default=output_dir)
-    parser.add_argument("--no-plot", action="store_true")
-
-
-def common_config_fields(args) -> dict:
-    """The config fields every analysis tool takes from the flags above (plus --seed)."""
-    return {
-        "checkpoints": CheckpointSet(args.load, args.label, args.iteration),
-        "seed": args.seed,
-        "output_dir": args.output_dir,
-        "dtype": args.dtype,
-        "plot": not args.no_plot,
-    }

@@ -14,38 +14,31 @@ sequence chunks of the final hidden states, so a 64K-token document never materi
 
 from __future__ import annotations
 
-import gc
-import glob
-import json
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from diffmeg.checkpoints import (
-    DTYPES,
-    CheckpointInfo,
-    first_line,
-    load_checkpoint_model,
-    read_checkpoint_info,
-)
+from diffmeg.checkpoints import CheckpointInfo, first_line
 from diffmeg.errors import DiffmegError
-from diffmeg.runtime import single_process
+from diffmeg.eval.common import (
+    EvalConfig,
+    Log,
+    expand_text_files,
+    loaded_models,
+    read_text_file,
+    start_outputs,
+    stderr,
+    write_json,
+)
 
 CSV_NAME = "long_context_nll.csv"
 PLOT_NAME = "long_context_nll.png"
 SUMMARY_NAME = "summary.json"
-
-Log = Callable[[str], None]
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -168,12 +161,7 @@ class TextDocuments(DocumentSource):
         self._paths = list(paths)
         self._tokens: list[np.ndarray] = []
         for path in self._paths:
-            try:
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    text = f.read()
-            except OSError as exc:
-                raise DiffmegError(f"cannot read text file {path}: {exc.strerror}") from None
-            self._tokens.append(np.asarray(tokenizer.tokenize(text), dtype=np.int64))
+            self._tokens.append(np.asarray(tokenizer.tokenize(read_text_file(path)), dtype=np.int64))
         self.lengths = np.array([len(t) for t in self._tokens], dtype=np.int64)
         self.description = f"{len(self._paths)} text file(s)"
 
@@ -185,18 +173,6 @@ class TextDocuments(DocumentSource):
 
     def read(self, index: int, count: int) -> np.ndarray:
         return self._tokens[index][:count]
-
-
-def expand_text_files(patterns: Sequence[str]) -> list[str]:
-    """Files matching each glob (sorted), or the path itself; each file once, in the order given."""
-    paths: list[str] = []
-    for pattern in patterns:
-        found = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        found = [p for p in found if os.path.isfile(p)]
-        if not found:
-            raise DiffmegError(f"--text-files {pattern!r} matches no file")
-        paths.extend(p for p in found if p not in paths)
-    return paths
 
 
 def select_documents(lengths: np.ndarray, min_length: int, num_docs: int | None, seed: int) -> np.ndarray:
@@ -218,32 +194,6 @@ def select_documents(lengths: np.ndarray, min_length: int, num_docs: int | None,
 
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints
-
-
-def check_same_vocabulary(infos: Sequence[CheckpointInfo]) -> None:
-    """Checkpoints on one plot must read the same token ids the same way."""
-    first = infos[0]
-    for other in infos[1:]:
-        if (other.tokenizer, other.vocab_size) != (first.tokenizer, first.vocab_size):
-            raise DiffmegError(
-                f"checkpoints use different tokenizers/vocabularies: {first.root} ({first.tokenizer}, "
-                f"vocab {first.vocab_size}) vs {other.root} ({other.tokenizer}, vocab {other.vocab_size}); "
-                "compare checkpoints trained with the same tokenizer"
-            )
-
-
-def default_labels(infos: Sequence[CheckpointInfo]) -> list[str]:
-    """`DIFF (dirname)` / `Transformer (dirname)`, made unique by iteration, then by order."""
-
-    def name(info: CheckpointInfo) -> str:
-        return os.path.basename(os.path.normpath(info.root)) or info.root
-
-    labels = [f"{i.architecture} ({name(i)})" for i in infos]
-    if len(set(labels)) < len(labels):
-        labels = [f"{i.architecture} ({name(i)} @ {'hf' if i.hf else i.iteration})" for i in infos]
-    if len(set(labels)) < len(labels):
-        labels = [f"{label} #{k + 1}" for k, label in enumerate(labels)]
-    return labels
 
 
 def resolve_length(infos: Sequence[CheckpointInfo], max_length: int | None, log: Log) -> int:
@@ -341,7 +291,7 @@ def evaluate_model(
     vocab_size: int,
     batch_size: int = 1,
     chunk_size: int | None = 4096,
-    log: Log = _stderr,
+    log: Log = stderr,
     label: str = "",
 ) -> PositionStats:
     """Per-position NLL sums of `model` over documents `indices`, each cut to `length + 1` tokens."""
@@ -398,75 +348,36 @@ def _csv_field(text: str) -> str:
     return '"' + text.replace('"', '""') + '"' if any(c in text for c in ',"\n') else text
 
 
-def _write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def prepare_output_dir(path: str) -> None:
-    """Create the output directory and prove it writable before hours of evaluation."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise DiffmegError(f"--output-dir {path} exists and is not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as exc:
-        raise DiffmegError(f"--output-dir {path} is not writable: {exc.strerror}") from None
-
-
 # ----------------------------------------------------------------------------------------------------
 # The whole evaluation
 
 
 @dataclass
-class LongContextConfig:
+class LongContextConfig(EvalConfig):
     """One evaluation run (the tool's flags)."""
 
-    loads: list[str]
-    labels: list[str] | None = None
-    iterations: list[int] | None = None
     data_prefix: str | None = None
     text_files: list[str] | None = None
     tokenizer_file: str | None = None
     max_length: int | None = None
     min_doc_length: int | None = None
     num_docs: int | None = 100
-    seed: int = 1234
     batch_size: int = 1
     loss_chunk_size: int | None = 4096
     csv_every: int = 1
-    output_dir: str = "long_context_eval"
-    dtype: str = "float32"
-    plot: bool = True
 
-
-def _validate(cfg: LongContextConfig) -> None:
-    if not cfg.loads:
-        raise DiffmegError("give at least one --load")
-    if (cfg.data_prefix is None) == (not cfg.text_files):
-        raise DiffmegError("give exactly one of --data-prefix or --text-files")
-    if cfg.labels and len(cfg.labels) != len(cfg.loads):
-        raise DiffmegError(f"{len(cfg.labels)} --label value(s) for {len(cfg.loads)} --load; give one each")
-    if cfg.labels and len(set(cfg.labels)) != len(cfg.labels):
-        raise DiffmegError(f"--label values must be distinct, got {cfg.labels}")
-    if cfg.iterations and len(cfg.iterations) not in (1, len(cfg.loads)):
-        raise DiffmegError(f"--iteration takes one value, or one per --load ({len(cfg.loads)})")
-    for name in ("max_length", "num_docs", "batch_size", "loss_chunk_size", "csv_every"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise DiffmegError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if cfg.min_doc_length is not None and cfg.min_doc_length < 2:
-        raise DiffmegError(
-            f"--min-doc-length must be >= 2 (one prediction needs two tokens), got {cfg.min_doc_length}"
-        )
-    if cfg.dtype not in DTYPES:
-        raise DiffmegError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.data_prefix is None) == (not self.text_files):
+            raise DiffmegError("give exactly one of --data-prefix or --text-files")
+        for name in ("max_length", "num_docs", "batch_size", "loss_chunk_size", "csv_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise DiffmegError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.min_doc_length is not None and self.min_doc_length < 2:
+            raise DiffmegError(
+                f"--min-doc-length must be >= 2 (one prediction needs two tokens), got {self.min_doc_length}"
+            )
 
 
 def _document_source(cfg: LongContextConfig, info: CheckpointInfo) -> DocumentSource:
@@ -483,25 +394,14 @@ def _document_source(cfg: LongContextConfig, info: CheckpointInfo) -> DocumentSo
     return TextDocuments(paths, load_tokenizer(cfg.tokenizer_file))
 
 
-def run_long_context_eval(cfg: LongContextConfig, log: Log = _stderr) -> dict:
+def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
     """Evaluate every checkpoint on the same documents; write the CSV, the plot and summary.json.
 
     Everything that can be checked cheaply (flags, output directory, checkpoint arguments, data,
     matplotlib) is checked before the first model is loaded. Returns the summary.
     """
-    _validate(cfg)
-    prepare_output_dir(cfg.output_dir)
-    if cfg.plot:
-        from diffmeg.eval.plotting import require_matplotlib
-
-        require_matplotlib()
-    iterations = cfg.iterations or [None]
-    if len(iterations) == 1:
-        iterations = iterations * len(cfg.loads)
-    infos = [read_checkpoint_info(root, it) for root, it in zip(cfg.loads, iterations, strict=True)]
-    check_same_vocabulary(infos)
-    for info, label in zip(infos, cfg.labels or default_labels(infos), strict=True):
-        info.label = label
+    start_outputs(cfg.output_dir, cfg.plot)
+    infos = cfg.checkpoints.resolve()
     length = resolve_length(infos, cfg.max_length, log)
     min_doc_length = cfg.min_doc_length if cfg.min_doc_length is not None else length + 1
     source = _document_source(cfg, infos[0])
@@ -514,11 +414,9 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = _stderr) -> dict:
 
     check_token_ids(source, indices, length, infos[0].vocab_size)
 
-    single_process(cfg.seed)
     results: list[tuple[CheckpointInfo, PositionStats, float]] = []
-    for info in infos:
-        started = time.monotonic()
-        model = load_checkpoint_model(info, DTYPES[cfg.dtype])
+    started = time.monotonic()
+    for info, model in loaded_models(infos, cfg.dtype, cfg.seed):
         stats = evaluate_model(
             model,
             source,
@@ -530,11 +428,8 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = _stderr) -> dict:
             log=log,
             label=info.label,
         )
-        del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        results.append((info, stats, time.monotonic() - started))
+        results.append((info, stats, time.monotonic() - started))  # loading included
+        started = time.monotonic()
 
     covered = min(stats.covered for _, stats, _ in results)
     if covered < length:
@@ -581,7 +476,7 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = _stderr) -> dict:
             for info, stats, seconds in results
         ],
     }
-    _write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
+    write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     return summary
 
 

@@ -211,3 +211,22 @@ def build_prompt(
         parts.append((len(answer), len(answer) + len(value)))
         answer += value
     return NeedlePrompt(np.asarray(tokens, dtype=np.int64), context_length, needles, answer, parts)  # type: ignore[arg-type]
+
+
+def needle_vocab(info, text_files: Sequence[str] | None, tokenizer_file: str | None) -> IdVocab | TextVocab:
+    """The vocabulary of a checkpoint's prompts (`info`: a `diffmeg.checkpoints.CheckpointInfo`):
+    `IdVocab` for mock-data checkpoints, `TextVocab` (filler from `text_files`) for cl100k ones."""
+    if info.tokenizer == "mock":
+        if text_files:
+            raise DiffmegError(
+                f"{info.root} was trained on mock ids (vocab {info.vocab_size}); --text-files need a cl100k "
+                "checkpoint (mock checkpoints get random-id filler)"
+            )
+        return IdVocab(info.vocab_size)  # fixed ids per vocabulary: what an id-corpus model was trained on
+    if not text_files:
+        raise DiffmegError(f"{info.root} reads cl100k text: give --text-files for the filler")
+    from diffmeg.data.tokenizer import load_tokenizer
+    from diffmeg.eval.common import expand_text_files, read_text_file
+
+    text = "\n".join(read_text_file(path) for path in expand_text_files(text_files))
+    return TextVocab(load_tokenizer(tokenizer_file), text)

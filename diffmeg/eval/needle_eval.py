@@ -19,18 +19,8 @@ import numpy as np
 import torch
 
 from diffmeg.errors import DiffmegError
-from diffmeg.eval.common import (
-    CheckpointSet,
-    Log,
-    forward,
-    loaded_models,
-    needle_vocab,
-    start_outputs,
-    stderr,
-    write_json,
-    write_rows,
-)
-from diffmeg.eval.needle import NeedlePrompt, build_prompt
+from diffmeg.eval import common
+from diffmeg.eval.needle import NeedlePrompt, build_prompt, needle_vocab
 
 CSV_NAME = "needle_accuracy.csv"
 PLOT_NAME = "needle_heatmap.png"
@@ -47,32 +37,41 @@ def score_prompt(logits_fn: Callable[[Sequence[int]], torch.Tensor], prompt: Nee
 
 
 @dataclass
-class NeedleEvalConfig:
-    checkpoints: CheckpointSet
-    lengths: list[int] | None = None
+class NeedlePromptsConfig(common.EvalConfig):
+    """What the tools reading needle prompts share (this one and `diffmeg.eval.attention_scores`)."""
+
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """Where the first queried needle sits: 0 = the start of the context, 1 = its end."""
+    samples: int = 10
+    """Prompts per setting, from seeds `seed + 7919 * k`."""
+    text_files: list[str] | None = None
+    """Filler text (cl100k checkpoints; mock-vocabulary ones get random ids)."""
+    tokenizer_file: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.samples < 1:
+            raise DiffmegError(f"--samples must be >= 1, got {self.samples}")
+        if not self.depths:
+            raise DiffmegError("give at least one --depths value")
+
+
+@dataclass
+class NeedleEvalConfig(NeedlePromptsConfig):
+    lengths: list[int] | None = None
     needles: list[int] = field(default_factory=lambda: [1, 2, 4, 6])
     queries: list[int] = field(default_factory=lambda: [1, 2])
     heatmap_needles: int | None = None
-    samples: int = 10
-    seed: int = 1234
-    text_files: list[str] | None = None
-    tokenizer_file: str | None = None
-    output_dir: str = "needle_eval"
-    dtype: str = "float32"
-    plot: bool = True
 
 
-def run_needle_eval(cfg: NeedleEvalConfig, log: Log = stderr) -> dict:
+def run_needle_eval(cfg: NeedleEvalConfig, log: common.Log = common.stderr) -> dict:
     """Accuracy per (checkpoint, N, R, length, depth); the CSV, a summary table and the heatmap."""
-    if cfg.samples < 1:
-        raise DiffmegError(f"--samples must be >= 1, got {cfg.samples}")
     combos = [(n, r) for n in cfg.needles for r in cfg.queries if r <= n]
     if cfg.heatmap_needles is not None and (cfg.heatmap_needles, 1) not in combos:
         combos.append((cfg.heatmap_needles, 1))
     if not combos:
         raise DiffmegError("no (needles, queries) pair with queries <= needles")
-    start_outputs(cfg.output_dir, cfg.plot)
+    common.start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
     lengths = cfg.lengths or [min(i.seq_length for i in infos)]
     vocab = needle_vocab(infos[0], cfg.text_files, cfg.tokenizer_file)
@@ -85,13 +84,13 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: Log = stderr) -> dict:
         for key in grid
     }
     rows, checkpoints = [], []
-    for info, model in loaded_models(infos, cfg.dtype, cfg.seed):
+    for info, model in common.loaded_models(infos, cfg.dtype, cfg.seed):
         for length in lengths:
             if length > info.seq_length:
                 log(f"warning: {length} tokens exceeds {info.label}'s training length {info.seq_length}")
         acc = {}
         for key, batch in prompts.items():
-            scores = [np.mean(score_prompt(lambda t, m=model: forward(m, t), p)) for p in batch]
+            scores = [np.mean(score_prompt(lambda t, m=model: common.forward(m, t), p)) for p in batch]
             acc[key] = float(np.mean(scores))
             n, r, length, depth = key
             rows.append(
@@ -105,7 +104,7 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: Log = stderr) -> dict:
             {"label": info.label, "load": info.root, "architecture": info.architecture, "table": table}
         )
         log(f"{info.label}: " + ", ".join(f"{k} {v:.3f}" for k, v in table.items()))
-    write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
+    common.write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
     heat_n = cfg.heatmap_needles or max(n for n, _ in combos)
     summary = {
         "lengths": lengths,
@@ -116,9 +115,9 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: Log = stderr) -> dict:
         "heatmap": {"needles": heat_n, "queries": 1},
         "checkpoints": checkpoints,
     }
-    write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
+    common.write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
-        from diffmeg.eval.plots import plot_heatmaps
+        from diffmeg.eval.plotting import plot_heatmaps
 
         grids = []
         for ckpt in checkpoints:

@@ -1,4 +1,4 @@
-"""Line plots for the evaluation tools, written straight to PNG files.
+"""The evaluation tools' figures (line plots, annotated heatmaps), written straight to PNG files.
 
 matplotlib is optional (not needed for training), so it is imported on first use and its absence is
 one clear error. Figures are drawn on an explicit Agg canvas rather than through pyplot: nothing
@@ -61,12 +61,7 @@ def plot_curves(
 
     `vlines` are labelled dashed vertical markers, e.g. where extrapolation beyond training starts.
     """
-    require_matplotlib()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7.0, 4.5), dpi=120, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = _figure((7.0, 4.5))
     ax = fig.add_subplot()
     for curve in curves:
         ax.plot(np.asarray(curve.x), np.asarray(curve.y), label=curve.label, linewidth=1.6)
@@ -84,6 +79,53 @@ def plot_curves(
     ax.grid(True, which="major", alpha=0.35)
     if len(curves) > 1 or vlines or (curves and curves[0].label):
         ax.legend()
+    _save(fig, path)
+
+
+def plot_heatmaps(
+    grids: Sequence[tuple[str, np.ndarray]],
+    path: str,
+    *,
+    xticks: Sequence[str],
+    yticks: Sequence[str],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    vmin: float = 0.0,
+    vmax: float = 1.0,
+) -> None:
+    """One annotated heatmap per (label, [rows, cols] values), side by side, written atomically."""
+    fig = _figure((1.0 + 3.2 * len(grids), 3.6))
+    axes = fig.subplots(1, len(grids), squeeze=False)[0]
+    image = None
+    for ax, (label, values) in zip(axes, grids, strict=True):
+        image = ax.imshow(values, vmin=vmin, vmax=vmax, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(xticks)), labels=list(xticks))
+        ax.set_yticks(range(len(yticks)), labels=list(yticks))
+        for (i, j), v in np.ndenumerate(values):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel(xlabel)
+    axes[0].set_ylabel(ylabel)
+    if image is not None:
+        fig.colorbar(image, ax=list(axes))
+    fig.suptitle(title)
+    _save(fig, path)
+
+
+def _figure(size: tuple[float, float]):
+    """A matplotlib Figure on its own Agg canvas (no pyplot, no global backend)."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: str) -> None:
+    """Write the PNG atomically: a crash leaves no half-written file."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         fig.savefig(tmp, format="png")

@@ -23,16 +23,8 @@ import numpy as np
 import torch
 
 from diffmeg.errors import DiffmegError
+from diffmeg.eval import common
 from diffmeg.eval.capture import LogitFn, capture_attention
-from diffmeg.eval.common import (
-    CheckpointSet,
-    Log,
-    loaded_models,
-    start_outputs,
-    stderr,
-    write_json,
-    write_rows,
-)
 
 CSV_NAME = "quantize_eval.csv"
 PLOT_NAME = "quantize_eval.png"
@@ -138,18 +130,13 @@ def validation_loss(model: torch.nn.Module, windows: list[np.ndarray]) -> float:
 
 
 @dataclass
-class QuantizeEvalConfig:
-    checkpoints: CheckpointSet
+class QuantizeEvalConfig(common.EvalConfig):
     bits: list[int] = field(default_factory=lambda: [16, 8, 6, 4])
     choices: str | None = None
     data_prefix: str | None = None
     tokens: int = 65_536
     seq_length: int | None = None
     tokenizer_file: str | None = None
-    seed: int = 1234
-    output_dir: str = "quantize_eval"
-    dtype: str = "float32"
-    plot: bool = True
 
 
 def _windows(cfg: QuantizeEvalConfig, vocab_size: int, mock: bool, length: int) -> Iterator[np.ndarray]:
@@ -157,18 +144,18 @@ def _windows(cfg: QuantizeEvalConfig, vocab_size: int, mock: bool, length: int) 
 
     # One more token per window than positions scored: the window's first token has no prediction.
     acfg = ActivationStatsConfig(
-        CheckpointSet([]), tokens=cfg.tokens, data_prefix=cfg.data_prefix, seed=cfg.seed
+        common.CheckpointSet([]), tokens=cfg.tokens, data_prefix=cfg.data_prefix, seed=cfg.seed
     )
     return (w for w in token_windows(acfg, vocab_size, mock, length + 1) if len(w) > 1)
 
 
-def run_quantize_eval(cfg: QuantizeEvalConfig, log: Log = stderr) -> dict:
+def run_quantize_eval(cfg: QuantizeEvalConfig, log: common.Log = common.stderr) -> dict:
     for b in cfg.bits:
         if b != NO_QUANTIZATION:
             absmax_quantizer(b)
     if cfg.tokens < 2:
         raise DiffmegError(f"--tokens must be >= 2, got {cfg.tokens}")
-    start_outputs(cfg.output_dir, cfg.plot)
+    common.start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
     length = cfg.seq_length or min(i.seq_length for i in infos)
     mock = infos[0].tokenizer == "mock"
@@ -180,7 +167,7 @@ def run_quantize_eval(cfg: QuantizeEvalConfig, log: Log = stderr) -> dict:
     items = read_choices(cfg.choices, infos[0].vocab_size, tokenizer) if cfg.choices else []
     windows = list(_windows(cfg, infos[0].vocab_size, mock, length))
     rows, checkpoints = [], []
-    for info, model in loaded_models(infos, cfg.dtype, cfg.seed):
+    for info, model in common.loaded_models(infos, cfg.dtype, cfg.seed):
         results = {}
         for bits in cfg.bits:
             with quantized(model, bits):
@@ -201,7 +188,7 @@ def run_quantize_eval(cfg: QuantizeEvalConfig, log: Log = stderr) -> dict:
         checkpoints.append(
             {"label": info.label, "load": info.root, "architecture": info.architecture, "bits": results}
         )
-    write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
+    common.write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
     summary = {
         "bits": cfg.bits,
         "quantization": "dynamic absmax per sequence and head over visible logits; 16 = none",
@@ -211,7 +198,7 @@ def run_quantize_eval(cfg: QuantizeEvalConfig, log: Log = stderr) -> dict:
         "items": len(items),
         "checkpoints": checkpoints,
     }
-    write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
+    common.write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
         from diffmeg.eval.plotting import Curve, plot_curves
 

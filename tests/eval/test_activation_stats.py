@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from diffmeg.eval.activation_stats import RANKS, ActivationStatsConfig, StreamingMagnitudes, token_windows
-from tests.eval.helpers import tiny_checkpoints
 
 
 def exact_lower_median(values: torch.Tensor) -> float:
@@ -37,18 +36,13 @@ def test_fewer_values_than_k():
     assert acc.top_value(1) == 5.0 and acc.top_value(2) == 3.0 and np.isnan(acc.top_value(3))
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return tiny_checkpoints(tmp_path_factory.getbasetemp())
-
-
-def test_streaming_over_a_model_equals_brute_force_over_kept_activations(ckpts):
+def test_streaming_over_a_model_equals_brute_force_over_kept_activations(tiny_ckpts):
     """Two tiny models over two windows: stream vs keep-everything give the same top-k and median."""
     from diffmeg.eval.activation_stats import collect_stats
     from diffmeg.eval.capture import capture_attention, capture_layer_outputs
     from diffmeg.eval.common import CheckpointSet, forward, loaded_models
 
-    infos = CheckpointSet([str(ckpts["diff"]), str(ckpts["transformer"])]).resolve()
+    infos = CheckpointSet([str(tiny_ckpts["diff"]), str(tiny_ckpts["transformer"])]).resolve()
     cfg = ActivationStatsConfig(CheckpointSet([]), tokens=80, seed=3)
     for info, model in loaded_models(infos):
         windows = list(token_windows(cfg, info.vocab_size, True, 48))

@@ -8,14 +8,10 @@ import json
 import numpy as np
 import pytest
 
+from diffmeg.checkpoints import CheckpointInfo, read_checkpoint_info
 from diffmeg.errors import DiffmegError
-from diffmeg.eval.long_context import (
-    CheckpointInfo,
-    LongContextConfig,
-    default_labels,
-    read_checkpoint_info,
-    run_long_context_eval,
-)
+from diffmeg.eval.common import CheckpointSet, default_labels
+from diffmeg.eval.long_context import LongContextConfig, run_long_context_eval
 from tests.conversion.helpers import exported_eval, hf_folder_variant
 from tests.eval.helpers import periodic_documents, write_indexed_dataset
 
@@ -91,7 +87,7 @@ def test_long_context_of_exports_equals_their_checkpoints(exports, tmp_path):
     loads = [str(p) for arch in ("diff", "transformer") for p in exports[arch]]
     summary = run_long_context_eval(
         LongContextConfig(
-            loads=loads,
+            CheckpointSet(loads),
             data_prefix=prefix,
             max_length=64,
             num_docs=3,

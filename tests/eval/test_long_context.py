@@ -1,24 +1,23 @@
-"""diffmeg.eval.long_context: the position statistics against brute force, the per-token NLL
-against the model's own logits, and the checks made before any model is loaded."""
+"""diffmeg.eval.long_context (and the checkpoint checks of diffmeg.eval.common): the position
+statistics against brute force, the per-token NLL against the model's own logits, and the checks made
+before any model is loaded."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from diffmeg.checkpoints import CheckpointInfo
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.common import check_same_vocabulary, default_labels, expand_text_files
 from diffmeg.eval.long_context import (
-    CheckpointInfo,
     DocumentSource,
     IndexedDocuments,
     PositionStats,
     TextDocuments,
-    check_same_vocabulary,
     csv_positions,
     cumulative_average,
-    default_labels,
     evaluate_model,
-    expand_text_files,
     per_token_nll,
     select_documents,
     write_csv,

@@ -1,11 +1,11 @@
-"""diffmeg.eval.plotting: tick labels and an atomically written PNG."""
+"""diffmeg.eval.plotting: tick labels and atomically written PNGs (line plots, heatmaps)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from diffmeg.eval.plotting import Curve, count_label, plot_curves
+from diffmeg.eval.plotting import Curve, count_label, plot_curves, plot_heatmaps
 
 
 @pytest.mark.parametrize(
@@ -24,3 +24,14 @@ def test_plot_writes_one_png_and_no_temporary_file(tmp_path):
     plot_curves(curves, str(path), xlabel="x", ylabel="y", logx=True, vlines=[(4096, "trained length")])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["p.png"]
+
+
+def test_heatmaps_write_one_png_and_no_temporary_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    grids = [("DIFF", np.array([[1.0, 0.5], [0.25, 0.0]])), ("Transformer", np.zeros((2, 2)))]
+    path = tmp_path / "h.png"
+    plot_heatmaps(
+        grids, str(path), xticks=["4K", "8K"], yticks=["0%", "100%"], xlabel="x", ylabel="y", title="t"
+    )
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["h.png"]

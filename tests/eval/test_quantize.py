@@ -9,7 +9,6 @@ import torch
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.quantize import Choice, absmax_quantizer, choice_scores, quantized, validation_loss
 from diffmeg.kernels.reference import causal_keep_mask
-from tests.eval.helpers import tiny_checkpoints
 
 
 def test_absmax_quantizer_rounds_visible_logits_to_the_grid():
@@ -23,16 +22,11 @@ def test_absmax_quantizer_rounds_visible_logits_to_the_grid():
         absmax_quantizer(1)
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return tiny_checkpoints(tmp_path_factory.getbasetemp())
-
-
-def test_16_bits_is_exactly_unquantized_and_4_bits_changes_the_loss(ckpts):
+def test_16_bits_is_exactly_unquantized_and_4_bits_changes_the_loss(tiny_ckpts):
     from diffmeg.eval.capture import capture_attention
     from diffmeg.eval.common import CheckpointSet, loaded_models
 
-    infos = CheckpointSet([str(ckpts["diff"]), str(ckpts["transformer"])]).resolve()
+    infos = CheckpointSet([str(tiny_ckpts["diff"]), str(tiny_ckpts["transformer"])]).resolve()
     windows = [np.random.default_rng(0).integers(0, 512, 33) for _ in range(2)]
     item = Choice(context=list(range(10, 30)), choices=[[1, 2], [3, 4, 5]], label=0)
     for info, model in loaded_models(infos):

@@ -6,24 +6,18 @@ import csv
 import json
 
 import numpy as np
-import pytest
 
-from tests.eval.helpers import periodic_documents, tiny_checkpoints, write_indexed_dataset
+from tests.eval.helpers import periodic_documents, write_indexed_dataset
 from tests.tools.helpers import run_tool
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return tiny_checkpoints(tmp_path_factory.getbasetemp())
-
-
-def test_two_checkpoints_give_csv_json_and_png(ckpts, tmp_path):
+def test_two_checkpoints_give_csv_json_and_png(tiny_ckpts, tmp_path):
     prefix = write_indexed_dataset(tmp_path / "docs", periodic_documents([50, 30, 90]))
     out = tmp_path / "out"
     proc = run_tool(
-        "activation_stats", "--load", ckpts["diff"], ckpts["transformer"], "--data-prefix", prefix,
+        "activation_stats", "--load", tiny_ckpts["diff"], tiny_ckpts["transformer"], "--data-prefix", prefix,
         "--tokens", "150", "--output-dir", out,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,21 +7,15 @@ import json
 
 import pytest
 
-from tests.eval.helpers import tiny_checkpoints
 from tests.tools.helpers import run_tool
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return tiny_checkpoints(tmp_path_factory.getbasetemp())
-
-
-def test_two_checkpoints_give_csv_json_and_png(ckpts, tmp_path):
+def test_two_checkpoints_give_csv_json_and_png(tiny_ckpts, tmp_path):
     out = tmp_path / "out"
     proc = run_tool(
-        "attention_scores", "--load", ckpts["diff"], ckpts["transformer"], "--samples", "2",
+        "attention_scores", "--load", tiny_ckpts["diff"], tiny_ckpts["transformer"], "--samples", "2",
         "--depths", "0", "0.5", "1", "--output-dir", out,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -49,13 +43,13 @@ def test_two_checkpoints_give_csv_json_and_png(ckpts, tmp_path):
     assert "DIFF (diff)" in proc.stdout
 
 
-def test_text_files_with_a_mock_checkpoint_is_refused_before_loading(ckpts, tmp_path):
+def test_text_files_with_a_mock_checkpoint_is_refused_before_loading(tiny_ckpts, tmp_path):
     from diffmeg.errors import DiffmegError
     from diffmeg.eval.attention_scores import AttentionScoresConfig, run_attention_scores
     from diffmeg.eval.common import CheckpointSet
 
     cfg = AttentionScoresConfig(
-        CheckpointSet([str(ckpts["diff"])]), text_files=[str(tmp_path)], output_dir=str(tmp_path / "o")
+        CheckpointSet([str(tiny_ckpts["diff"])]), text_files=[str(tmp_path)], output_dir=str(tmp_path / "o")
     )
     with pytest.raises(DiffmegError, match="was trained on mock ids .* need a cl100k checkpoint"):
         run_attention_scores(cfg)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.common import CheckpointSet
 from diffmeg.eval.long_context import LongContextConfig, run_long_context_eval
 from tests.data.helpers import REPO_ROOT
 from tests.eval.helpers import (
@@ -19,7 +20,6 @@ from tests.eval.helpers import (
     checkpoint_args,
     fake_checkpoint,
     periodic_documents,
-    tiny_checkpoints,
     write_indexed_dataset,
 )
 from tests.tools.helpers import run_tool
@@ -38,22 +38,17 @@ def load_tool():
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return tiny_checkpoints(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Seven documents; four reach 65 tokens (the default: seq_length 64 + 1)."""
     lengths = [30, 65, 100, 200, 10, 80, 64]
     return write_indexed_dataset(tmp_path_factory.mktemp("corpus") / "docs", periodic_documents(lengths))
 
 
-def test_two_checkpoints_give_csv_plot_and_summary(ckpts, corpus, tmp_path):
+def test_two_checkpoints_give_csv_plot_and_summary(tiny_ckpts, corpus, tmp_path):
     out = tmp_path / "out"
     proc = run_tool(
         "eval_long_context",
-        "--load", ckpts["diff"], "--load", ckpts["transformer"], "--data-prefix", corpus,
+        "--load", tiny_ckpts["diff"], "--load", tiny_ckpts["transformer"], "--data-prefix", corpus,
         "--output-dir", out, "--csv-every", "8", "--batch-size", "2", "--loss-chunk-size", "16",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -85,12 +80,12 @@ def test_two_checkpoints_give_csv_plot_and_summary(ckpts, corpus, tmp_path):
     assert f"cumulative NLL at position {CKPT_SEQ_LENGTH - 1}" in proc.stdout
 
 
-def test_too_short_documents_are_one_line_error(ckpts, tmp_path, capsys):
+def test_too_short_documents_are_one_line_error(tiny_ckpts, tmp_path, capsys):
     """The CLI's error path, in-process (a second subprocess would only re-measure import time)."""
     prefix = write_indexed_dataset(tmp_path / "short", periodic_documents([10, 40, 20]))
     with pytest.raises(SystemExit) as exit_info:
         load_tool().main(
-            ["--load", str(ckpts["diff"]), "--data-prefix", prefix, "--output-dir", str(tmp_path)]
+            ["--load", str(tiny_ckpts["diff"]), "--data-prefix", prefix, "--output-dir", str(tmp_path)]
         )
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
@@ -99,13 +94,12 @@ def test_too_short_documents_are_one_line_error(ckpts, tmp_path, capsys):
     )
 
 
-def test_extrapolation_and_short_documents_are_evaluated_with_a_warning(ckpts, corpus, tmp_path):
+def test_extrapolation_and_short_documents_are_evaluated_with_a_warning(tiny_ckpts, corpus, tmp_path):
     """Beyond the training length (warned); documents shorter than the window count where they reach."""
     messages: list[str] = []
     summary = run_long_context_eval(
         LongContextConfig(
-            loads=[str(ckpts["diff"])],
-            labels=["d"],
+            CheckpointSet([str(tiny_ckpts["diff"])], labels=["d"]),
             data_prefix=corpus,
             max_length=128,
             min_doc_length=80,
@@ -124,14 +118,17 @@ def test_extrapolation_and_short_documents_are_evaluated_with_a_warning(ckpts, c
     assert not (tmp_path / "long_context_nll.png").exists()
 
 
-def _cfg(ckpts, corpus, tmp_path, **kw) -> LongContextConfig:
-    base = dict(loads=[str(ckpts["diff"])], data_prefix=corpus, output_dir=str(tmp_path / "o"), plot=False)
-    return LongContextConfig(**{**base, **kw})
+def _cfg(tiny_ckpts, corpus, tmp_path, loads=None, labels=None, **kw) -> LongContextConfig:
+    base = dict(data_prefix=corpus, output_dir=str(tmp_path / "o"), plot=False)
+    checkpoints = CheckpointSet(loads or [str(tiny_ckpts["diff"])], labels)
+    return LongContextConfig(checkpoints, **{**base, **kw})
 
 
-def test_checkpoints_with_another_vocabulary_are_refused(ckpts, corpus, tmp_path):
-    other = fake_checkpoint(tmp_path / "big_vocab", {**checkpoint_args(ckpts["diff"]), "vocab_size": 1024})
-    cfg = _cfg(ckpts, corpus, tmp_path, loads=[str(ckpts["diff"]), str(other)])
+def test_checkpoints_with_another_vocabulary_are_refused(tiny_ckpts, corpus, tmp_path):
+    other = fake_checkpoint(
+        tmp_path / "big_vocab", {**checkpoint_args(tiny_ckpts["diff"]), "vocab_size": 1024}
+    )
+    cfg = _cfg(tiny_ckpts, corpus, tmp_path, loads=[str(tiny_ckpts["diff"]), str(other)])
     with pytest.raises(DiffmegError, match=r"different tokenizers/vocabularies: .* \(mock, vocab 512\) vs"):
         run_long_context_eval(cfg)
 
@@ -151,12 +148,12 @@ def test_checkpoints_with_another_vocabulary_are_refused(ckpts, corpus, tmp_path
     ],
     ids=["missing-data", "labels", "no-checkpoint", "max-length", "text-with-mock-vocab", "no-data"],
 )
-def test_bad_inputs_are_diffmeg_errors(ckpts, corpus, tmp_path, change, message):
+def test_bad_inputs_are_diffmeg_errors(tiny_ckpts, corpus, tmp_path, change, message):
     with pytest.raises(DiffmegError, match=message):
-        run_long_context_eval(_cfg(ckpts, corpus, tmp_path, **change))
+        run_long_context_eval(_cfg(tiny_ckpts, corpus, tmp_path, **change))
 
 
-def test_token_ids_outside_the_vocabulary_are_refused_before_loading(ckpts, tmp_path, monkeypatch):
+def test_token_ids_outside_the_vocabulary_are_refused_before_loading(tiny_ckpts, tmp_path, monkeypatch):
     import diffmeg.checkpoints as checkpoints
 
     docs = periodic_documents([70, 70])
@@ -166,29 +163,29 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_loading(ckpts, tmp_
     with pytest.raises(
         DiffmegError, match=r"document 1 of .* holds token id 512, outside .* vocabulary of 512"
     ):
-        run_long_context_eval(_cfg(ckpts, prefix, tmp_path))
+        run_long_context_eval(_cfg(tiny_ckpts, prefix, tmp_path))
 
 
-def test_bad_output_dir_is_refused_before_any_work(ckpts, corpus, tmp_path):
+def test_bad_output_dir_is_refused_before_any_work(tiny_ckpts, corpus, tmp_path):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(DiffmegError, match="--output-dir .*a_file exists and is not a directory"):
-        run_long_context_eval(_cfg(ckpts, corpus, tmp_path, output_dir=str(tmp_path / "a_file")))
+        run_long_context_eval(_cfg(tiny_ckpts, corpus, tmp_path, output_dir=str(tmp_path / "a_file")))
     blocked = tmp_path / "a_file" / "sub"
     with pytest.raises(DiffmegError, match="--output-dir .*sub is not writable"):
-        run_long_context_eval(_cfg(ckpts, corpus, tmp_path, output_dir=str(blocked)))
+        run_long_context_eval(_cfg(tiny_ckpts, corpus, tmp_path, output_dir=str(blocked)))
 
 
-def test_text_files_with_a_cl100k_checkpoint_must_match_files(ckpts, corpus, tmp_path, tokenizer_file):
+def test_text_files_with_a_cl100k_checkpoint_must_match_files(tiny_ckpts, corpus, tmp_path, tokenizer_file):
     args = {
-        **checkpoint_args(ckpts["diff"]),
+        **checkpoint_args(tiny_ckpts["diff"]),
         "vocab_size": 100288,
         "mock_data": False,
         "tokenizer_type": "cl100k_base",
     }
     cl100k = fake_checkpoint(tmp_path / "cl100k", args)
     cfg = _cfg(
-        ckpts, corpus, tmp_path, loads=[str(cl100k)], data_prefix=None, text_files=[str(tmp_path / "*.txt")],
-        tokenizer_file=tokenizer_file,
+        tiny_ckpts, corpus, tmp_path, loads=[str(cl100k)], data_prefix=None,
+        text_files=[str(tmp_path / "*.txt")], tokenizer_file=tokenizer_file,
     )  # fmt: skip
     with pytest.raises(DiffmegError, match=r"--text-files '.*\*\.txt' matches no file"):
         run_long_context_eval(cfg)

@@ -7,20 +7,24 @@ import json
 
 import pytest
 
-from tests.eval.helpers import tiny_checkpoints
 from tests.tools.helpers import run_tool
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return tiny_checkpoints(tmp_path_factory.getbasetemp())
-
-
-def test_two_checkpoints_give_csv_json_and_heatmap(ckpts, tmp_path):
+def test_two_checkpoints_give_csv_json_and_heatmap(tiny_ckpts, tmp_path):
     out = tmp_path / "out"
-    args = ["--load", ckpts["diff"], ckpts["transformer"], "--needles", "1", "2", "--queries", "1", "2"]
+    args = [
+        "--load",
+        tiny_ckpts["diff"],
+        tiny_ckpts["transformer"],
+        "--needles",
+        "1",
+        "2",
+        "--queries",
+        "1",
+        "2",
+    ]
     args += ["--depths", "0", "1", "--samples", "1", "--output-dir", out]
     proc = run_tool("eval_needle", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,18 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from tests.eval.helpers import tiny_checkpoints
 from tests.tools.helpers import run_tool
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return tiny_checkpoints(tmp_path_factory.getbasetemp())
-
-
-def test_two_checkpoints_give_csv_json_and_png(ckpts, tmp_path):
+def test_two_checkpoints_give_csv_json_and_png(tiny_ckpts, tmp_path):
     rng = np.random.default_rng(0)
     items = [
         {
@@ -32,7 +26,7 @@ def test_two_checkpoints_give_csv_json_and_png(ckpts, tmp_path):
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
     out = tmp_path / "out"
     proc = run_tool(
-        "quantize_eval", "--load", ckpts["diff"], ckpts["transformer"], "--bits", "16", "4",
+        "quantize_eval", "--load", tiny_ckpts["diff"], tiny_ckpts["transformer"], "--bits", "16", "4",
         "--choices", tmp_path / "mc.jsonl", "--tokens", "130", "--output-dir", out,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -54,14 +48,14 @@ def test_two_checkpoints_give_csv_json_and_png(ckpts, tmp_path):
     assert (out / "quantize_eval.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_a_bad_choices_file_is_one_line_error(ckpts, tmp_path):
+def test_a_bad_choices_file_is_one_line_error(tiny_ckpts, tmp_path):
     from diffmeg.errors import DiffmegError
     from diffmeg.eval.common import CheckpointSet
     from diffmeg.eval.quantize import QuantizeEvalConfig, run_quantize_eval
 
     (tmp_path / "bad.jsonl").write_text('{"context_ids": [1], "choices_ids": [[2]], "label": 0}\n')
     cfg = QuantizeEvalConfig(
-        CheckpointSet([str(ckpts["diff"])]),
+        CheckpointSet([str(tiny_ckpts["diff"])]),
         choices=str(tmp_path / "bad.jsonl"),
         output_dir=str(tmp_path / "o"),
     )
