@@ -11,7 +11,10 @@ Every row is one causal attention core at equal FLOPs accounting (diffmeg.traini
   fwd+bwd TFLOP/s are 7/6 of ours for the same time).
 `vs base` = TFLOP/s of the row / TFLOP/s of the baseline: 1.00 means DIFF spends its 1.5x FLOPs at the
 baseline's efficiency; the time ratio is then exactly 1.5.
-Prints a table; it is never run as a timed test.
+
+A backend that fails (out of memory, a Triton tile that does not compile or exceeds shared memory, a
+wrong result) gets a row with its error and the sweep goes on. benchmarks/campaign.py calls `run_rows`
+and `check_backend` as a library. Prints a table; it is never run as a timed test.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,10 +36,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffmeg.kernels.reference import diff_attention_reference  # noqa: E402
 from diffmeg.kernels.sdpa import diff_attention_sdpa  # noqa: E402
-from diffmeg.kernels.triton_diff import TritonDiffConfig, diff_attention_triton, triton_available  # noqa: E402
+from diffmeg.kernels.triton_diff import (  # noqa: E402
+    TritonDiffConfig,
+    default_config,
+    diff_attention_triton,
+    triton_available,
+)
 from diffmeg.training.flops import forward_flops_per_token  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BASELINE = "baseline sdpa"
+REFERENCE = "diff reference"
+SDPA_TWO_CALL = "diff sdpa two-call"
+SDPA_SPLIT_V = "diff sdpa split-v"
+TRITON = "diff triton"
+UNFUSED = (SDPA_TWO_CALL, SDPA_SPLIT_V)
+"""The unfused DIFF paths the fused kernel is measured against (issue 12: at least 1.3x the best)."""
 
 
 def core_flops(b: int, h: int, g: int, s: int, d: int, diff: bool) -> float:
@@ -81,47 +97,117 @@ def time_it(fn: Callable[[], object], device: str, warmup: int, iters: int) -> f
     return times[len(times) // 2]
 
 
+def config_label(cfg: TritonDiffConfig) -> str:
+    """A short name for a tile configuration: forward BMxBN, V splits, warps; dK/dV BMxBN with "s" for
+    dV | dK passes and "s3" for dV | dK1 | dK2; dQ BMxBN; backward warps."""
+    passes = "s3" if (cfg.split_dkdv and cfg.split_dk) else "s" if cfg.split_dkdv else ""
+    return (
+        f"f{cfg.block_m}x{cfg.block_n}s{cfg.v_splits}w{cfg.num_warps} "
+        f"kv{cfg.dkdv_block_m}x{cfg.dkdv_block_n}{passes} "
+        f"q{cfg.dq_block_m}x{cfg.dq_block_n} w{cfg.bwd_num_warps}"
+    )
+
+
 def _tiles(
-    fbm: int, fbn: int, splits: int, fw: int, kbm: int, kbn: int, split_kv: bool, qbm: int, qbn: int, bw: int
-):
-    label = f"f{fbm}x{fbn}s{splits}w{fw} kv{kbm}x{kbn}{'s' if split_kv else ''} q{qbm}x{qbn} w{bw}"
-    return label, TritonDiffConfig(fbm, fbn, splits, fw, 2, kbm, kbn, qbm, qbn, bw, 2, split_kv)
+    fbm: int, fbn: int, splits: int, fw: int, kbm: int, kbn: int, passes: int, qbm: int, qbn: int, bw: int
+) -> tuple[str, TritonDiffConfig]:
+    cfg = TritonDiffConfig(fbm, fbn, splits, fw, 2, kbm, kbn, qbm, qbn, bw, 2, passes > 1, passes > 2)
+    return config_label(cfg), cfg
 
 
-# Candidates from the sm_90 ptxas sweep (docs/benchmarks.md): forward BM, BN, V splits, warps; dK/dV BM,
-# BN, split into dV and dK passes; dQ BM, BN; backward warps. The first two are the d=128 and d=64
-# defaults; the f64x32s1w8 one spills least but its score tiles have fewer rows than its warps cover.
+# Candidates from the sm_90 ptxas sweeps (docs/benchmarks.md; `python -m diffmeg.kernels.triton_aot
+# --sweep`): forward BM, BN, V splits, warps; dK/dV BM, BN, launches (1: dV+dK, 2: dV | dK, 3: dV | dK1 |
+# dK2); dQ BM, BN; backward warps. The f64x32s1w8 one spills least but its score tiles have fewer rows than
+# its warps cover. The head dim's default (`default_config`) is added first by `triton_candidates`;
+# configurations whose V split does not divide 2d are left out there.
 SWEEP_CONFIGS = dict(
     _tiles(*c)
     for c in [
-        (64, 16, 2, 4, 16, 128, False, 128, 16, 8),
-        (64, 16, 1, 4, 16, 128, True, 128, 32, 8),
-        (128, 32, 2, 8, 16, 128, False, 128, 16, 8),
-        (128, 32, 2, 8, 16, 128, True, 128, 32, 8),
-        (128, 64, 2, 8, 32, 128, False, 128, 32, 8),
-        (64, 32, 1, 8, 16, 32, False, 32, 16, 8),
+        (64, 16, 2, 4, 16, 128, 1, 128, 16, 8),
+        (64, 16, 2, 4, 16, 128, 3, 128, 16, 8),
+        (64, 16, 1, 4, 16, 128, 2, 128, 32, 8),
+        (128, 32, 2, 8, 16, 128, 1, 128, 16, 8),
+        (128, 32, 2, 8, 16, 128, 2, 128, 32, 8),
+        (128, 64, 2, 8, 32, 128, 1, 128, 32, 8),
+        (64, 32, 1, 8, 16, 32, 1, 32, 16, 8),
+        (128, 16, 3, 8, 16, 128, 3, 128, 16, 8),
     ]
 )
 
 
-def make_backends(sweep: bool, device: str) -> dict[str, Callable]:
+def triton_candidates(head_dim: int) -> dict[str, TritonDiffConfig]:
+    """Tile configurations worth timing at this head dim: the default first, then the sweep's list."""
+    default = default_config(head_dim, interpreted=False)
+    out = {config_label(default): default}
+    for label, cfg in SWEEP_CONFIGS.items():
+        if (2 * head_dim) % cfg.v_splits == 0:
+            out.setdefault(label, cfg)
+    return out
+
+
+def v2_attention_fn() -> Callable | None:
+    """DIFF V2's attention core (DESIGN.md, 'DIFF V2'), or None where diffmeg has no V2.
+
+    V2 runs the baseline's own core attention (here torch SDPA, as the local spec's SDPA core does) over
+    2H query heads with contiguous GQA groups, then combines head pairs, attn[2i] - gate_i attn[2i+1]
+    (`diffmeg.attention_v2.combine_head_pairs`). Inputs: q [b, 2H, s, d], k/v [b, g, s, d], gate [b, H, s]
+    (sigmoid(lambda_proj(x))); output [b, H, s, d]. Core FLOPs: twice the baseline Transformer's.
+    """
+    try:
+        from diffmeg.attention_v2 import combine_head_pairs
+    except ImportError:
+        return None
+
+    def diff2_attention(q, k, v, gate, *, scale):
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        b, n2, s, d = attn.shape
+        flat = attn.permute(2, 0, 1, 3).reshape(s, b, n2 * d)  # [b, 2H, s, d] -> [s, b, 2H * d]
+        out = combine_head_pairs(flat, gate.permute(2, 0, 1))  # gate [b, H, s] -> [s, b, H]
+        return out.view(s, b, n2 // 2, d).permute(1, 2, 0, 3)  # [s, b, H * d] -> [b, H, s, d]
+
+    return diff2_attention
+
+
+def make_backends(sweep: bool, device: str, head_dim: int = 128) -> dict[str, Callable]:
+    """DIFF V1 backends by row name; with `sweep` one fused-Triton entry per candidate tile config."""
     backends: dict[str, Callable] = {
-        "reference": diff_attention_reference,
-        "sdpa two-call": lambda *a, **k: diff_attention_sdpa(*a, split_v=False, **k),
-        "sdpa split-V (4 calls)": lambda *a, **k: diff_attention_sdpa(*a, split_v=True, **k),
+        REFERENCE: diff_attention_reference,
+        SDPA_TWO_CALL: lambda *a, **k: diff_attention_sdpa(*a, split_v=False, **k),
+        SDPA_SPLIT_V: lambda *a, **k: diff_attention_sdpa(*a, split_v=True, **k),
     }
     if device == "cuda" and triton_available():
-        backends["triton fused"] = diff_attention_triton
-        if sweep:  # candidates from the sm_90 ptxas spill sweep (docs/benchmarks.md); defaults first
-            for label, cfg in SWEEP_CONFIGS.items():
-                backends[f"triton {label}"] = lambda *a, _cfg=cfg, **k: diff_attention_triton(
-                    *a, config=_cfg, **k
-                )
+        backends[TRITON] = diff_attention_triton
+        if sweep:
+            for label, cfg in triton_candidates(head_dim).items():
+                backends[f"{TRITON} {label}"] = triton_with(cfg)
     return backends
 
 
-def bench_one(fn: Callable, inputs: list[torch.Tensor], device: str, warmup: int, iters: int, **kw):
-    """(fwd seconds, fwd+bwd seconds); inf where the backend runs out of memory."""
+def triton_with(cfg: TritonDiffConfig) -> Callable:
+    """The fused kernel with fixed tiles."""
+    return lambda *a, **k: diff_attention_triton(*a, config=cfg, **k)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a results row: "OOM", or the exception's type and first line."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "OOM"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+@dataclass
+class Timing:
+    """Median seconds of the forward and of forward+backward; error instead where the call failed."""
+
+    fwd_s: float | None
+    fwd_bwd_s: float | None
+    error: str | None = None
+
+
+def bench_one(fn: Callable, inputs: list[torch.Tensor], device: str, warmup: int, iters: int, **kw) -> Timing:
+    """Time one backend; any failure (OOM, Triton OutOfResources or compile errors, ...) becomes its row's
+    error so one bad candidate does not end the sweep."""
     leaves = [t.detach().requires_grad_(True) for t in inputs]
 
     def fwd():
@@ -138,61 +224,89 @@ def bench_one(fn: Callable, inputs: list[torch.Tensor], device: str, warmup: int
         out = fn(*leaves, **kw)
         grad = torch.randn_like(out)
         del out
-        return time_it(fwd, device, warmup, iters), time_it(fwd_bwd, device, warmup, iters)
-    except torch.OutOfMemoryError:
-        return math.inf, math.inf
+        return Timing(time_it(fwd, device, warmup, iters), time_it(fwd_bwd, device, warmup, iters))
+    except Exception as exc:  # noqa: BLE001 - every failure is a result here
+        return Timing(None, None, describe_error(exc))
     finally:
+        for t in leaves:
+            t.grad = None
         if device == "cuda":
             torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
-    )
-    p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=12, help="differential heads (baseline: twice as many)")
-    p.add_argument("--kv-heads", type=int, default=None, help="differential KV heads (default: --heads)")
-    p.add_argument(
-        "--tokens", type=int, default=None, help="batch = max(1, tokens // seq); 16384 (GPU), 1024 (CPU)"
-    )
-    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--skip", nargs="*", default=[], help="backend names to leave out (e.g. reference)")
-    p.add_argument("--sweep", action="store_true", help="also time candidate Triton tile configs (GPU)")
-    a = p.parse_args(argv)
-    device = a.device
-    dtype = DTYPES[a.dtype or ("bf16" if device == "cuda" else "fp32")]
-    warmup = a.warmup if a.warmup is not None else (5 if device == "cuda" else 1)
-    iters = a.iters if a.iters is not None else (20 if device == "cuda" else 3)
-    h, g, d = a.heads, a.kv_heads or a.heads, a.head_dim
-    tokens = a.tokens or (16384 if device == "cuda" else 1024)
-    torch.manual_seed(0)
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
-    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or 'x86_64'})"
-    threads = torch.get_num_threads()
-    print(
-        f"device: {name}; torch {torch.__version__}; dtype {str(dtype).replace('torch.', '')}; "
-        f"threads {threads}"
-    )
-    tri = "triton " + __import__("triton").__version__ if triton_available() else "triton n/a"
-    print(f"{tri}; DIFF heads {h} (KV {g}), d={d}, V width {2 * d}; baseline heads {2 * h} of d={d}")
-    if device != "cuda":
-        print(
-            "note: no GPU -> the fused Triton kernel is not timed (TRITON_INTERPRET timings are meaningless)"
-        )
-    backends = {k: v for k, v in make_backends(a.sweep, device).items() if k not in a.skip}
 
-    unit, scale_u = ("TF/s", 1e12) if device == "cuda" else ("GF/s", 1e9)
-    header = f"{'seq':>6} {'batch':>5}  {'backend':38s} {'fwd ms':>9} {unit:>7} {'vs base':>7}"
-    header += f"  {'fwd+bwd ms':>10} {unit:>7} {'vs base':>7}"
-    print(header)
-    print("-" * len(header))
-    for s in a.seqs:
-        b = max(1, tokens // s)
+def check_backend(
+    fn: Callable,
+    device: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seq: int = 333,
+    seed: int = 0,
+) -> dict:
+    """Forward and all six gradients against float64 math on a ragged GQA case.
+
+    Correct = within twice the error of torch's own unfused path in the same dtype, plus 1e-3 (the
+    FlashAttention test rule, as tests/kernels use). Returns {correct, max_rel_err, torch_rel_err, error}.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q_shape, k_shape = (1, heads, seq, head_dim), (1, kv_heads, seq, head_dim)
+    shapes = [q_shape, q_shape, k_shape, k_shape, (1, kv_heads, seq, 2 * head_dim)]
+    ts = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).to(device) for s in shapes]
+    lam = torch.tensor(0.8, device=device)
+    dout = torch.randn((1, heads, seq, 2 * head_dim), generator=gen, dtype=torch.float64).to(dtype).to(device)
+    scale = head_dim**-0.5
+
+    def run(f: Callable, leaves: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+        leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+        out = f(*leaves, scale=scale)
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    try:
+        ref = run(diff_attention_reference, [t.double() for t in (*ts, lam)], dout.double())
+        torch_path = diff_attention_sdpa if device == "cuda" else make_backends(False, "cpu")[SDPA_TWO_CALL]
+        theirs = run(torch_path, [*ts, lam], dout)
+        mine = run(fn, [*ts, lam], dout)
+    except Exception as exc:  # noqa: BLE001
+        return {"correct": False, "max_rel_err": None, "torch_rel_err": None, "error": describe_error(exc)}
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    errs = [_rel_err(m, r) for m, r in zip(mine, ref, strict=True)]
+    base = [_rel_err(t, r) for t, r in zip(theirs, ref, strict=True)]
+    finite = all(math.isfinite(e) for e in errs)
+    ok = finite and all(e <= 2 * b + 1e-3 for e, b in zip(errs, base, strict=True))
+    return {"correct": ok, "max_rel_err": max(errs), "torch_rel_err": max(base), "error": None}
+
+
+def run_rows(
+    seqs: list[int],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    backends: dict[str, Callable],
+    tokens: int | None = None,
+    warmup: int = 5,
+    iters: int = 20,
+    reference_max_seq: int = 4096,
+    deadline: float | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """One row per (seq, backend), the baseline first. batch = max(1, tokens // seq), 1 when tokens is
+    None. Rows past `deadline` (time.monotonic()) are recorded as skipped, not timed."""
+    h, g, d = heads, kv_heads, head_dim
+    rows = []
+    for s in seqs:
+        b = max(1, tokens // s) if tokens else 1
         q1, q2 = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(2))
         k1, k2 = (torch.randn(b, g, s, d, device=device, dtype=dtype) for _ in range(2))
         v = torch.randn(b, g, s, 2 * d, device=device, dtype=dtype)
@@ -206,25 +320,128 @@ def main(argv: list[str] | None = None) -> None:
                 q, k, vv, is_causal=True, scale=d**-0.5, enable_gqa=k.shape[1] != q.shape[1]
             )
 
-        tb_f, tb_fb = bench_one(baseline, [bq, bk, bv], device, warmup, iters)
-        rows = [("baseline SDPA (2h heads of d)", tb_f, tb_fb, base_f)]
-        for bname, fn in backends.items():
-            tf, tfb = bench_one(fn, [q1, q2, k1, k2, v, lam], device, warmup, iters, scale=d**-0.5)
-            rows.append((bname, tf, tfb, diff_f))
-        base_tf, base_tfb = max(base_f / tb_f, 1e-30), max(3 * base_f / tb_fb, 1e-30)
-        for bname, tf, tfb, flops in rows:
-            r_f, r_fb = flops / tf, 3 * flops / tfb
-            print(
-                f"{s:6d} {b:5d}  {bname:38s} {_ms(tf):>9} {r_f / scale_u:7.1f} {r_f / base_tf:7.2f}"
-                f"  {_ms(tfb):>10} {r_fb / scale_u:7.1f} {r_fb / base_tfb:7.2f}"
-            )
+        jobs: list[tuple[str, Callable, list[torch.Tensor], float, dict]] = [
+            (BASELINE, baseline, [bq, bk, bv], base_f, {})
+        ]
+        for name, fn in backends.items():
+            if name == REFERENCE and s > reference_max_seq:
+                continue
+            jobs.append((name, fn, [q1, q2, k1, k2, v, lam], diff_f, {"scale": d**-0.5}))
+        v2 = v2_attention_fn()
+        if v2 is not None:  # DIFF V2: 2H query heads over the baseline's KV groups, one gate per head pair
+            gate = torch.rand(b, 2 * h, s, device=device, dtype=dtype)
+            v2_in = [torch.randn(b, 4 * h, s, d, device=device, dtype=dtype), bk, bv, gate]
+            jobs.append(("diff2", v2, v2_in, 2 * base_f, {"scale": d**-0.5}))
+        base_fb = None
+        for name, fn, inputs, flops, kw in jobs:
+            if deadline is not None and time.monotonic() > deadline:
+                timing = Timing(None, None, "skipped: time budget")
+            else:
+                timing = bench_one(fn, inputs, device, warmup, iters, **kw)
+            row = _row(name, s, b, h, g, d, dtype, flops, timing)
+            if name == BASELINE and timing.fwd_bwd_s:
+                base_fb = row["tflops"]
+            row["vs_baseline"] = row["tflops"] / base_fb if (row["tflops"] and base_fb) else None
+            rows.append(row)
+            if log is not None:
+                log(format_row(row, device))
         del q1, q2, k1, k2, v, bq, bk, bv
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _row(name: str, s: int, b: int, h: int, g: int, d: int, dtype, flops: float, t: Timing) -> dict:
+    ms = lambda x: None if x is None else x * 1e3  # noqa: E731
+    bwd = t.fwd_bwd_s - t.fwd_s if (t.fwd_s is not None and t.fwd_bwd_s is not None) else None
+    return {
+        "impl": name,
+        "seq": s,
+        "batch": b,
+        "heads": h,
+        "kv_heads": g,
+        "head_dim": d,
+        "dtype": str(dtype).replace("torch.", ""),
+        "fwd_ms": ms(t.fwd_s),
+        "bwd_ms": ms(bwd),
+        "fwd_bwd_ms": ms(t.fwd_bwd_s),
+        "fwd_tflops": flops / t.fwd_s / 1e12 if t.fwd_s else None,
+        "tflops": 3 * flops / t.fwd_bwd_s / 1e12 if t.fwd_bwd_s else None,
+        "error": t.error,
+    }
+
+
+def format_header(device: str) -> str:
+    unit = "TF/s" if device == "cuda" else "GF/s"
+    return (
+        f"{'seq':>6} {'batch':>5}  {'backend':44s} {'fwd ms':>9} {unit:>7}  {'fwd+bwd ms':>10} {unit:>7}"
+        f" {'vs base':>7}"
+    )
+
+
+def format_row(row: dict, device: str) -> str:
+    scale = 1.0 if device == "cuda" else 1e3  # GF/s on CPU
+    if row["error"]:
+        return f"{row['seq']:6d} {row['batch']:5d}  {row['impl']:44s} {row['error']}"
+    return (
+        f"{row['seq']:6d} {row['batch']:5d}  {row['impl']:44s} {row['fwd_ms']:9.2f}"
+        f" {row['fwd_tflops'] * scale:7.1f}  {row['fwd_bwd_ms']:10.2f} {row['tflops'] * scale:7.1f}"
+        f" {row['vs_baseline'] or 0:7.2f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
+    p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=12, help="differential heads (baseline: twice as many)")
+    p.add_argument("--kv-heads", type=int, default=None, help="differential KV heads (default: --heads)")
+    p.add_argument(
+        "--tokens", type=int, default=None, help="batch = max(1, tokens // seq); 16384 (GPU), 1024 (CPU)"
+    )
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--skip", nargs="*", default=[], help="row names to leave out (e.g. 'diff reference')")
+    p.add_argument("--sweep", action="store_true", help="also time candidate Triton tile configs (GPU)")
+    a = p.parse_args(argv)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[a.dtype or ("bf16" if device == "cuda" else "fp32")]
+    warmup = a.warmup if a.warmup is not None else (5 if device == "cuda" else 1)
+    iters = a.iters if a.iters is not None else (20 if device == "cuda" else 3)
+    h, g, d = a.heads, a.kv_heads or a.heads, a.head_dim
+    torch.manual_seed(0)
+
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or 'x86_64'})"
+    print(
+        f"device: {name}; torch {torch.__version__}; dtype {str(dtype).replace('torch.', '')}; "
+        f"threads {torch.get_num_threads()}"
+    )
+    tri = "triton " + __import__("triton").__version__ if triton_available() else "triton n/a"
+    print(f"{tri}; DIFF heads {h} (KV {g}), d={d}, V width {2 * d}; baseline heads {2 * h} of d={d}")
+    if device != "cuda":
+        print(
+            "note: no GPU -> the fused Triton kernel is not timed (TRITON_INTERPRET timings are meaningless)"
+        )
+    backends = {k: v for k, v in make_backends(a.sweep, device, d).items() if k not in a.skip}
+    print(format_header(device))
+    print("-" * len(format_header(device)))
+    run_rows(
+        a.seqs,
+        heads=h,
+        kv_heads=g,
+        head_dim=d,
+        dtype=dtype,
+        device=device,
+        backends=backends,
+        tokens=a.tokens or (16384 if device == "cuda" else 1024),
+        warmup=warmup,
+        iters=iters,
+        log=print,
+    )
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("note: TRITON_INTERPRET=1 is set")
-
-
-def _ms(seconds: float) -> str:
-    return "OOM" if math.isinf(seconds) else f"{seconds * 1e3:.2f}"
 
 
 if __name__ == "__main__":

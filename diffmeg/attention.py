@@ -18,6 +18,10 @@ the spec's `cp_attention` submodule).
 
 `override_attention_backend` is the public way for analysis tools to run their own attention math
 (e.g. one that reports both maps) in place of the configured backend for a `with` block.
+
+`SDPACoreAttention` is the core the local spec gives everything else (the Transformer baseline, DIFF V2):
+megatron-core's own local `DotProductAttention` materialises the [b, heads, s, s] scores and saves the
+probabilities twice, so without Transformer Engine the baseline would pay memory and time DIFF does not.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from megatron.core.transformer.module import MegatronModule
 
 from diffmeg.config import DiffTransformerConfig
 from diffmeg.errors import DiffmegError
-from diffmeg.kernels import DiffAttentionFn, resolve_backend
-from diffmeg.kernels.reference import diff_attention_reference
+from diffmeg.kernels import DiffAttentionFn, backend_name, resolve_backend
+from diffmeg.kernels.reference import causal_keep_mask, diff_attention_reference
 from diffmeg.norm import rms_norm
 from diffmeg.parallel import DiffMapsWithCP, head_to_sequence_shards, sequence_to_head_shards
 
@@ -111,9 +115,11 @@ class DiffCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.lambda_init = config.lambda_init_at(layer_number)
-        self.backend_name = config.attention_backend_diff
+        # Checked here (a name this installation can never run fails at build); resolved per call from the
+        # tensors' device, so a core built on the CPU runs the GPU kernels once its inputs are on the GPU.
+        self.backend_name = backend_name(config.attention_backend_diff)
+        self._backends: dict[str, DiffAttentionFn] = {}
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else "cuda"
-        self.backend_name, self._backend = resolve_backend(self.backend_name, device)
 
         # lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init, vectors of size d shared by the layer's heads.
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
@@ -137,6 +143,14 @@ class DiffCoreAttention(MegatronModule):
                 pgs,
                 attention_cls=submodules.cp_attention,
             )
+
+    def backend_for(self, device_type: str) -> DiffAttentionFn:
+        """The configured backend for tensors of this device type (resolved once per device type)."""
+        fn = self._backends.get(device_type)
+        if fn is None:
+            _, fn = resolve_backend(self.backend_name, device_type)
+            self._backends[device_type] = fn
+        return fn
 
     def lambda_full(self) -> torch.Tensor:
         """The scalar lambda of this layer (fp32 or wider, differentiable in the four vectors)."""
@@ -182,12 +196,13 @@ class DiffCoreAttention(MegatronModule):
         mask = attention_mask  # None in training (causal); megatron's inference paths may pass one
 
         dropout_p = self.dropout_p if self.training else 0.0
-        backend = self._backend
         if self.override is not None:
             backend = self.override
         elif mask is not None or dropout_p > 0.0:
             # The fused paths are causal-only and would drop A1 and A2 separately: use the exact math.
             backend = diff_attention_reference
+        else:
+            backend = self.backend_for(query.device.type)
         lam = self.lambda_full()
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -232,3 +247,76 @@ def override_attention_backend(
     finally:
         for core, previous in zip(cores, saved, strict=True):
             core.override = previous
+
+
+class SDPACoreAttention(MegatronModule):
+    """megatron-core's `core_attention` for ordinary heads through torch's fused SDPA (flash / cuDNN /
+    memory-efficient kernels on a GPU, the flash kernel on a CPU): q/k/v `[s, b, heads, d]` per partition
+    in, `[sq, b, heads * d]` out, as `DotProductAttention` but without the score matrix.
+
+    Causal with the queries aligned to the end of the keys (a KV-cache step with sq < sk sees every earlier
+    key); an explicit `attention_mask` (True = masked out, megatron-core's convention) replaces the causal
+    mask, as in megatron-core. GQA maps query head j to KV head j // (heads / groups), megatron-core's
+    grouping. Context parallelism needs TE's attention (the TE spec).
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise DiffmegError(
+                "the local spec's SDPA core attention has no context parallelism: use the Transformer Engine "
+                "spec (--transformer-impl transformer_engine) or --context-parallel-size 1"
+            )
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise DiffmegError(f"the SDPA core attention supports causal masks only, got {attn_mask_type}")
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise DiffmegError("the SDPA core attention does not support packed sequences or attention bias")
+        sq, b, heads, _ = query.shape
+        sk, groups = key.shape[0], key.shape[2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        mask = None
+        if attention_mask is not None:
+            mask = ~attention_mask.bool()  # megatron-core: True = masked out; SDPA: True = attend
+        elif causal and sq != sk:
+            mask = causal_keep_mask(sq, sk, query.device)  # [sq, sk]: queries at the end of the keys
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def attend() -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None and sq > 1,
+                scale=self.softmax_scale, enable_gqa=groups != heads,
+            )  # fmt: skip
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = attend()
+        else:
+            out = attend()
+        # [b, n, sq, d] -> [sq, b, n * d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -17,7 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from diffmeg.attention import DiffCoreAttention, DiffCoreAttentionSubmodules
+from diffmeg.attention import DiffCoreAttention, DiffCoreAttentionSubmodules, SDPACoreAttention
 from diffmeg.config import DiffTransformerConfig
 from diffmeg.errors import DiffmegError
 from diffmeg.norm import RMSNorm
@@ -37,6 +37,9 @@ def get_diff_layer_local_spec(config: DiffTransformerConfig, cp_attention: type 
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    # Fused attention through torch SDPA for every non-DIFF core (megatron-core's local core materialises
+    # the scores): the baseline then runs flash kernels as DIFF's backends do.
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if config.diff_attention:
         spec.submodules.self_attention.submodules.core_attention = diff_core_attention_spec(cp_attention)
     return spec

@@ -11,6 +11,7 @@ queries aligned to the *end* of the keys (so a KV-cache decode step with sq < sk
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,30 @@ from diffmeg.kernels.sdpa import diff_attention_sdpa, flash_attn_available
 from diffmeg.kernels.triton_diff import diff_attention_triton, triton_usable
 
 DiffAttentionFn = Callable[..., torch.Tensor]
+
+
+def backend_name(name: str) -> str:
+    """The backend a name stands for (`auto` -> sdpa), refusing names this installation can never run.
+
+    For build time: whether the backend can run on a given device is decided per call from the tensors
+    (`resolve_backend`), so a module built on the CPU (use_cpu_initialization, or moved to the GPU later)
+    still runs the GPU kernels there.
+    """
+    if name == "auto":
+        # The fused Triton kernel is verified in the interpreter but not yet timed on a GPU: `auto`
+        # stays on SDPA (split-V flash kernels on CUDA) until it is; choose 'triton' explicitly.
+        return "sdpa"
+    if name in ("reference", "sdpa"):
+        return name
+    if name == "flash" and not flash_attn_available():
+        raise DiffmegError("attention backend 'flash' needs the flash-attn package (GPU builds); use 'sdpa'")
+    if name == "triton" and importlib.util.find_spec("triton") is None:
+        raise DiffmegError("attention backend 'triton' needs the triton package (pip install triton)")
+    if name not in ("flash", "triton"):
+        raise DiffmegError(
+            f"attention backend {name!r} is not available in this build; use 'sdpa' or 'reference'"
+        )
+    return name
 
 
 def resolve_backend(name: str, device_type: str) -> tuple[str, DiffAttentionFn]:

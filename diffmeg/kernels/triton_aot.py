@@ -115,9 +115,8 @@ def compile_all(
         compile_kernel("diff_fwd_kernel", fwd_meta(head_dim, seq, dtype, cfg, store_o2=True), dtype, arch),
         compile_kernel("diff_bwd_preprocess_kernel", preprocess_meta(head_dim, seq, 32), dtype, arch),
     ]
-    passes = [(True, False), (False, True)] if cfg.split_dkdv else [(True, True)]
-    for do_dv, do_dk in passes:
-        meta = dkdv_meta(head_dim, seq, seq, dtype, cfg, do_dv, do_dk)
+    for passes in cfg.dkdv_passes():
+        meta = dkdv_meta(head_dim, seq, seq, dtype, cfg, passes)
         stats.append(compile_kernel("diff_bwd_dkdv_kernel", meta, dtype, arch))
     stats.append(compile_kernel("diff_bwd_dq_kernel", dq_meta(head_dim, seq, dtype, cfg), dtype, arch))
     return stats
@@ -161,20 +160,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     seq = 1 << 16
     tilings = [(64, 4), (128, 4), (128, 8)]  # (M rows, warps) with no duplicated rows
-    for (bm, warps), bn, splits in itertools.product(tilings, (16, 32, 64), (1, 2)):
+    splits_options = [v for v in (1, 2, 3) if (2 * args.head_dim) % v == 0]
+    for (bm, warps), bn, splits in itertools.product(tilings, (16, 32, 64), splits_options):
         c = replace(cfg, block_m=bm, block_n=bn, v_splits=splits, num_warps=warps)
         meta = fwd_meta(args.head_dim, seq, dtype, c, store_o2=True)
         label = f"BM{bm} BN{bn} split{splits} w{warps}"
         print(_row(compile_kernel("diff_fwd_kernel", meta, dtype, args.arch), label))
-    for (bn, warps), bm, (do_dv, do_dk) in itertools.product(
-        tilings, (16, 32, 64), [(True, True), (True, False), (False, True)]
-    ):
+    names = {(True, True, True): "dV+dK", (True, False, False): "dV", (False, True, True): "dK",
+             (False, True, False): "dK1 (dK2 alike)"}  # fmt: skip
+    for (bn, warps), bm, passes in itertools.product(tilings, (16, 32, 64), names):
         c = replace(cfg, dkdv_block_m=bm, dkdv_block_n=bn, bwd_num_warps=warps)
-        meta = dkdv_meta(args.head_dim, seq, seq, dtype, c, do_dv, do_dk)
-        label = (
-            f"BM{bm} BN{bn} w{warps} "
-            + {(True, True): "dV+dK", (True, False): "dV", (False, True): "dK"}[(do_dv, do_dk)]
-        )
+        meta = dkdv_meta(args.head_dim, seq, seq, dtype, c, passes)
+        label = f"BM{bm} BN{bn} w{warps} {names[passes]}"
         print(_row(compile_kernel("diff_bwd_dkdv_kernel", meta, dtype, args.arch), label))
     for (bm, warps), bn in itertools.product(tilings, (16, 32, 64)):
         c = replace(cfg, dq_block_m=bm, dq_block_n=bn, bwd_num_warps=warps)

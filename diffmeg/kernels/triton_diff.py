@@ -82,9 +82,11 @@ class TritonDiffConfig:
     """Tile shapes and launch parameters (forward, dK/dV kernel, dQ kernel).
 
     `v_splits` = 2 gives each forward program one d-wide half of V's 2d columns: half the accumulator
-    registers, at the price of computing S1, S2 twice (12d -> 16d FLOPs per query-key pair).
+    registers, at the price of computing S1, S2 twice (12d -> 16d FLOPs per query-key pair); 3 gives a
+    third (20d; at d = 96 each third is an unpadded 64).
     `split_dkdv` computes dV and dK1/dK2 in two launches ([BN, 2d] accumulators each instead of [BN, 4d]),
-    recomputing P1, P2 in both (16d -> 20d FLOPs per pair in that kernel).
+    recomputing P1, P2 in both (16d -> 20d FLOPs per pair in that kernel); with `split_dk` too, dK1 and
+    dK2 get a launch each ([BN, d] accumulators and one K tile resident; 24d FLOPs per pair).
     Defaults (`default_config`) come from ptxas resource usage only, NOT from GPU timings (no GPU was
     available when written); benchmarks/attention.py --sweep times the alternatives on a real GPU.
     """
@@ -101,6 +103,29 @@ class TritonDiffConfig:
     bwd_num_warps: int = 4
     bwd_num_stages: int = 2
     split_dkdv: bool = False
+    split_dk: bool = False
+
+    def dkdv_passes(self) -> list[tuple[bool, bool, bool]]:
+        """(dV, dK1, dK2) made by each launch of the key-block kernel."""
+        if not self.split_dkdv:
+            return [(True, True, True)]
+        if not self.split_dk:
+            return [(True, False, False), (False, True, True)]
+        return [(True, False, False), (False, True, False), (False, False, True)]
+
+
+_TUNED: dict[int, TritonDiffConfig] = {}
+
+
+def set_tuned_config(head_dim: int | None, config: TritonDiffConfig | None) -> None:
+    """Use `config` as this process's default tiles at `head_dim` (benchmarks/campaign.py: the tiles its
+    kernels phase timed fastest); `set_tuned_config(None, None)` forgets every override."""
+    if head_dim is None:
+        _TUNED.clear()
+    elif config is None:
+        _TUNED.pop(head_dim, None)
+    else:
+        _TUNED[head_dim] = config
 
 
 def default_config(head_dim: int, interpreted: bool) -> TritonDiffConfig:
@@ -113,16 +138,27 @@ def default_config(head_dim: int, interpreted: bool) -> TritonDiffConfig:
     """
     if interpreted:  # fewer, larger tiles: each program is a Python loop over numpy ops
         return TritonDiffConfig(32, 32, 1, 1, 1, 32, 32, 32, 32, 1, 1)
+    if head_dim in _TUNED:
+        return _TUNED[head_dim]
     if head_dim <= 64:  # spill-free forward and dQ; dV / dK passes spill 0 / 56 B
         return TritonDiffConfig(
             block_m=64, block_n=16, v_splits=1, num_warps=4, num_stages=2, dkdv_block_m=16, dkdv_block_n=128,
             dq_block_m=128, dq_block_n=32, bwd_num_warps=8, bwd_num_stages=2, split_dkdv=True,
         )  # fmt: skip
+    if head_dim <= 96:
+        # d=96 (DIFF-830M), nothing padded (96 = 64 + 32, V thirds of 64): forward spill-free with V in
+        # thirds; dV / dK1 / dK2 passes spill 88 / 112 / 112 B; dQ 144 B.
+        return TritonDiffConfig(
+            block_m=128, block_n=16, v_splits=3, num_warps=8, num_stages=2, dkdv_block_m=16, dkdv_block_n=128,
+            dq_block_m=128, dq_block_n=16, bwd_num_warps=8, bwd_num_stages=2, split_dkdv=True, split_dk=True,
+        )  # fmt: skip
     # d=128: the forward needs v_splits=2 (two [BM, 2d] accumulators do not fit one warpgroup) and still
-    # spills 160 B; dK/dV 1536 B, dQ 312 B. To be tuned on a GPU (benchmarks/attention.py --sweep).
+    # spills 160 B; dK/dV in three passes spills at most 496 B per launch (one pass: 1536 B, two: 1032 B)
+    # at 24d instead of 16d FLOPs per query-key pair; dQ 312 B. To be decided by GPU timings
+    # (benchmarks/campaign.py's kernels phase times the one-pass tiles too).
     return TritonDiffConfig(
         block_m=64, block_n=16, v_splits=2, num_warps=4, num_stages=2, dkdv_block_m=16, dkdv_block_n=128,
-        dq_block_m=128, dq_block_n=16, bwd_num_warps=8, bwd_num_stages=2, split_dkdv=False,
+        dq_block_m=128, dq_block_n=16, bwd_num_warps=8, bwd_num_stages=2, split_dkdv=True, split_dk=True,
     )  # fmt: skip
 
 
@@ -179,27 +215,42 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _blocks(d: int, v_width: int) -> tuple[int, int]:
-    """Power-of-two tile widths (>= 16 for tl.dot) for the head dim and a V slice; the rest is masked."""
-    return max(16, _next_pow2(d)), max(16, _next_pow2(v_width))
+def split_width(width: int) -> tuple[int, int, bool]:
+    """Tile widths for a head dim or V slice: (a, b, True) when width = a + b with a > b >= 16 powers of two
+    (96 = 64 + 32, 192 = 128 + 64: two exact tiles, nothing padded); else (a, 16, False) with a the next
+    power of two (>= 16 for tl.dot) and the tail masked (b unused)."""
+    whole = max(16, _next_pow2(width))
+    if whole == width or width < 16:
+        return whole, 16, False
+    a, b = whole // 2, width - whole // 2
+    if b >= 16 and b & (b - 1) == 0:
+        return a, b, True
+    return whole, 16, False
+
+
+def _width_meta(d: int, v_width: int) -> dict:
+    block_d, block_d2, has_d2 = split_width(d)
+    block_dv, block_dv2, has_dv2 = split_width(v_width)
+    return dict(
+        BLOCK_D=block_d, BLOCK_D2=block_d2, HAS_D2=has_d2, PAD_D=not has_d2 and block_d != d,
+        BLOCK_DV=block_dv, BLOCK_DV2=block_dv2, HAS_DV2=has_dv2, PAD_DV=not has_dv2 and block_dv != v_width,
+    )  # fmt: skip
 
 
 def fwd_meta(d: int, sq: int, dtype: torch.dtype, cfg: TritonDiffConfig, store_o2: bool) -> dict:
     """Compile-time parameters and launch options of the forward kernel (shared with triton_aot)."""
-    if cfg.v_splits not in (1, 2):
-        raise DiffmegError(f"v_splits must be 1 or 2, got {cfg.v_splits}")
+    if cfg.v_splits not in (1, 2, 3) or (2 * d) % cfg.v_splits:
+        raise DiffmegError(f"v_splits must be 1, 2 or 3 and divide 2d = {2 * d}, got {cfg.v_splits}")
     dv_width = 2 * d // cfg.v_splits
-    block_d, block_dv = _blocks(d, dv_width)
     return dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        MASK_M=sq % cfg.block_m != 0, PAD_D=block_d != d, PAD_DV=block_dv != dv_width,
-        STORE_O2=store_o2, PRECISION=_dot_precision(dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_width_meta(d, dv_width),
+        MASK_M=sq % cfg.block_m != 0, STORE_O2=store_o2, PRECISION=_dot_precision(dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
 def preprocess_meta(d: int, sq: int, block_m: int) -> dict:
-    block_dv = _blocks(d, 2 * d)[1]
+    block_dv = max(16, _next_pow2(2 * d))  # row sums over 2d: memory-bound, padding costs masked lanes only
     return dict(BLOCK_M=block_m, BLOCK_DV=block_dv, MASK_M=sq % block_m != 0, PAD_DV=block_dv != 2 * d)
 
 
@@ -209,25 +260,22 @@ def dkdv_meta(
     sk: int,
     dtype: torch.dtype,
     cfg: TritonDiffConfig,
-    do_dv: bool = True,
-    do_dk: bool = True,
+    passes: tuple[bool, bool, bool] = (True, True, True),
 ) -> dict:
-    block_d, block_dv = _blocks(d, 2 * d)
+    """`passes`: which of dV, dK1, dK2 this launch makes (`TritonDiffConfig.dkdv_passes`)."""
     bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+    do_dv, do_dk1, do_dk2 = passes
     return dict(
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        MASK_M=sq % bm != 0, MASK_N=sk % bn != 0, PAD_D=block_d != d, PAD_DV=block_dv != 2 * d,
-        PRECISION=_dot_precision(dtype), DO_DV=do_dv, DO_DK=do_dk,
+        BLOCK_M=bm, BLOCK_N=bn, **_width_meta(d, 2 * d), MASK_M=sq % bm != 0, MASK_N=sk % bn != 0,
+        PRECISION=_dot_precision(dtype), DO_DV=do_dv, DO_DK1=do_dk1, DO_DK2=do_dk2,
         num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
     )  # fmt: skip
 
 
 def dq_meta(d: int, sq: int, dtype: torch.dtype, cfg: TritonDiffConfig) -> dict:
-    block_d, block_dv = _blocks(d, 2 * d)
     bm, bn = cfg.dq_block_m, cfg.dq_block_n
     return dict(
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        MASK_M=sq % bm != 0, PAD_D=block_d != d, PAD_DV=block_dv != 2 * d,
+        BLOCK_M=bm, BLOCK_N=bn, **_width_meta(d, 2 * d), MASK_M=sq % bm != 0,
         PRECISION=_dot_precision(dtype), num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
     )  # fmt: skip
 
@@ -275,13 +323,12 @@ def _backward(dout, q1, q2, k1, k2, v, lam, out, o2, lse1, lse2, scale: float, c
         dk1 = torch.empty((b, g, sk, d), device=k1.device, dtype=k1.dtype)
         dk2 = torch.empty_like(dk1)
         dv = torch.empty((b, g, sk, 2 * d), device=v.device, dtype=v.dtype)
-        passes = [(True, False), (False, True)] if cfg.split_dkdv else [(True, True)]
-        for do_dv, do_dk in passes:
+        for passes in cfg.dkdv_passes():
             kern.diff_bwd_dkdv_kernel[(_cdiv(sk, cfg.dkdv_block_n), b * g)](
                 q1, q2, k1, k2, v, dout, lam, lse1, lse2, delta1, delta2, dk1, dk2, dv,
                 *common, *_strides(dk1), *_strides(dv),
                 h, g, h // g, sq, sk, d, 2 * d, scale, scale_log2,
-                **dkdv_meta(d, sq, sk, q1.dtype, cfg, do_dv, do_dk),
+                **dkdv_meta(d, sq, sk, q1.dtype, cfg, passes),
             )  # fmt: skip
     if need["q"]:
         dq1 = torch.empty((b, h, sq, d), device=q1.device, dtype=q1.dtype)
@@ -375,4 +422,11 @@ def diff_attention_triton(
     return _DiffAttentionFn.apply(q1, q2, k1, k2, v, lam, float(scale), cfg)
 
 
-__all__ = ["TritonDiffConfig", "default_config", "diff_attention_triton", "triton_available", "triton_usable"]
+__all__ = [
+    "TritonDiffConfig",
+    "default_config",
+    "diff_attention_triton",
+    "set_tuned_config",
+    "triton_available",
+    "triton_usable",
+]

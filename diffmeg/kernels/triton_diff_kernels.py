@@ -16,6 +16,11 @@ Conventions shared by all kernels:
     the interpreter's numpy fast path), so TRITON_INTERPRET=1 works whenever it is set.
   * sequence offsets inside one (batch, head) are int32 (the launcher makes inputs contiguous when
     rows * row-stride would not fit); batch and head offsets are int64.
+  * a head dim (or V width) that is not a power of two but the sum of two (96 = 64 + 32, V: 192 = 128 + 64)
+    is held as two exact tiles, BLOCK_D and BLOCK_D2 (HAS_D2; likewise BLOCK_DV2 / HAS_DV2): every dot
+    over it is two dots and every [rows, d] accumulator two accumulators, so nothing is padded. Other
+    widths are padded to the next power of two and masked (PAD_D / PAD_DV). Without HAS_D2 the "b"
+    arguments are unused placeholders.
 """
 
 from __future__ import annotations
@@ -84,23 +89,32 @@ def _load_rows(ptrs, rows, n_rows, MASK_ROWS: tl.constexpr):
 @triton.jit
 def _fwd_inner(
     acc1,
+    acc1b,
     acc2,
+    acc2b,
     m1,
     m2,
     l1,
     l2,
     q1,
+    q1b,
     q2,
+    q2b,
     k1_ptrs,
+    k1b_ptrs,
     k2_ptrs,
+    k2b_ptrs,
     v_ptrs,
+    vb_ptrs,
     stride_k1s,
     stride_k2s,
     stride_vs,
     offs_m,
     offs_n,
     offs_d,
+    offs_d2,
     offs_c,
+    offs_c2,
     lo,
     hi,
     SK,
@@ -112,6 +126,8 @@ def _fwd_inner(
     BLOCK_N: tl.constexpr,
     PAD_D: tl.constexpr,
     PAD_DV: tl.constexpr,
+    HAS_D2: tl.constexpr,
+    HAS_DV2: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Keys [lo, hi): both online softmaxes share each K/V tile; MASKED applies causal + length masks."""
@@ -121,7 +137,11 @@ def _fwd_inner(
         k2 = _load_tile(k2_ptrs + start_n * stride_k2s, cols, SK, offs_d, HEAD_DIM, MASKED, PAD_D)
         v = _load_tile(v_ptrs + start_n * stride_vs, cols, SK, offs_c, DV_WIDTH, MASKED, PAD_DV)
         # Map 1 then map 2 on the same K/V tile (sequential keeps fewer [BM, BN] tiles live).
-        s1 = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) * scale_log2  # [BM, BN]
+        s1 = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)  # [BM, BN]
+        if HAS_D2:
+            k1b = _load_tile(k1b_ptrs + start_n * stride_k1s, cols, SK, offs_d2, HEAD_DIM, MASKED, False)
+            s1 = tl.dot(q1b, tl.trans(k1b), s1, input_precision=PRECISION)
+        s1 = s1 * scale_log2
         if MASKED:
             keep = (cols[None, :] <= offs_m[:, None] + causal) & (cols[None, :] < SK)
             s1 = tl.where(keep, s1, float("-inf"))
@@ -132,9 +152,16 @@ def _fwd_inner(
         p1 = tl.exp2(s1 - m1_new[:, None])
         l1 = l1 * alpha1 + _row_sum(p1)
         acc1 = tl.dot(p1.to(v.dtype), v, acc1 * alpha1[:, None], input_precision=PRECISION)
+        if HAS_DV2:
+            vb = _load_tile(vb_ptrs + start_n * stride_vs, cols, SK, offs_c2, DV_WIDTH, MASKED, False)
+            acc1b = tl.dot(p1.to(vb.dtype), vb, acc1b * alpha1[:, None], input_precision=PRECISION)
         m1 = m1_new
 
-        s2 = tl.dot(q2, tl.trans(k2), input_precision=PRECISION) * scale_log2
+        s2 = tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+        if HAS_D2:
+            k2b = _load_tile(k2b_ptrs + start_n * stride_k2s, cols, SK, offs_d2, HEAD_DIM, MASKED, False)
+            s2 = tl.dot(q2b, tl.trans(k2b), s2, input_precision=PRECISION)
+        s2 = s2 * scale_log2
         if MASKED:
             s2 = tl.where(keep, s2, float("-inf"))
         m2_new = tl.maximum(m2, _row_max(s2))
@@ -142,8 +169,10 @@ def _fwd_inner(
         p2 = tl.exp2(s2 - m2_new[:, None])
         l2 = l2 * alpha2 + _row_sum(p2)
         acc2 = tl.dot(p2.to(v.dtype), v, acc2 * alpha2[:, None], input_precision=PRECISION)
+        if HAS_DV2:
+            acc2b = tl.dot(p2.to(vb.dtype), vb, acc2b * alpha2[:, None], input_precision=PRECISION)
         m2 = m2_new
-    return acc1, acc2, m1, m2, l1, l2
+    return acc1, acc1b, acc2, acc2b, m1, m2, l1, l2
 
 
 @triton.jit
@@ -186,10 +215,14 @@ def diff_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_DV2: tl.constexpr,
     MASK_M: tl.constexpr,
     PAD_D: tl.constexpr,
     PAD_DV: tl.constexpr,
+    HAS_D2: tl.constexpr,
+    HAS_DV2: tl.constexpr,
     STORE_O2: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -207,30 +240,37 @@ def diff_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)  # the second tile of a split head dim (HAS_D2)
     offs_c = tl.arange(0, BLOCK_DV)
+    offs_c2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
     col0 = pid_v * DV_WIDTH
 
+    # Pointer tiles are written out in full for each tile (no shared [rows, 1] base: ptxas spills more).
     q1 = _load_tile(
         Q1 + b * stride_q1b + h * stride_q1h + offs_m[:, None] * stride_q1s + offs_d[None, :],
-        offs_m,
-        SQ,
-        offs_d,
-        HEAD_DIM,
-        MASK_M,
-        PAD_D,
-    )
+        offs_m, SQ, offs_d, HEAD_DIM, MASK_M, PAD_D,
+    )  # fmt: skip
     q2 = _load_tile(
         Q2 + b * stride_q2b + h * stride_q2h + offs_m[:, None] * stride_q2s + offs_d[None, :],
-        offs_m,
-        SQ,
-        offs_d,
-        HEAD_DIM,
-        MASK_M,
-        PAD_D,
-    )
+        offs_m, SQ, offs_d, HEAD_DIM, MASK_M, PAD_D,
+    )  # fmt: skip
+    q1b = q1
+    q2b = q2
+    if HAS_D2:
+        q1b = _load_tile(
+            Q1 + b * stride_q1b + h * stride_q1h + offs_m[:, None] * stride_q1s + offs_d2[None, :],
+            offs_m, SQ, offs_d2, HEAD_DIM, MASK_M, False,
+        )  # fmt: skip
+        q2b = _load_tile(
+            Q2 + b * stride_q2b + h * stride_q2h + offs_m[:, None] * stride_q2s + offs_d2[None, :],
+            offs_m, SQ, offs_d2, HEAD_DIM, MASK_M, False,
+        )  # fmt: skip
     k1_ptrs = K1 + b * stride_k1b + g * stride_k1h + offs_n[:, None] * stride_k1s + offs_d[None, :]
+    k1b_ptrs = K1 + b * stride_k1b + g * stride_k1h + offs_n[:, None] * stride_k1s + offs_d2[None, :]
     k2_ptrs = K2 + b * stride_k2b + g * stride_k2h + offs_n[:, None] * stride_k2s + offs_d[None, :]
+    k2b_ptrs = K2 + b * stride_k2b + g * stride_k2h + offs_n[:, None] * stride_k2s + offs_d2[None, :]
     v_ptrs = V + b * stride_vb + g * stride_vh + offs_n[:, None] * stride_vs + col0 + offs_c[None, :]
+    vb_ptrs = V + b * stride_vb + g * stride_vh + offs_n[:, None] * stride_vs + col0 + offs_c2[None, :]
 
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -238,20 +278,28 @@ def diff_fwd_kernel(
     l2 = tl.full([BLOCK_M], 0.0, tl.float32)
     acc1 = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     acc2 = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+    if HAS_DV2:
+        acc1b = tl.full([BLOCK_M, BLOCK_DV2], 0.0, tl.float32)
+        acc2b = tl.full([BLOCK_M, BLOCK_DV2], 0.0, tl.float32)
+    else:
+        acc1b = tl.full([1, 1], 0.0, tl.float32)  # unused placeholders
+        acc2b = tl.full([1, 1], 0.0, tl.float32)
 
     causal = SK - SQ
     # Keys [0, n_full) are inside SK and visible to every row of the block: no masks there.
     n_full = (tl.minimum(start_m + causal + 1, SK) // BLOCK_N) * BLOCK_N
     n_end = tl.minimum(SK, start_m + BLOCK_M + causal)
-    acc1, acc2, m1, m2, l1, l2 = _fwd_inner(
-        acc1, acc2, m1, m2, l1, l2, q1, q2, k1_ptrs, k2_ptrs, v_ptrs, stride_k1s, stride_k2s, stride_vs,
-        offs_m, offs_n, offs_d, offs_c, 0, n_full, SK, HEAD_DIM, DV_WIDTH, causal, scale_log2,
-        False, BLOCK_N, PAD_D, PAD_DV, PRECISION,
+    acc1, acc1b, acc2, acc2b, m1, m2, l1, l2 = _fwd_inner(
+        acc1, acc1b, acc2, acc2b, m1, m2, l1, l2, q1, q1b, q2, q2b, k1_ptrs, k1b_ptrs, k2_ptrs, k2b_ptrs,
+        v_ptrs, vb_ptrs, stride_k1s, stride_k2s, stride_vs, offs_m, offs_n, offs_d, offs_d2, offs_c, offs_c2,
+        0, n_full, SK, HEAD_DIM, DV_WIDTH, causal, scale_log2,
+        False, BLOCK_N, PAD_D, PAD_DV, HAS_D2, HAS_DV2, PRECISION,
     )  # fmt: skip
-    acc1, acc2, m1, m2, l1, l2 = _fwd_inner(
-        acc1, acc2, m1, m2, l1, l2, q1, q2, k1_ptrs, k2_ptrs, v_ptrs, stride_k1s, stride_k2s, stride_vs,
-        offs_m, offs_n, offs_d, offs_c, n_full, n_end, SK, HEAD_DIM, DV_WIDTH, causal, scale_log2,
-        True, BLOCK_N, PAD_D, PAD_DV, PRECISION,
+    acc1, acc1b, acc2, acc2b, m1, m2, l1, l2 = _fwd_inner(
+        acc1, acc1b, acc2, acc2b, m1, m2, l1, l2, q1, q1b, q2, q2b, k1_ptrs, k1b_ptrs, k2_ptrs, k2b_ptrs,
+        v_ptrs, vb_ptrs, stride_k1s, stride_k2s, stride_vs, offs_m, offs_n, offs_d, offs_d2, offs_c, offs_c2,
+        n_full, n_end, SK, HEAD_DIM, DV_WIDTH, causal, scale_log2,
+        True, BLOCK_N, PAD_D, PAD_DV, HAS_D2, HAS_DV2, PRECISION,
     )  # fmt: skip
 
     lam = tl.load(LAM).to(tl.float32)
@@ -261,6 +309,14 @@ def diff_fwd_kernel(
     _store_tile(OUT + o_off, out.to(OUT.dtype.element_ty), offs_m, SQ, offs_c, DV_WIDTH, MASK_M, PAD_DV)
     if STORE_O2:
         _store_tile(O2 + o_off, o2.to(O2.dtype.element_ty), offs_m, SQ, offs_c, DV_WIDTH, MASK_M, PAD_DV)
+    if HAS_DV2:
+        o2b = acc2b / l2[:, None]
+        outb = acc1b / l1[:, None] - lam * o2b
+        ob_off = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + col0 + offs_c2[None, :]
+        _store_tile(OUT + ob_off, outb.to(OUT.dtype.element_ty), offs_m, SQ, offs_c2, DV_WIDTH, MASK_M, False)
+        if STORE_O2:
+            o2b = o2b.to(O2.dtype.element_ty)
+            _store_tile(O2 + ob_off, o2b, offs_m, SQ, offs_c2, DV_WIDTH, MASK_M, False)
     if pid_v == 0:
         lse_off = pid_bh.to(tl.int64) * SQ + offs_m
         if MASK_M:
@@ -325,15 +381,24 @@ def diff_bwd_preprocess_kernel(
 @triton.jit
 def _bwd_dkdv_inner(
     dv,
+    dvb,
     dk1,
+    dk1b,
     dk2,
+    dk2b,
     k1,
+    k1b,
     k2,
+    k2b,
     v,
+    vb,
     lam,
     q1_ptrs,
+    q1b_ptrs,
     q2_ptrs,
+    q2b_ptrs,
     do_ptrs,
+    dob_ptrs,
     lse1_ptr,
     lse2_ptr,
     d1_ptr,
@@ -344,7 +409,9 @@ def _bwd_dkdv_inner(
     offs_n,
     offs_mb,
     offs_d,
+    offs_d2,
     offs_c,
+    offs_c2,
     lo,
     hi,
     SQ,
@@ -355,11 +422,16 @@ def _bwd_dkdv_inner(
     MASKED: tl.constexpr,
     MASK_M: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     PAD_D: tl.constexpr,
     PAD_DV: tl.constexpr,
+    HAS_D2: tl.constexpr,
+    HAS_DV2: tl.constexpr,
     PRECISION: tl.constexpr,
     DO_DV: tl.constexpr,
-    DO_DK: tl.constexpr,
+    DO_DK1: tl.constexpr,
+    DO_DK2: tl.constexpr,
 ):
     """Query blocks [lo, hi) against one key block, in the transposed [keys, queries] layout.
 
@@ -374,22 +446,47 @@ def _bwd_dkdv_inner(
         lse2 = _load_rows(lse2_ptr + rows, rows, SQ, MASK_M)
         d1 = _load_rows(d1_ptr + rows, rows, SQ, MASK_M)
         d2 = _load_rows(d2_ptr + rows, rows, SQ, MASK_M)
-        p1t = tl.exp2(tl.dot(k1, tl.trans(q1), input_precision=PRECISION) * scale_log2 - lse1[None, :])
-        p2t = tl.exp2(tl.dot(k2, tl.trans(q2), input_precision=PRECISION) * scale_log2 - lse2[None, :])
         if MASKED:
             keep = (offs_n[:, None] <= rows[None, :] + causal) & (rows[None, :] < SQ)
-            p1t = tl.where(keep, p1t, 0.0)
-            p2t = tl.where(keep, p2t, 0.0)
+        if DO_DV or DO_DK1:
+            s1t = tl.dot(k1, tl.trans(q1), input_precision=PRECISION)
+            if HAS_D2:
+                q1b = _load_tile(q1b_ptrs + start_m * stride_q1s, rows, SQ, offs_d2, HEAD_DIM, MASK_M, False)
+                s1t = tl.dot(k1b, tl.trans(q1b), s1t, input_precision=PRECISION)
+            p1t = tl.exp2(s1t * scale_log2 - lse1[None, :])
+            if MASKED:
+                p1t = tl.where(keep, p1t, 0.0)
+        if DO_DV or DO_DK2:
+            s2t = tl.dot(k2, tl.trans(q2), input_precision=PRECISION)
+            if HAS_D2:
+                q2b = _load_tile(q2b_ptrs + start_m * stride_q2s, rows, SQ, offs_d2, HEAD_DIM, MASK_M, False)
+                s2t = tl.dot(k2b, tl.trans(q2b), s2t, input_precision=PRECISION)
+            p2t = tl.exp2(s2t * scale_log2 - lse2[None, :])
+            if MASKED:
+                p2t = tl.where(keep, p2t, 0.0)
+        if HAS_DV2:
+            dob = _load_tile(dob_ptrs + start_m * stride_dos, rows, SQ, offs_c2, DV, MASK_M, False)
         if DO_DV:  # dV = (A1 - lam A2)^T dO: one matmul for both maps
-            dv = tl.dot((p1t - lam * p2t).to(do.dtype), do, dv, input_precision=PRECISION)
-        if DO_DK:
+            pt = (p1t - lam * p2t).to(do.dtype)
+            dv = tl.dot(pt, do, dv, input_precision=PRECISION)
+            if HAS_DV2:
+                dvb = tl.dot(pt, dob, dvb, input_precision=PRECISION)
+        if DO_DK1 or DO_DK2:
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # [BN, BM]: dP shared by both maps
-            # dS1 = A1 (dP - delta1); dS2 = -lam A2 (dP - delta2), the -lam applied once at the end.
-            ds1t = p1t * (dpt - d1[None, :])
-            ds2t = p2t * (dpt - d2[None, :])
-            dk1 = tl.dot(ds1t.to(q1.dtype), q1, dk1, input_precision=PRECISION)
-            dk2 = tl.dot(ds2t.to(q2.dtype), q2, dk2, input_precision=PRECISION)
-    return dv, dk1, dk2
+            if HAS_DV2:
+                dpt = tl.dot(vb, tl.trans(dob), dpt, input_precision=PRECISION)
+        # dS1 = A1 (dP - delta1); dS2 = -lam A2 (dP - delta2), the -lam applied once at the end.
+        if DO_DK1:
+            ds1t = (p1t * (dpt - d1[None, :])).to(q1.dtype)
+            dk1 = tl.dot(ds1t, q1, dk1, input_precision=PRECISION)
+            if HAS_D2:
+                dk1b = tl.dot(ds1t, q1b, dk1b, input_precision=PRECISION)
+        if DO_DK2:
+            ds2t = (p2t * (dpt - d2[None, :])).to(q2.dtype)
+            dk2 = tl.dot(ds2t, q2, dk2, input_precision=PRECISION)
+            if HAS_D2:
+                dk2b = tl.dot(ds2t, q2b, dk2b, input_precision=PRECISION)
+    return dv, dvb, dk1, dk1b, dk2, dk2b
 
 
 @triton.jit
@@ -444,21 +541,27 @@ def diff_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_DV2: tl.constexpr,
     MASK_M: tl.constexpr,
     MASK_N: tl.constexpr,
     PAD_D: tl.constexpr,
     PAD_DV: tl.constexpr,
+    HAS_D2: tl.constexpr,
+    HAS_DV2: tl.constexpr,
     PRECISION: tl.constexpr,
     DO_DV: tl.constexpr,
-    DO_DK: tl.constexpr,
+    DO_DK1: tl.constexpr,
+    DO_DK2: tl.constexpr,
 ):
     """dK1, dK2, dV of one key block of one KV head, summed over the REP query heads that share it (GQA).
 
     grid = (cdiv(SK, BLOCK_N), B * G). No atomics: each program owns its rows of dK1, dK2, dV.
-    dK1, dK2 (same layout) are written contiguous by the launcher. DO_DV / DO_DK select the outputs:
-    both in one pass (accumulators [BN, 4d]), or dV and dK in two launches ([BN, 2d] each; P1, P2 are
-    recomputed by both, 20d instead of 16d FLOPs per query-key pair) when [BN, 4d] does not fit.
+    dK1, dK2 (same layout) are written contiguous by the launcher. DO_DV / DO_DK1 / DO_DK2 select the
+    outputs: all in one pass (accumulators [BN, 4d]); dV and dK in two launches ([BN, 2d] each; P1, P2
+    recomputed by both: 20d instead of 16d FLOPs per query-key pair); or dV, dK1, dK2 in three ([BN, 2d],
+    [BN, d], [BN, d]; 24d) where even [BN, 2d] with both K tiles resident does not fit the registers.
     """
     pid_n = tl.program_id(0)
     pid_bg = tl.program_id(1)
@@ -468,46 +571,58 @@ def diff_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
     offs_c = tl.arange(0, BLOCK_DV)
+    offs_c2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
 
     k1 = _load_tile(
         K1 + b * stride_k1b + g * stride_k1h + offs_n[:, None] * stride_k1s + offs_d[None, :],
-        offs_n,
-        SK,
-        offs_d,
-        HEAD_DIM,
-        MASK_N,
-        PAD_D,
-    )
+        offs_n, SK, offs_d, HEAD_DIM, MASK_N, PAD_D,
+    )  # fmt: skip
     k2 = _load_tile(
         K2 + b * stride_k2b + g * stride_k2h + offs_n[:, None] * stride_k2s + offs_d[None, :],
-        offs_n,
-        SK,
-        offs_d,
-        HEAD_DIM,
-        MASK_N,
-        PAD_D,
-    )
+        offs_n, SK, offs_d, HEAD_DIM, MASK_N, PAD_D,
+    )  # fmt: skip
     v = _load_tile(
         V + b * stride_vb + g * stride_vh + offs_n[:, None] * stride_vs + offs_c[None, :],
-        offs_n,
-        SK,
-        offs_c,
-        DV,
-        MASK_N,
-        PAD_DV,
-    )
+        offs_n, SK, offs_c, DV, MASK_N, PAD_DV,
+    )  # fmt: skip
+    k1b = k1  # placeholders unless the widths are split
+    k2b = k2
+    vb = v
+    if HAS_D2:
+        k1b = _load_tile(
+            K1 + b * stride_k1b + g * stride_k1h + offs_n[:, None] * stride_k1s + offs_d2[None, :],
+            offs_n, SK, offs_d2, HEAD_DIM, MASK_N, False,
+        )  # fmt: skip
+        k2b = _load_tile(
+            K2 + b * stride_k2b + g * stride_k2h + offs_n[:, None] * stride_k2s + offs_d2[None, :],
+            offs_n, SK, offs_d2, HEAD_DIM, MASK_N, False,
+        )  # fmt: skip
+    if HAS_DV2:
+        vb = _load_tile(
+            V + b * stride_vb + g * stride_vh + offs_n[:, None] * stride_vs + offs_c2[None, :],
+            offs_n, SK, offs_c2, DV, MASK_N, False,
+        )  # fmt: skip
     lam = tl.load(LAM).to(tl.float32)
+    dv = tl.full([1, 1], 0.0, tl.float32)  # placeholders for the outputs this launch does not make
+    dvb = tl.full([1, 1], 0.0, tl.float32)
+    dk1 = tl.full([1, 1], 0.0, tl.float32)
+    dk2 = tl.full([1, 1], 0.0, tl.float32)
+    dk1b = tl.full([1, 1], 0.0, tl.float32)
+    dk2b = tl.full([1, 1], 0.0, tl.float32)
     if DO_DV:
         dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
-    else:
-        dv = tl.full([1, 1], 0.0, tl.float32)  # unused placeholder
-    if DO_DK:
+        if HAS_DV2:
+            dvb = tl.full([BLOCK_N, BLOCK_DV2], 0.0, tl.float32)
+    if DO_DK1:
         dk1 = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+        if HAS_D2:
+            dk1b = tl.full([BLOCK_N, BLOCK_D2], 0.0, tl.float32)
+    if DO_DK2:
         dk2 = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
-    else:
-        dk1 = tl.full([1, 1], 0.0, tl.float32)
-        dk2 = tl.full([1, 1], 0.0, tl.float32)
+        if HAS_D2:
+            dk2b = tl.full([BLOCK_N, BLOCK_D2], 0.0, tl.float32)
 
     causal = SK - SQ
     # Rows before m_lo see no key of this block; rows from m_full on see all of it (causally).
@@ -520,55 +635,84 @@ def diff_bwd_dkdv_kernel(
         h = g * REP + r
         bh = b * H + h
         q1_ptrs = Q1 + b * stride_q1b + h * stride_q1h + offs_mb[:, None] * stride_q1s + offs_d[None, :]
+        q1b_ptrs = Q1 + b * stride_q1b + h * stride_q1h + offs_mb[:, None] * stride_q1s + offs_d2[None, :]
         q2_ptrs = Q2 + b * stride_q2b + h * stride_q2h + offs_mb[:, None] * stride_q2s + offs_d[None, :]
+        q2b_ptrs = Q2 + b * stride_q2b + h * stride_q2h + offs_mb[:, None] * stride_q2s + offs_d2[None, :]
         do_ptrs = DO + b * stride_dob + h * stride_doh + offs_mb[:, None] * stride_dos + offs_c[None, :]
+        dob_ptrs = DO + b * stride_dob + h * stride_doh + offs_mb[:, None] * stride_dos + offs_c2[None, :]
         lse1_ptr = LSE1 + bh * SQ
         lse2_ptr = LSE2 + bh * SQ
         d1_ptr = DELTA1 + bh * SQ
         d2_ptr = DELTA2 + bh * SQ
-        dv, dk1, dk2 = _bwd_dkdv_inner(
-            dv, dk1, dk2, k1, k2, v, lam, q1_ptrs, q2_ptrs, do_ptrs, lse1_ptr, lse2_ptr, d1_ptr, d2_ptr,
-            stride_q1s, stride_q2s, stride_dos, offs_n, offs_mb, offs_d, offs_c, m_lo, m_full, SQ,
-            HEAD_DIM, DV, causal, scale_log2, True, MASK_M, BLOCK_M, PAD_D, PAD_DV, PRECISION, DO_DV, DO_DK,
+        dv, dvb, dk1, dk1b, dk2, dk2b = _bwd_dkdv_inner(
+            dv, dvb, dk1, dk1b, dk2, dk2b, k1, k1b, k2, k2b, v, vb, lam, q1_ptrs, q1b_ptrs, q2_ptrs, q2b_ptrs,
+            do_ptrs, dob_ptrs, lse1_ptr, lse2_ptr, d1_ptr, d2_ptr, stride_q1s, stride_q2s, stride_dos,
+            offs_n, offs_mb, offs_d, offs_d2, offs_c, offs_c2, m_lo, m_full, SQ, HEAD_DIM, DV, causal,
+            scale_log2, True, MASK_M, BLOCK_M, BLOCK_D, BLOCK_DV, PAD_D, PAD_DV, HAS_D2, HAS_DV2, PRECISION,
+            DO_DV, DO_DK1, DO_DK2,
         )  # fmt: skip
-        dv, dk1, dk2 = _bwd_dkdv_inner(
-            dv, dk1, dk2, k1, k2, v, lam, q1_ptrs, q2_ptrs, do_ptrs, lse1_ptr, lse2_ptr, d1_ptr, d2_ptr,
-            stride_q1s, stride_q2s, stride_dos, offs_n, offs_mb, offs_d, offs_c, m_full, SQ, SQ,
-            HEAD_DIM, DV, causal, scale_log2, False, MASK_M, BLOCK_M, PAD_D, PAD_DV, PRECISION, DO_DV, DO_DK,
+        dv, dvb, dk1, dk1b, dk2, dk2b = _bwd_dkdv_inner(
+            dv, dvb, dk1, dk1b, dk2, dk2b, k1, k1b, k2, k2b, v, vb, lam, q1_ptrs, q1b_ptrs, q2_ptrs, q2b_ptrs,
+            do_ptrs, dob_ptrs, lse1_ptr, lse2_ptr, d1_ptr, d2_ptr, stride_q1s, stride_q2s, stride_dos,
+            offs_n, offs_mb, offs_d, offs_d2, offs_c, offs_c2, m_full, SQ, SQ, HEAD_DIM, DV, causal,
+            scale_log2, False, MASK_M, BLOCK_M, BLOCK_D, BLOCK_DV, PAD_D, PAD_DV, HAS_D2, HAS_DV2, PRECISION,
+            DO_DV, DO_DK1, DO_DK2,
         )  # fmt: skip
 
-    if DO_DK:
+    dk_off = b * stride_dkb + g * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
+    dkb_off = b * stride_dkb + g * stride_dkh + offs_n[:, None] * stride_dks + offs_d2[None, :]
+    if DO_DK1:
         dk1 = dk1 * scale
-        dk2 = dk2 * (-lam * scale)
-        dk_off = b * stride_dkb + g * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
         _store_tile(DK1 + dk_off, dk1.to(DK1.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, MASK_N, PAD_D)
+        if HAS_D2:
+            dk1b = (dk1b * scale).to(DK1.dtype.element_ty)
+            _store_tile(DK1 + dkb_off, dk1b, offs_n, SK, offs_d2, HEAD_DIM, MASK_N, False)
+    if DO_DK2:
+        dk2 = dk2 * (-lam * scale)
         _store_tile(DK2 + dk_off, dk2.to(DK2.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, MASK_N, PAD_D)
+        if HAS_D2:
+            dk2b = (dk2b * (-lam * scale)).to(DK2.dtype.element_ty)
+            _store_tile(DK2 + dkb_off, dk2b, offs_n, SK, offs_d2, HEAD_DIM, MASK_N, False)
     if DO_DV:
         dv_off = b * stride_dvb + g * stride_dvh + offs_n[:, None] * stride_dvs + offs_c[None, :]
         _store_tile(DV_OUT + dv_off, dv.to(DV_OUT.dtype.element_ty), offs_n, SK, offs_c, DV, MASK_N, PAD_DV)
+        if HAS_DV2:
+            dvb_off = b * stride_dvb + g * stride_dvh + offs_n[:, None] * stride_dvs + offs_c2[None, :]
+            dvb = dvb.to(DV_OUT.dtype.element_ty)
+            _store_tile(DV_OUT + dvb_off, dvb, offs_n, SK, offs_c2, DV, MASK_N, False)
 
 
 @triton.jit
 def _bwd_dq_inner(
     dq1,
+    dq1b,
     dq2,
+    dq2b,
     q1,
+    q1b,
     q2,
+    q2b,
     do,
+    dob,
     lse1,
     lse2,
     d1,
     d2,
     k1_ptrs,
+    k1b_ptrs,
     k2_ptrs,
+    k2b_ptrs,
     v_ptrs,
+    vb_ptrs,
     stride_k1s,
     stride_k2s,
     stride_vs,
     offs_m,
     offs_n,
     offs_d,
+    offs_d2,
     offs_c,
+    offs_c2,
     lo,
     hi,
     SK,
@@ -580,25 +724,42 @@ def _bwd_dq_inner(
     BLOCK_N: tl.constexpr,
     PAD_D: tl.constexpr,
     PAD_DV: tl.constexpr,
+    HAS_D2: tl.constexpr,
+    HAS_DV2: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """Key blocks [lo, hi) for one query block."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k1 = _load_tile(k1_ptrs + start_n * stride_k1s, cols, SK, offs_d, HEAD_DIM, MASKED, PAD_D)
         k2 = _load_tile(k2_ptrs + start_n * stride_k2s, cols, SK, offs_d, HEAD_DIM, MASKED, PAD_D)
         v = _load_tile(v_ptrs + start_n * stride_vs, cols, SK, offs_c, DV, MASKED, PAD_DV)
-        p1 = tl.exp2(tl.dot(q1, tl.trans(k1), input_precision=PRECISION) * scale_log2 - lse1[:, None])
-        p2 = tl.exp2(tl.dot(q2, tl.trans(k2), input_precision=PRECISION) * scale_log2 - lse2[:, None])
+        s1 = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+        if HAS_D2:
+            k1b = _load_tile(k1b_ptrs + start_n * stride_k1s, cols, SK, offs_d2, HEAD_DIM, MASKED, False)
+            s1 = tl.dot(q1b, tl.trans(k1b), s1, input_precision=PRECISION)
+        p1 = tl.exp2(s1 * scale_log2 - lse1[:, None])
+        s2 = tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+        if HAS_D2:
+            k2b = _load_tile(k2b_ptrs + start_n * stride_k2s, cols, SK, offs_d2, HEAD_DIM, MASKED, False)
+            s2 = tl.dot(q2b, tl.trans(k2b), s2, input_precision=PRECISION)
+        p2 = tl.exp2(s2 * scale_log2 - lse2[:, None])
         if MASKED:
             keep = (cols[None, :] <= offs_m[:, None] + causal) & (cols[None, :] < SK)
             p1 = tl.where(keep, p1, 0.0)
             p2 = tl.where(keep, p2, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
-        ds1 = p1 * (dp - d1[:, None])
-        ds2 = p2 * (dp - d2[:, None])
-        dq1 = tl.dot(ds1.to(k1.dtype), k1, dq1, input_precision=PRECISION)
-        dq2 = tl.dot(ds2.to(k2.dtype), k2, dq2, input_precision=PRECISION)
-    return dq1, dq2
+        if HAS_DV2:
+            vb = _load_tile(vb_ptrs + start_n * stride_vs, cols, SK, offs_c2, DV, MASKED, False)
+            dp = tl.dot(dob, tl.trans(vb), dp, input_precision=PRECISION)
+        ds1 = (p1 * (dp - d1[:, None])).to(k1.dtype)
+        ds2 = (p2 * (dp - d2[:, None])).to(k2.dtype)
+        dq1 = tl.dot(ds1, k1, dq1, input_precision=PRECISION)
+        dq2 = tl.dot(ds2, k2, dq2, input_precision=PRECISION)
+        if HAS_D2:
+            dq1b = tl.dot(ds1, k1b, dq1b, input_precision=PRECISION)
+            dq2b = tl.dot(ds2, k2b, dq2b, input_precision=PRECISION)
+    return dq1, dq1b, dq2, dq2b
 
 
 @triton.jit
@@ -648,10 +809,14 @@ def diff_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_DV2: tl.constexpr,
     MASK_M: tl.constexpr,
     PAD_D: tl.constexpr,
     PAD_DV: tl.constexpr,
+    HAS_D2: tl.constexpr,
+    HAS_DV2: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """dQ1, dQ2 of one query block of one head, recomputing P1, P2 tile by tile from the saved LSEs.
@@ -667,58 +832,71 @@ def diff_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
     offs_c = tl.arange(0, BLOCK_DV)
+    offs_c2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
 
     q1 = _load_tile(
         Q1 + b * stride_q1b + h * stride_q1h + offs_m[:, None] * stride_q1s + offs_d[None, :],
-        offs_m,
-        SQ,
-        offs_d,
-        HEAD_DIM,
-        MASK_M,
-        PAD_D,
-    )
+        offs_m, SQ, offs_d, HEAD_DIM, MASK_M, PAD_D,
+    )  # fmt: skip
     q2 = _load_tile(
         Q2 + b * stride_q2b + h * stride_q2h + offs_m[:, None] * stride_q2s + offs_d[None, :],
-        offs_m,
-        SQ,
-        offs_d,
-        HEAD_DIM,
-        MASK_M,
-        PAD_D,
-    )
+        offs_m, SQ, offs_d, HEAD_DIM, MASK_M, PAD_D,
+    )  # fmt: skip
     do = _load_tile(
         DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_c[None, :],
-        offs_m,
-        SQ,
-        offs_c,
-        DV,
-        MASK_M,
-        PAD_DV,
-    )
+        offs_m, SQ, offs_c, DV, MASK_M, PAD_DV,
+    )  # fmt: skip
+    q1b = q1  # placeholders unless the widths are split
+    q2b = q2
+    dob = do
+    dq1b = tl.full([1, 1], 0.0, tl.float32)
+    dq2b = tl.full([1, 1], 0.0, tl.float32)
+    if HAS_D2:
+        q1b = _load_tile(
+            Q1 + b * stride_q1b + h * stride_q1h + offs_m[:, None] * stride_q1s + offs_d2[None, :],
+            offs_m, SQ, offs_d2, HEAD_DIM, MASK_M, False,
+        )  # fmt: skip
+        q2b = _load_tile(
+            Q2 + b * stride_q2b + h * stride_q2h + offs_m[:, None] * stride_q2s + offs_d2[None, :],
+            offs_m, SQ, offs_d2, HEAD_DIM, MASK_M, False,
+        )  # fmt: skip
+        dq1b = tl.full([BLOCK_M, BLOCK_D2], 0.0, tl.float32)
+        dq2b = tl.full([BLOCK_M, BLOCK_D2], 0.0, tl.float32)
+    if HAS_DV2:
+        dob = _load_tile(
+            DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_c2[None, :],
+            offs_m, SQ, offs_c2, DV, MASK_M, False,
+        )  # fmt: skip
     row = pid_bh.to(tl.int64) * SQ + offs_m
     lse1 = _load_rows(LSE1 + row, offs_m, SQ, MASK_M)
     lse2 = _load_rows(LSE2 + row, offs_m, SQ, MASK_M)
     d1 = _load_rows(DELTA1 + row, offs_m, SQ, MASK_M)
     d2 = _load_rows(DELTA2 + row, offs_m, SQ, MASK_M)
     k1_ptrs = K1 + b * stride_k1b + g * stride_k1h + offs_n[:, None] * stride_k1s + offs_d[None, :]
+    k1b_ptrs = K1 + b * stride_k1b + g * stride_k1h + offs_n[:, None] * stride_k1s + offs_d2[None, :]
     k2_ptrs = K2 + b * stride_k2b + g * stride_k2h + offs_n[:, None] * stride_k2s + offs_d[None, :]
+    k2b_ptrs = K2 + b * stride_k2b + g * stride_k2h + offs_n[:, None] * stride_k2s + offs_d2[None, :]
     v_ptrs = V + b * stride_vb + g * stride_vh + offs_n[:, None] * stride_vs + offs_c[None, :]
+    vb_ptrs = V + b * stride_vb + g * stride_vh + offs_n[:, None] * stride_vs + offs_c2[None, :]
     dq1 = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     dq2 = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
 
     causal = SK - SQ
     n_full = (tl.minimum(start_m + causal + 1, SK) // BLOCK_N) * BLOCK_N
     n_end = tl.minimum(SK, start_m + BLOCK_M + causal)
-    dq1, dq2 = _bwd_dq_inner(
-        dq1, dq2, q1, q2, do, lse1, lse2, d1, d2, k1_ptrs, k2_ptrs, v_ptrs, stride_k1s, stride_k2s,
-        stride_vs, offs_m, offs_n, offs_d, offs_c, 0, n_full, SK, HEAD_DIM, DV, causal, scale_log2,
-        False, BLOCK_N, PAD_D, PAD_DV, PRECISION,
+    dq1, dq1b, dq2, dq2b = _bwd_dq_inner(
+        dq1, dq1b, dq2, dq2b, q1, q1b, q2, q2b, do, dob, lse1, lse2, d1, d2, k1_ptrs, k1b_ptrs, k2_ptrs,
+        k2b_ptrs, v_ptrs, vb_ptrs, stride_k1s, stride_k2s, stride_vs, offs_m, offs_n, offs_d, offs_d2, offs_c,
+        offs_c2, 0, n_full,
+        SK, HEAD_DIM, DV, causal, scale_log2, False, BLOCK_N, PAD_D, PAD_DV, HAS_D2, HAS_DV2, PRECISION,
     )  # fmt: skip
-    dq1, dq2 = _bwd_dq_inner(
-        dq1, dq2, q1, q2, do, lse1, lse2, d1, d2, k1_ptrs, k2_ptrs, v_ptrs, stride_k1s, stride_k2s,
-        stride_vs, offs_m, offs_n, offs_d, offs_c, n_full, n_end, SK, HEAD_DIM, DV, causal, scale_log2,
-        True, BLOCK_N, PAD_D, PAD_DV, PRECISION,
+    dq1, dq1b, dq2, dq2b = _bwd_dq_inner(
+        dq1, dq1b, dq2, dq2b, q1, q1b, q2, q2b, do, dob, lse1, lse2, d1, d2, k1_ptrs, k1b_ptrs, k2_ptrs,
+        k2b_ptrs, v_ptrs, vb_ptrs, stride_k1s, stride_k2s, stride_vs, offs_m, offs_n, offs_d, offs_d2, offs_c,
+        offs_c2, n_full, n_end,
+        SK, HEAD_DIM, DV, causal, scale_log2, True, BLOCK_N, PAD_D, PAD_DV, HAS_D2, HAS_DV2, PRECISION,
     )  # fmt: skip
 
     lam = tl.load(LAM).to(tl.float32)
@@ -727,3 +905,9 @@ def diff_bwd_dq_kernel(
     dq_off = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
     _store_tile(DQ1 + dq_off, dq1.to(DQ1.dtype.element_ty), offs_m, SQ, offs_d, HEAD_DIM, MASK_M, PAD_D)
     _store_tile(DQ2 + dq_off, dq2.to(DQ2.dtype.element_ty), offs_m, SQ, offs_d, HEAD_DIM, MASK_M, PAD_D)
+    if HAS_D2:
+        dqb_off = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d2[None, :]
+        dq1b = (dq1b * scale).to(DQ1.dtype.element_ty)
+        _store_tile(DQ1 + dqb_off, dq1b, offs_m, SQ, offs_d2, HEAD_DIM, MASK_M, False)
+        dq2b = (dq2b * (-lam * scale)).to(DQ2.dtype.element_ty)
+        _store_tile(DQ2 + dqb_off, dq2b, offs_m, SQ, offs_d2, HEAD_DIM, MASK_M, False)

@@ -8,6 +8,9 @@ Activation terms count what autograd keeps for backward in *our* layer (checked 
   attention, math path (CPU SDPA when V is 2d wide, reference): q1/q2, k1/k2 and V expanded to
   every head, both probability maps, o2, head-norm input/normed, proj input
                                                            7 Q + 2 h s
+  baseline attention (SDPA core of the local spec, or TE): post-RoPE q and k, the fused QKV output, the
+  output, an fp32 log-sum-exp per head                     3 Q + 3 K + heads   (Q = h d, K = g d)
+`attention_kernel` says which attention terms apply to the model that is built.
   SwiGLU MLP (fc1 output, silu, product, fc2 input)        5 F
 Selective recompute keeps only the core's inputs; full recompute keeps each layer's input. The loss
 adds the logits, the fp32 softmax and its gradient ([tokens, V / TP] each) at its peak. Tensor
@@ -67,6 +70,22 @@ def parameters_per_rank(args: argparse.Namespace) -> int:
     return max(first, last) if pp > 1 else layers * per_layer + 2 * V * H // tp + H
 
 
+def attention_kernel(args: argparse.Namespace, on_gpu: bool) -> str:
+    """What the built model's attention keeps for backward: "fused" (flash-style kernels: q, k, v, the
+    output and a log-sum-exp) or "maps" (both probability maps, the math path).
+
+    The Transformer baseline always runs fused attention (the local spec's SDPA core, or TE's); DIFF V1
+    follows its backend (diffmeg.kernels): triton and flash are fused, sdpa is fused on a GPU (split-V
+    flash calls) but the math path on a CPU (V twice as wide as q), reference keeps the maps.
+    """
+    if not args.diff_attention:
+        return "fused"
+    backend = "sdpa" if args.diff_attn_backend == "auto" else args.diff_attn_backend
+    if backend in ("triton", "flash", "te") or (backend == "sdpa" and on_gpu):
+        return "fused"
+    return "maps"
+
+
 def activation_bytes_per_microbatch(args: argparse.Namespace, on_gpu: bool) -> float:
     """Bytes autograd keeps for one micro-batch on one rank (all layers of the stage)."""
     return _activations(args, on_gpu)[0]
@@ -88,7 +107,7 @@ def _activations(args: argparse.Namespace, on_gpu: bool) -> tuple[float, float]:
     norm = 2 * b_act * H if te else (4 + 4 + b_act) * H if b_act == 2 else 12 * H
     if args.sequence_parallel:
         norm /= tp
-    fused_attention = on_gpu or args.diff_attn_backend == "flash"
+    fused_attention = attention_kernel(args, on_gpu) == "fused"
     if args.recompute_granularity == "selective":
         # The checkpoint keeps its inputs: post-RoPE q and k, and v, a view that keeps the whole fused
         # QKV output (q + 2k wide) alive; plus the projection input.
@@ -100,10 +119,11 @@ def _activations(args: argparse.Namespace, on_gpu: bool) -> tuple[float, float]:
     elif args.diff_attention:
         per_head_scores = 2 * (heads / tp / cp) * args.seq_length * cp  # two maps, full sequence
         attn = 4 * (7 * q) + 4 * per_head_scores  # the math path runs in fp32
-    elif fused_attention:
-        attn = b_act * (q + 2 * k + q + q)  # q, k, v, output, projection input
-    else:  # megatron-core's DotProductAttention: probabilities saved twice (softmax, dropout/bmm)
-        attn = b_act * (3 * q + q) + b_act * 2 * (heads / tp) * args.seq_length
+    else:
+        # SDPACoreAttention (the local spec) or TE's fused attention: post-RoPE q and k, the fused QKV
+        # output (V is a view of it), the output, and an fp32 log-sum-exp per head (measured on CPU; the
+        # projection input is the norms' share, as for DIFF).
+        attn = b_act * (3 * q + 3 * k) + 4 * heads / tp
     mlp = 5 * b_act * F / tp
     rope = 2 * 2 * 4 * d * cp / args.micro_batch_size  # fp32 cos/sin for q and k, per sequence
     per_layer_per_token = 2 * norm + attn + mlp + rope

@@ -31,8 +31,9 @@ print(json.dumps([asdict(s) for s in compile_all(d, default_config(d, interprete
 """
 
 
-@pytest.mark.parametrize("head_dim", [128])
+@pytest.mark.parametrize("head_dim", [128, 96])
 def test_kernels_compile_for_sm90(head_dim, tmp_path):
+    """d=128 (3B) and d=96 (830M, two exact tiles of 64 + 32, nothing padded) with their default tiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
@@ -40,12 +41,36 @@ def test_kernels_compile_for_sm90(head_dim, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    from diffmeg.kernels.triton_diff import default_config
+
+    launches = len(default_config(head_dim, interpreted=False).dkdv_passes())
     assert [s["kernel"] for s in stats] == [
         "diff_fwd_kernel",
         "diff_bwd_preprocess_kernel",
-        "diff_bwd_dkdv_kernel",
+        *["diff_bwd_dkdv_kernel"] * launches,
         "diff_bwd_dq_kernel",
     ]
     for s in stats:
         assert 0 < s["registers"] <= 255, s
         assert s["shared_bytes"] <= H100_SMEM_BYTES, s
+
+
+def test_d96_is_two_exact_tiles_not_padding():
+    """DIFF-830M's d=96: QK^T over 64 + 32 columns and V (192 wide, or thirds of 64) without padding."""
+    import torch
+
+    from diffmeg.kernels.triton_diff import default_config, dkdv_meta, dq_meta, fwd_meta
+
+    cfg = default_config(96, interpreted=False)
+    fwd = fwd_meta(96, 4096, torch.bfloat16, cfg, store_o2=True)
+    assert (fwd["BLOCK_D"], fwd["BLOCK_D2"], fwd["HAS_D2"], fwd["PAD_D"]) == (64, 32, True, False)
+    v_slice = fwd["BLOCK_DV"] + (fwd["BLOCK_DV2"] if fwd["HAS_DV2"] else 0)
+    assert not fwd["PAD_DV"] and v_slice == 192 // cfg.v_splits
+    for meta in (dkdv_meta(96, 4096, 4096, torch.bfloat16, cfg), dq_meta(96, 4096, torch.bfloat16, cfg)):
+        assert (meta["BLOCK_D"], meta["BLOCK_D2"], meta["HAS_D2"], meta["PAD_D"]) == (64, 32, True, False)
+        assert (meta["BLOCK_DV"], meta["BLOCK_DV2"], meta["HAS_DV2"], meta["PAD_DV"]) == (
+            128,
+            64,
+            True,
+            False,
+        )

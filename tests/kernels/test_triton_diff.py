@@ -66,12 +66,12 @@ NAMES = ("q1", "q2", "k1", "k2", "v", "lam")
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
 
-def tiles(bm: int, bn: int, v_splits: int = 1, split_dkdv: bool = False) -> TritonDiffConfig:
+def tiles(bm: int, bn: int, v_splits: int = 1, split_dkdv: bool = False, split_dk: bool = False):
     """Small tiles so that 37/70-long sequences leave ragged last blocks in every kernel."""
     return TritonDiffConfig(
         block_m=bm, block_n=bn, v_splits=v_splits, num_warps=4, num_stages=1,
         dkdv_block_m=bm, dkdv_block_n=bn, dq_block_m=bm, dq_block_n=bn, bwd_num_warps=4, bwd_num_stages=1,
-        split_dkdv=split_dkdv,
+        split_dkdv=split_dkdv, split_dk=split_dk,
     )  # fmt: skip
 
 
@@ -131,6 +131,11 @@ CASES = [
     pytest.param(1, 2, 2, 70, 70, 64, torch.float16, 32, 32, 1, id="mha-d64-ragged70-fp16"),
     pytest.param(1, 4, 2, 37, 70, 16, torch.float16, 16, 32, 2, id="gqa2-d16-sq37-sk70-fp16"),
     pytest.param(2, 2, 1, 64, 64, 32, torch.float16, 32, 16, 1, id="gqa2-d32-even64-fp16"),
+    # d = 96 (DIFF-830M): head dim as 64 + 32 and V as 128 + 64 (or 96 = 64 + 32 per half, 64 per third)
+    pytest.param(1, 4, 2, 70, 70, 96, torch.float32, 32, 16, 1, id="gqa2-d96-ragged70-fp32"),
+    pytest.param(1, 2, 1, 37, 70, 96, torch.float16, 16, 32, 2, id="gqa2-d96-vsplit2-sq37-sk70-fp16"),
+    pytest.param(1, 2, 2, 45, 45, 96, torch.float32, 16, 16, 3, id="mha-d96-vsplit3-fp32"),
+    pytest.param(1, 2, 1, 3, 50, 96, torch.float32, 16, 16, 2, id="decode-sq3-sk50-d96-fp32"),
 ]
 
 
@@ -140,13 +145,38 @@ def test_forward_and_gradients_match_float64_reference(b, h, g, sq, sk, d, dtype
     assert_matches(ts, lam, tiles(bm, bn, splits), dtype)
 
 
+@pytest.mark.parametrize("split_dk", [False, True], ids=["dV|dK", "dV|dK1|dK2"])
 @pytest.mark.parametrize(
     "h,g,sq,sk,d,dtype", [(4, 2, 37, 70, 32, torch.float32), (2, 1, 70, 70, 64, torch.float16)]
 )
-def test_dv_and_dk_in_separate_passes(h, g, sq, sk, d, dtype):
-    """split_dkdv: dV and dK1/dK2 from two launches of the key-block kernel (the d=128 register budget)."""
+def test_dv_and_dk_in_separate_passes(h, g, sq, sk, d, dtype, split_dk):
+    """split_dkdv (and split_dk): dV, dK1, dK2 from two (three) launches of the key-block kernel (the d=128
+    register budget)."""
     ts, lam = make_inputs(1, h, g, sq, sk, d, dtype, seed=17)
-    assert_matches(ts, lam, tiles(16, 32, split_dkdv=True), dtype)
+    assert_matches(ts, lam, tiles(16, 32, split_dkdv=True, split_dk=split_dk), dtype)
+
+
+def test_head_dims_as_one_or_two_exact_tiles():
+    from diffmeg.kernels.triton_diff import split_width
+
+    assert split_width(128) == (128, 16, False) and split_width(16) == (16, 16, False)
+    assert split_width(96) == (64, 32, True) and split_width(192) == (128, 64, True)
+    assert split_width(48) == (32, 16, True)
+    assert split_width(112) == (128, 16, False)  # 64 + 48: padded and masked
+    assert split_width(8) == (16, 16, False)
+
+
+def test_v_splits_must_divide_v():
+    from diffmeg.kernels.triton_diff import fwd_meta
+
+    with pytest.raises(DiffmegError, match="v_splits must be"):
+        fwd_meta(128, 64, torch.float32, tiles(16, 16, v_splits=3), store_o2=False)
+
+
+@pytest.mark.parametrize("split", [(False, False), (True, False), (True, True)], ids=["one", "two", "three"])
+def test_d96_dv_and_dk_passes(split):
+    ts, lam = make_inputs(1, 2, 1, 45, 45, 96, torch.float32, seed=29)
+    assert_matches(ts, lam, tiles(16, 16, split_dkdv=split[0], split_dk=split[1]), torch.float32)
 
 
 def test_default_tiles_and_negative_lambda():

@@ -1,0 +1,141 @@
+"""The results file of one campaign run (benchmarks/campaign.py), as benchmarks/report.py reads it.
+
+Top-level figures are null where the run did not measure them (a phase not selected, skipped, or failed);
+row lists are empty then. Every file names its machine, date and git revision, and `device_type` says
+whether its numbers come from a GPU: report.py renders GPU tables from "cuda" files only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SCHEMA = "diffmeg-campaign/1"
+PHASES = ("env", "tests", "kernels", "train", "memory")
+PHASE_STATUSES = ("ok", "partial", "failed", "timeout", "not run")
+
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+_OPT_STR = (str, type(None))
+_OPT_BOOL = (bool, type(None))
+
+# Row fields every row must carry (more are allowed), with the types they may hold.
+ROW_FIELDS: dict[str, dict[str, tuple]] = {
+    "attention": {
+        "impl": (str,),
+        "seq": (int,),
+        "batch": (int,),
+        "head_dim": (int,),
+        "fwd_ms": _OPT_NUM,
+        "bwd_ms": _OPT_NUM,
+        "tflops": _OPT_NUM,
+        "error": _OPT_STR,
+    },
+    "train": {
+        "model": (str,),
+        "impl": (str,),
+        "seq": (int,),
+        "tokens_per_s": _OPT_NUM,
+        "mfu": _OPT_NUM,
+        "error": _OPT_STR,
+    },
+    "memory": {"layout": (str,), "estimated_gib": _OPT_NUM, "measured_gib": _OPT_NUM, "error": _OPT_STR},
+    "gpu_train_run": {
+        "model": (str,),
+        "iterations": (int,),
+        "loss_first": _OPT_NUM,
+        "loss_last": _OPT_NUM,
+        "resume_exact": _OPT_BOOL,
+        "generation_ok": _OPT_BOOL,
+        "error": _OPT_STR,
+    },
+}
+
+# Top-level keys and their types (lists of rows are checked with ROW_FIELDS).
+TOP_LEVEL: dict[str, tuple] = {
+    "schema": (str,),
+    "date": (str,),
+    "machine": (dict,),
+    "git_revision": (str,),
+    "git_dirty": _OPT_BOOL,
+    "device": (str,),
+    "device_type": (str,),
+    "smoke": (bool,),
+    "phases": (dict,),
+    "versions": (dict,),
+    "bf16_matmul_tflops": _OPT_NUM,
+    "tests": (dict, type(None)),
+    "attention": (list,),
+    "triton_candidates": (list,),
+    "triton_best": (dict, type(None)),
+    "train": (list,),
+    "diff_vs_transformer_ratio_4k": _OPT_NUM,
+    "flop_bound_4k": _OPT_NUM,
+    "diff_vs_transformer_ratio_2k": _OPT_NUM,
+    "flop_bound_2k": _OPT_NUM,
+    "flop_bound_3b_4k": _OPT_NUM,
+    "fused_speedup_vs_best_unfused_4k": _OPT_NUM,
+    "memory": (list,),
+    "gpu_train_run": (list,),
+}
+
+
+def empty_result() -> dict[str, Any]:
+    """Every key present, nothing measured."""
+    out: dict[str, Any] = {}
+    for key, types in TOP_LEVEL.items():
+        if list in types:
+            out[key] = []
+        elif type(None) in types:
+            out[key] = None
+        elif dict in types:
+            out[key] = {}
+        elif bool in types:
+            out[key] = False
+        else:
+            out[key] = ""
+    out["schema"] = SCHEMA
+    out["phases"] = {p: {"status": "not run", "seconds": None, "error": None} for p in PHASES}
+    return out
+
+
+def validate(result: Any) -> list[str]:
+    """Problems with a results object (empty when it follows the schema)."""
+    if not isinstance(result, dict):
+        return ["the results file must hold a JSON object"]
+    problems = []
+    if result.get("schema") != SCHEMA:
+        problems.append(f"schema is {result.get('schema')!r}, expected {SCHEMA!r}")
+    for key, types in TOP_LEVEL.items():
+        if key not in result:
+            problems.append(f"missing top-level key {key!r}")
+        elif not _is(result[key], types):
+            problems.append(f"{key!r} has type {type(result[key]).__name__}")
+    if result.get("device_type") not in ("cuda", "cpu"):
+        problems.append(f"device_type must be 'cuda' or 'cpu', got {result.get('device_type')!r}")
+    phases = result.get("phases")
+    if isinstance(phases, dict):
+        for name, info in phases.items():
+            if name not in PHASES:
+                problems.append(f"unknown phase {name!r}")
+            elif not isinstance(info, dict) or info.get("status") not in PHASE_STATUSES:
+                problems.append(f"phase {name!r} needs a status among {PHASE_STATUSES}")
+    for table, fields in ROW_FIELDS.items():
+        rows = result.get(table)
+        if not isinstance(rows, list):
+            continue
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                problems.append(f"{table}[{i}] is not an object")
+                continue
+            for name, types in fields.items():
+                if name not in row:
+                    problems.append(f"{table}[{i}] lacks {name!r}")
+                elif not _is(row[name], types):
+                    problems.append(f"{table}[{i}].{name} has type {type(row[name]).__name__}")
+    return problems
+
+
+def _is(value: Any, types: tuple) -> bool:
+    if isinstance(value, bool) and bool not in types:
+        return False  # bool is an int subclass: not a number here
+    return isinstance(value, types)

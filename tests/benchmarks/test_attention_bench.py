@@ -1,0 +1,102 @@
+"""benchmarks/attention.py as a library: one failing candidate never ends a sweep; correctness checks."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import attention as bench
+from diffmeg.kernels.reference import diff_attention_reference
+
+
+class OutOfResources(Exception):
+    """Stands in for triton.runtime.errors.OutOfResources (a tile needing more shared memory)."""
+
+
+def _inputs(h=2, g=1, s=24, d=8):
+    q = [torch.randn(1, h, s, d) for _ in range(2)]
+    k = [torch.randn(1, g, s, d) for _ in range(2)]
+    return [*q, *k, torch.randn(1, g, s, 2 * d), torch.tensor(0.5)]
+
+
+def test_failures_become_row_errors():
+    def too_big(*a, **k):
+        raise OutOfResources("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    t = bench.bench_one(too_big, _inputs(), "cpu", 0, 1, scale=0.3)
+    assert t.fwd_s is None and t.error.startswith("OutOfResources: out of resource: shared memory")
+    assert bench.bench_one(oom, _inputs(), "cpu", 0, 1, scale=0.3).error == "OOM"
+    ok = bench.bench_one(diff_attention_reference, _inputs(), "cpu", 0, 1, scale=0.3)
+    assert ok.error is None and ok.fwd_s > 0 and ok.fwd_bwd_s > 0
+
+
+def test_a_sweep_goes_on_after_a_failing_backend(monkeypatch):
+    monkeypatch.setattr(bench, "v2_attention_fn", lambda: None)
+
+    def broken(*a, **k):
+        raise RuntimeError("triton compilation failed\nlong traceback")
+
+    backends = {
+        "diff broken": broken,
+        bench.SDPA_TWO_CALL: bench.make_backends(False, "cpu")[bench.SDPA_TWO_CALL],
+    }
+    rows = bench.run_rows(
+        [32, 48], heads=2, kv_heads=1, head_dim=8, dtype=torch.float32, device="cpu", backends=backends,
+        warmup=0, iters=1,
+    )  # fmt: skip
+    assert [r["impl"] for r in rows] == [bench.BASELINE, "diff broken", bench.SDPA_TWO_CALL] * 2
+    assert rows[1]["error"] == "RuntimeError: triton compilation failed" and rows[1]["tflops"] is None
+    assert rows[2]["error"] is None and rows[2]["tflops"] > 0 and rows[2]["vs_baseline"] > 0
+    past = bench.run_rows(
+        [32], heads=2, kv_heads=1, head_dim=8, dtype=torch.float32, device="cpu", backends=backends,
+        deadline=0.0,
+    )  # fmt: skip
+    assert all(r["error"] == "skipped: time budget" for r in past)
+
+
+def test_correctness_check_against_float64():
+    good = bench.check_backend(
+        bench.make_backends(False, "cpu")[bench.SDPA_SPLIT_V], "cpu", torch.float32, 16
+    )
+    assert good["correct"] and good["max_rel_err"] < 1e-5 and good["error"] is None
+
+    def off_by_a_little(q1, q2, k1, k2, v, lam, **kw):
+        return diff_attention_reference(q1, q2, k1, k2, v, lam * 1.01, **kw)
+
+    bad = bench.check_backend(off_by_a_little, "cpu", torch.float32, 16)
+    assert not bad["correct"] and bad["max_rel_err"] > 1e-3
+
+
+def test_triton_candidates_start_with_the_default_tiles():
+    from diffmeg.kernels.triton_diff import default_config
+
+    for d in (64, 96, 128):
+        cands = bench.triton_candidates(d)
+        assert next(iter(cands.values())) == default_config(d, interpreted=False)
+        assert len(cands) >= 2
+
+
+def test_diff_v2_rows_appear_once_v2_exists(monkeypatch):
+    """The place left for DIFF V2: a row per length, at twice the baseline's core FLOPs."""
+    calls = []
+
+    def fake_v2(q, k, v, gate, *, scale):
+        calls.append((q.shape, k.shape, gate.shape))
+        return (q[:, ::2] - gate.unsqueeze(-1) * q[:, 1::2]).clone()
+
+    monkeypatch.setattr(bench, "v2_attention_fn", lambda: fake_v2)
+    rows = bench.run_rows(
+        [32],
+        heads=2,
+        kv_heads=1,
+        head_dim=8,
+        dtype=torch.float32,
+        device="cpu",
+        backends={},
+        warmup=0,
+        iters=1,
+    )
+    assert [r["impl"] for r in rows] == [bench.BASELINE, "diff2"] and rows[1]["error"] is None
+    assert calls[0] == ((1, 8, 32, 8), (1, 2, 32, 8), (1, 4, 32))  # 2H = 8 query heads over the baseline's KV

@@ -1,0 +1,81 @@
+"""benchmarks/report.py: docs/benchmarks.md's GPU tables come from results files only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import report
+from tests.benchmarks.fixtures import cpu_smoke_result, gpu_result
+
+
+def _write(folder, name, result):
+    (folder / name).write_text(json.dumps(result))
+
+
+def test_tables_render_from_the_gpu_file_and_never_from_a_cpu_smoke(tmp_path):
+    _write(tmp_path, "campaign-h100-1.json", gpu_result())
+    _write(tmp_path, "campaign-cpu-1.json", cpu_smoke_result())
+    text = report.render(report.load_results(tmp_path))
+    assert text.startswith(report.BEGIN) and text.endswith(report.END)
+    assert "| bf16 matmul TFLOP/s (the MFU roof) | 782 |" in text
+    assert "1.35x | >= 1.3x" in text
+    assert "0.941 (bound 0.956)" in text
+    assert "| MFU transformer at 4K (baseline) | 47.2% | >= 45% |" in text
+    assert "40 passed, 1 failed, 0 errors, 3 skipped" in text
+    assert (
+        "| diff triton f128x64s2w8 kv32x128 q128x32 w8 | – | – | – | – | – | OutOfResources: smem |" in text
+    )
+    assert "| diff-3b 4L s4096 mbs2 recompute=none | 30.00 | 28.50 | 0.95 |  |" in text
+    assert "| diff-tiny | 50 | 11.610 → 6.020 | True | 0.0e+00 | True |  |" in text
+    assert "git 012345678" in text and "NVIDIA H100 80GB HBM3" in text
+    # the CPU smoke file is named as such, its numbers never shown
+    assert "Not GPU results (CPU or smoke runs, never shown above): `campaign-cpu-1.json`." in text
+    assert "987" not in text and "0.000123" not in text
+
+
+def test_newest_file_holding_a_figure_wins(tmp_path):
+    _write(tmp_path, "a.json", gpu_result("2026-12-01T10:00:00+00:00", speedup=1.10))
+    newer = gpu_result("2026-12-03T10:00:00+00:00", speedup=1.42)
+    newer["train"] = []
+    _write(tmp_path, "b.json", newer)
+    text = report.render(report.load_results(tmp_path))
+    assert "1.42x" in text and "1.10x" not in text
+    assert "Training steps" in text and "`a.json`" in text.split("Training steps")[1].splitlines()[0]
+
+
+def test_only_cpu_files_means_no_gpu_results(tmp_path):
+    _write(tmp_path, "campaign-cpu-1.json", cpu_smoke_result())
+    text = report.render(report.load_results(tmp_path))
+    assert "No GPU results yet" in text and "| file |" not in text
+
+
+def test_doc_update_check_and_refusal(tmp_path, capsys):
+    results, doc = tmp_path / "results", tmp_path / "doc.md"
+    results.mkdir()
+    _write(results, "g.json", gpu_result())
+    doc.write_text(f"# Benchmarks\n\nintro\n\n{report.BEGIN}\nstale\n{report.END}\n\ntail\n")
+    args = ["--results", str(results), "--doc", str(doc)]
+    assert report.main([*args, "--check"]) == 1
+    assert report.main(args) == 0
+    text = doc.read_text()
+    assert (
+        text.startswith("# Benchmarks\n\nintro\n\n") and text.endswith("\n\ntail\n") and "stale" not in text
+    )
+    assert report.main([*args, "--check"]) == 0
+    _write(results, "bad.json", {"schema": "other"})
+    assert report.main([*args, "--check"]) == 2
+    assert "bad.json" in capsys.readouterr().err
+
+
+def test_update_doc_appends_when_markers_are_missing():
+    section = f"{report.BEGIN}\nx\n{report.END}"
+    assert report.update_doc("# Doc\n", section) == f"# Doc\n\n{section}\n"
+
+
+def test_the_repository_doc_matches_its_results_files():
+    """docs/benchmarks.md carries no GPU number that benchmarks/results/ does not hold."""
+    if not report.DOC.is_file():
+        pytest.skip("docs/benchmarks.md missing")
+    assert report.main(["--check"]) == 0

@@ -1,0 +1,29 @@
+"""benchmarks/schema.py: what a campaign results file must hold."""
+
+from __future__ import annotations
+
+from benchmarks import schema
+
+
+def test_an_empty_result_follows_the_schema():
+    result = schema.empty_result()
+    result.update(device="cpu", device_type="cpu", date="2026-01-01T00:00:00+00:00", git_revision="abc")
+    assert schema.validate(result) == []
+    assert set(result["phases"]) == set(schema.PHASES)
+    assert result["attention"] == [] and result["bf16_matmul_tflops"] is None
+
+
+def test_problems_are_named():
+    result = schema.empty_result()
+    result.update(device="x", device_type="gpu", date="d", git_revision="r")
+    del result["flop_bound_4k"]
+    result["bf16_matmul_tflops"] = True  # a bool is not a number
+    result["attention"] = [{"impl": "diff triton", "seq": 4096}]
+    result["phases"]["kernels"] = {"status": "fine"}
+    problems = "\n".join(schema.validate(result))
+    assert "device_type must be 'cuda' or 'cpu'" in problems
+    assert "missing top-level key 'flop_bound_4k'" in problems
+    assert "'bf16_matmul_tflops' has type bool" in problems
+    assert "attention[0] lacks 'fwd_ms'" in problems
+    assert "phase 'kernels' needs a status" in problems
+    assert schema.validate([]) == ["the results file must hold a JSON object"]

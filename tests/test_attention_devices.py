@@ -1,0 +1,147 @@
+"""Issue 17, items 4 and 5 on CPU: backends resolved from the tensors at call time; the baseline's local
+spec runs torch SDPA (flash kernels) instead of megatron-core's score-materialising core."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+
+from diffmeg.errors import DiffmegError
+from tests.test_attention import make_config
+
+
+def _baseline_config(heads=4, groups=2, d=8, **kw):
+    from diffmeg.config import DiffTransformerConfig
+
+    return DiffTransformerConfig(
+        num_layers=1, hidden_size=heads * d, num_attention_heads=heads, num_query_groups=groups,
+        kv_channels=d, ffn_hidden_size=32, use_cpu_initialization=True, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, params_dtype=torch.float64, diff_attention=False, **kw,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# item 4: the backend follows the tensors
+
+
+def test_backend_is_resolved_per_call_from_the_tensors(single_rank_parallel_state, monkeypatch):
+    import diffmeg.attention as attention
+    from diffmeg.kernels.reference import diff_attention_reference
+
+    seen: list[str] = []
+
+    def recording(name, device_type):
+        seen.append(device_type)
+        return name, diff_attention_reference
+
+    monkeypatch.setattr(attention, "resolve_backend", recording)
+    core = attention.DiffCoreAttention(make_config(2, 1, 8), 1, AttnMaskType.causal, "self").double()
+    assert seen == []  # nothing decided where the module was built
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, 1, n, 8, generator=gen, dtype=torch.float64) for n in (4, 2, 2))
+    core(q, k, v, None)
+    core(q, k, v, None)
+    assert seen == ["cpu"]  # once per device type, from the inputs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU check: triton runs compiled on a GPU")
+def test_triton_core_built_without_the_interpreter_runs_once_its_tensors_can(single_rank_parallel_state):
+    """Building never refuses a backend for the device it happens to be built on (use_cpu_initialization
+    on a GPU machine used to refuse 'triton'); a call on tensors it cannot run on says why."""
+    pytest.importorskip("triton")
+    from diffmeg.attention import DiffCoreAttention
+
+    old = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        cfg = make_config(2, 1, 16, attention_backend_diff="triton")
+        core = DiffCoreAttention(cfg, 1, AttnMaskType.causal, "self").float()  # no interpreter: still builds
+        gen = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(20, 1, n, 16, generator=gen) for n in (4, 2, 2))
+        with pytest.raises(DiffmegError, match="triton"):
+            core(q, k, v, None)
+        os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors can now run the kernels (interpreted)
+        out = core(q, k, v, None)
+        ref_cfg = make_config(2, 1, 16, attention_backend_diff="reference")
+        ref = DiffCoreAttention(ref_cfg, 1, AttnMaskType.causal, "self").float()
+        ref.load_state_dict(core.state_dict())
+        torch.testing.assert_close(out, ref(q, k, v, None), rtol=1e-4, atol=1e-5)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def test_backend_names_this_installation_cannot_run_fail_at_build(monkeypatch):
+    import diffmeg.kernels as kernels
+
+    assert kernels.backend_name("auto") == "sdpa"
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: False)
+    with pytest.raises(DiffmegError, match="flash-attn"):
+        kernels.backend_name("flash")
+    with pytest.raises(DiffmegError, match="not available in this build"):
+        kernels.backend_name("te")
+
+
+# ---------------------------------------------------------------------------------------------------
+# item 5: the baseline's core attention
+
+
+def test_local_spec_gives_the_baseline_the_sdpa_core():
+    from diffmeg.attention import DiffCoreAttention, SDPACoreAttention
+    from diffmeg.layer_specs import get_diff_layer_local_spec
+
+    base = get_diff_layer_local_spec(_baseline_config()).submodules.self_attention.submodules
+    assert base.core_attention is SDPACoreAttention
+    diff = get_diff_layer_local_spec(make_config(2, 1, 8)).submodules.self_attention.submodules
+    assert getattr(diff.core_attention, "module", diff.core_attention) is DiffCoreAttention
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2), (4, 1)])
+def test_sdpa_core_equals_megatron_core_attention(single_rank_parallel_state, heads, groups):
+    """Forward and input gradients equal megatron-core's DotProductAttention (float64), GQA included."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from diffmeg.attention import SDPACoreAttention
+
+    cfg = _baseline_config(heads, groups)
+    cores = [cls(cfg, 1, AttnMaskType.causal, "self") for cls in (DotProductAttention, SDPACoreAttention)]
+    gen = torch.Generator().manual_seed(heads * 10 + groups)
+    ins = [torch.randn(13, 2, n, 8, generator=gen, dtype=torch.float64) for n in (heads, groups, groups)]
+    dout = torch.randn(13, 2, heads * 8, generator=gen, dtype=torch.float64)
+    results = []
+    for core in cores:
+        leaves = [t.clone().requires_grad_(True) for t in ins]
+        out = core(*leaves, None)
+        out.backward(dout)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for mine, theirs in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_sdpa_core_decode_step_and_explicit_mask(single_rank_parallel_state):
+    from diffmeg.attention import SDPACoreAttention
+
+    core = SDPACoreAttention(_baseline_config(2, 1), 1, AttnMaskType.causal, "self")
+    gen = torch.Generator().manual_seed(3)
+    q_all, k, v = (torch.randn(9, 1, n, 8, generator=gen, dtype=torch.float64) for n in (2, 1, 1))
+    full = core(q_all, k, v, None)  # [9, 1, 16]
+    # a KV-cache step: the last 3 queries against all 9 keys are the last 3 rows of the full pass
+    torch.testing.assert_close(core(q_all[-3:], k, v, None), full[-3:], rtol=1e-12, atol=1e-12)
+    # an explicit mask (True = masked out) replaces the causal one: masking nothing attends everywhere
+    everything = core(q_all, k, v, torch.zeros(1, 1, 9, 9, dtype=torch.bool))
+    assert not torch.allclose(everything[:-1], full[:-1]) and torch.allclose(everything[-1], full[-1])
+
+
+def test_sdpa_core_refuses_context_parallelism():
+    from diffmeg.attention import SDPACoreAttention
+
+    cfg = _baseline_config()
+    cfg.context_parallel_size = 2
+    with pytest.raises(DiffmegError, match="context parallelism"):
+        SDPACoreAttention(cfg, 1, AttnMaskType.causal, "self")
