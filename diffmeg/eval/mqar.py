@@ -12,7 +12,6 @@ dataset order: the first ``max_documents``, so every checkpoint sees the same on
 from __future__ import annotations
 
 import csv
-import gc
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.common import EvalConfig, loaded_models, start_outputs
 
 SUMMARY_NAME = "mqar_summary.json"
 CSV_NAME = "mqar_accuracy.csv"
@@ -141,52 +141,51 @@ def _write_atomic(path: str, write: Callable) -> None:
 
 
 @dataclass
-class MQAREvalConfig:
-    loads: list[str]
-    data_prefixes: list[str]
-    labels: list[str] | None = None
+class MQAREvalConfig(EvalConfig):
+    data_prefixes: list[str] = field(default_factory=list)
+    """Loss-masked datasets to score (each checkpoint on each)."""
     all_iterations: bool = False
-    """Every saved iteration of each --load (accuracy over training), else the latest."""
+    """Every saved iteration of each --load (accuracy over training), else --iteration or the latest."""
     max_documents: int | None = 512
     batch_size: int = 64
-    dtype: str = "float32"
-    seed: int = 1234
-    output_dir: str | None = None
+    output_dir: str = "mqar_eval"
+    plot: bool = False
 
 
 def resolve_checkpoints(cfg: MQAREvalConfig) -> list:
-    """`CheckpointInfo`s of every (load, iteration) to evaluate, labelled one label per load."""
+    """`CheckpointInfo`s of every (load, iteration) to evaluate; every iteration of a load keeps the
+    load's label."""
     from diffmeg.checkpoints import iteration_dirs, read_checkpoint_info
 
-    if cfg.labels and len(cfg.labels) != len(cfg.loads):
-        raise DiffmegError(f"{len(cfg.labels)} --label value(s) for {len(cfg.loads)} --load; give one each")
-    infos = []
-    for k, root in enumerate(cfg.loads):
-        iterations: list[int | None] = [None]
-        if cfg.all_iterations:
-            iterations = iteration_dirs(root)
-            if not iterations:
-                raise DiffmegError(
-                    f"--load {root} holds no saved iteration; train with --save (and --save-interval)"
-                )
+    infos = cfg.checkpoints.resolve()  # labels, one vocabulary, --iteration
+    if not cfg.all_iterations:
+        return infos
+    if cfg.checkpoints.iterations:
+        raise DiffmegError("give --iteration or --all-iterations, not both")
+    expanded = []
+    for info in infos:
+        iterations = [] if info.hf else iteration_dirs(info.root)
+        if not iterations:
+            raise DiffmegError(
+                f"--load {info.root} holds no saved iteration; train with --save (and --save-interval)"
+            )
         for iteration in iterations:
-            info = read_checkpoint_info(root, iteration)
-            name = os.path.basename(os.path.normpath(root)) or root
-            info.label = cfg.labels[k] if cfg.labels else f"{info.architecture} ({name})"
-            infos.append(info)
-    return infos
+            each = read_checkpoint_info(info.root, iteration)
+            each.label = info.label
+            expanded.append(each)
+    return expanded
 
 
 def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> dict:
     """Evaluate every (checkpoint, iteration) on every dataset; write the summary and CSV if asked."""
-    from diffmeg.checkpoints import DTYPES, load_checkpoint_model
     from diffmeg.data.gpt_datasets import parse_data_path
     from diffmeg.data.loss_mask import MaskedDocuments, has_loss_mask, loss_mask_prefix
     from diffmeg.data.mqar import read_mqar_metadata
-    from diffmeg.runtime import single_process
 
-    if cfg.dtype not in DTYPES:
-        raise DiffmegError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype}")
+    if not cfg.data_prefixes:
+        raise DiffmegError("give at least one --data-prefix")
+    if (cfg.max_documents is not None and cfg.max_documents < 1) or cfg.batch_size < 1:
+        raise DiffmegError("--max-documents and --batch-size must be >= 1")
     prefixes = [p[:-4] if p.endswith((".bin", ".idx")) else p for p in cfg.data_prefixes]
     for prefix in prefixes:
         parse_data_path([prefix])  # both files present, with a hint for the usual slips
@@ -197,16 +196,11 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> 
             )
     infos = resolve_checkpoints(cfg)
     if cfg.output_dir:
-        try:
-            os.makedirs(cfg.output_dir, exist_ok=True)
-        except OSError as exc:
-            raise DiffmegError(f"cannot create --output-dir {cfg.output_dir}: {exc.strerror}") from None
+        start_outputs(cfg.output_dir, plot=False)
     datasets = [(prefix, MaskedDocuments(prefix), read_mqar_metadata(prefix)) for prefix in prefixes]
 
-    single_process(cfg.seed)
     results = []
-    for info in infos:
-        model = load_checkpoint_model(info, DTYPES[cfg.dtype])
+    for info, model in loaded_models(infos, cfg.dtype, cfg.seed):
         for prefix, documents, meta in datasets:
             mqar_vocab = meta["setting"]["vocab_size"] if meta else None
             tally = evaluate_documents(
@@ -224,8 +218,6 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> 
                 }
             )
             log(f"{info.label} @ {info.iteration}: {os.path.basename(prefix)} accuracy {tally.accuracy:.4f}")
-        del model
-        gc.collect()
     summary = {"max_documents": cfg.max_documents, "results": results}
     if cfg.output_dir:
         _write_atomic(os.path.join(cfg.output_dir, SUMMARY_NAME), lambda f: json.dump(summary, f, indent=1))
