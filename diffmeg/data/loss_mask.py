@@ -18,13 +18,20 @@ looks complete (both token files present) never lacks the mask it was written wi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from diffmeg.data.indexed import IndexedWriter, check_can_write, exists
+from diffmeg.data.indexed import (
+    IndexedWriter,
+    abort_writers,
+    check_can_write,
+    exists,
+    remove_stale_temporaries,
+)
 from diffmeg.errors import DiffmegError
 
 LOSS_MASK_SUFFIX = ".loss_mask"
@@ -50,11 +57,13 @@ class MaskedWriter:
     """Tokens and their loss-mask bits, written as a dataset and its companion, atomically.
 
     Use as a context manager and call ``commit()`` at the end; leaving early deletes both temporary
-    outputs. Every document is one sequence (document i is ``IndexedDataset[i]``).
+    outputs (a full disk becomes one ``DiskFullError`` line). Every document is one sequence (document i
+    is ``IndexedDataset[i]``). Temporaries a killed earlier run left for these outputs are removed first.
     """
 
     def __init__(self, prefix: str, dtype: type[np.number], overwrite: bool = False) -> None:
         check_can_write([prefix, loss_mask_prefix(prefix)], overwrite)
+        remove_stale_temporaries([prefix, loss_mask_prefix(prefix)])
         self.prefix = prefix
         self._tokens = IndexedWriter(prefix, dtype=dtype)
         self._mask = IndexedWriter(loss_mask_prefix(prefix), dtype=np.uint8)
@@ -85,8 +94,9 @@ class MaskedWriter:
     def __enter__(self) -> MaskedWriter:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.abort()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        directory = os.path.dirname(os.path.abspath(self.prefix))
+        abort_writers([self._tokens, self._mask], exc, directory)
 
 
 class MaskedDocuments:

@@ -126,3 +126,38 @@ def test_dataset_listings_and_merges_carry_the_mask(tmp_path):
         w.commit()
     with pytest.raises(DiffmegError, match="has a loss mask but"):
         merge_datasets([a, str(tmp_path / "plain")], str(tmp_path / "out" / "bad"))
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from diffmeg.data import indexed
+
+    class FullDisk(indexed.IndexedDatasetBuilder):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            real = self.data_file
+
+            class Writer:
+                def write(self, data) -> int:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+            self.data_file = Writer()
+
+    monkeypatch.setattr(indexed, "IndexedDatasetBuilder", FullDisk)
+    with pytest.raises(DiffmegError, match=r"^disk full in .*partial output was removed") as info:
+        write_masked(tmp_path / "d", *numbered(3))
+    assert "\n" not in str(info.value) and leftovers(tmp_path) == []
+
+
+def test_temporaries_of_a_killed_writer_are_removed(tmp_path):
+    dead = 2**22 + 12345  # beyond pid_max on Linux: never a live process
+    stale = [tmp_path / f"d.bin.tmp-{dead}", tmp_path / f"d.loss_mask.idx.tmp-{dead}"]
+    for path in stale:
+        path.write_bytes(b"partial")
+    write_masked(tmp_path / "d", *numbered(2))
+    assert not any(p.exists() for p in stale)
+    assert len(MaskedDocuments(str(tmp_path / "d"))) == 2
