@@ -17,7 +17,8 @@ TEDotProductAttention, which does its own CP (`diffmeg.parallel.DiffMapsWithCP`;
 the spec's `cp_attention` submodule).
 
 `override_attention_backend` is the public way for analysis tools to run their own attention math
-(e.g. one that reports both maps) in place of the configured backend for a `with` block.
+(e.g. one that reports both maps) in place of the configured backend for a `with` block, in the
+differential cores and in the SDPA cores of every other attention.
 
 `SDPACoreAttention` is the core the local spec gives everything else (the Transformer baseline, DIFF V2):
 megatron-core's own local `DotProductAttention` materialises the [b, heads, s, s] scores and saves the
@@ -231,18 +232,30 @@ class DiffCoreAttention(MegatronModule):
         return out.reshape(out.shape[0], b, -1)
 
 
+SDPAFn = Callable[..., torch.Tensor]
+"""`torch.nn.functional.scaled_dot_product_attention`'s signature: (q [b, n, sq, d], k, v [b, g, sk, d], *,
+attn_mask (bool, True = attend) or None, dropout_p, is_causal, scale, enable_gqa) -> [b, n, sq, d]."""
+
+
 @contextmanager
 def override_attention_backend(
-    model: torch.nn.Module, backend_for_layer: Callable[[int], DiffAttentionFn]
+    model: torch.nn.Module,
+    backend_for_layer: Callable[[int], DiffAttentionFn],
+    sdpa_for_layer: Callable[[int], SDPAFn] | None = None,
 ) -> Iterator[None]:
     """Within the block, the differential core of layer i (0-based global layer index) attends with
     `backend_for_layer(i)`, a function with the backends' signature (`diffmeg.kernels`), for every call
-    (also those with masks or dropout). Restored on exit."""
+    (also those with masks or dropout); with `sdpa_for_layer`, an `SDPACoreAttention` of layer i (the
+    Transformer baseline's, DIFF V2's) calls `sdpa_for_layer(i)` in place of torch's SDPA. Restored on
+    exit."""
     cores = [m for m in model.modules() if isinstance(m, DiffCoreAttention)]
+    if sdpa_for_layer is not None:
+        cores += [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
     saved = [core.override for core in cores]
     try:
         for core in cores:
-            core.override = backend_for_layer(core.layer_number - 1)
+            make = backend_for_layer if isinstance(core, DiffCoreAttention) else sdpa_for_layer
+            core.override = make(core.layer_number - 1)
         yield
     finally:
         for core, previous in zip(cores, saved, strict=True):
@@ -259,6 +272,9 @@ class SDPACoreAttention(MegatronModule):
     mask, as in megatron-core. GQA maps query head j to KV head j // (heads / groups), megatron-core's
     grouping. Context parallelism needs TE's attention (the TE spec).
     """
+
+    override: SDPAFn | None = None
+    """When set, called in place of torch's SDPA, same arguments (see `override_attention_backend`)."""
 
     def __init__(
         self,
@@ -308,7 +324,8 @@ class SDPACoreAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
 
         def attend() -> torch.Tensor:
-            return torch.nn.functional.scaled_dot_product_attention(
+            sdpa = self.override or torch.nn.functional.scaled_dot_product_attention
+            return sdpa(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None and sq > 1,
                 scale=self.softmax_scale, enable_gqa=groups != heads,
             )  # fmt: skip

@@ -96,8 +96,8 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: common.Log = common.st
                     acc[0] += answer
                     acc[1] += noise
                     seen.append(rec.layer)
-                    if rec.lam is not None:
-                        lambdas.setdefault(rec.layer, []).append(rec.lam)
+                    if rec.mean_lambda is not None:
+                        lambdas.setdefault(rec.layer, []).append(rec.mean_lambda)
 
                 with capture_attention(model, on_record):
                     common.forward(model, prompt.tokens)

@@ -1,11 +1,16 @@
 """Read attention maps, attention logits and layer outputs out of a loaded model, without editing it.
 
-DIFF layers: `diffmeg.attention.override_attention_backend` runs, for the duration of a `with` block,
-an explicit-softmax function with the reference path's math
-(`diffmeg.kernels.reference`) that also hands both maps, both logit tensors and lambda to a sink.
-Transformer layers (megatron-core's DotProductAttention): hooks on its `scale_mask_softmax` module see
-the scaled logits going in and the probabilities coming out. Layer outputs come from forward hooks on
-the decoder layers. Everything is undone on exit, so the model is usable as before.
+For the duration of a `with` block, `diffmeg.attention.override_attention_backend` makes every attention
+core compute with explicit-softmax math that also hands its maps and logits to a sink:
+* DIFF V1 layers (`DiffCoreAttention`): the reference path's math (`diffmeg.kernels.reference`) with both
+  maps, both logit tensors and lambda;
+* every other layer whose core is diffmeg's `SDPACoreAttention` (the Transformer baseline of the local
+  spec, DIFF V2): torch SDPA's math over the ordinary heads. A DIFF V2 layer's 2h heads are reported as
+  its h pairs (A1 = even heads, A2 = odd heads) with the per-token lambda its `linear_lambda` computed,
+  read by a forward hook on that submodule.
+A baseline built with megatron-core's own local `DotProductAttention` is read through hooks on its
+`scale_mask_softmax` module. Layer outputs come from forward hooks on the decoder layers. Everything is
+undone on exit, so the model is usable as before.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ class AttentionRecord:
     """Softmax maps: [A1, A2] for DIFF, [A] for the Transformer."""
     keep: torch.Tensor
     """[sq, sk] bool: entries the causal mask lets through."""
-    lam: float | None = None
+    lam: float | torch.Tensor | None = None
+    """DIFF V1: the layer's lambda; DIFF V2: sigmoid(lambda_proj(x)) per head and query, [b, h, sq, 1]."""
 
     @property
     def effective_map(self) -> torch.Tensor:
@@ -45,6 +51,11 @@ class AttentionRecord:
         if self.kind == "diff":
             return self.maps[0] - self.lam * self.maps[1]
         return self.maps[0]
+
+    @property
+    def mean_lambda(self) -> float | None:
+        """lambda (DIFF V1), its mean over heads and queries (DIFF V2), None for a softmax layer."""
+        return None if self.lam is None else float(torch.as_tensor(self.lam).double().mean())
 
 
 Sink = Callable[[AttentionRecord], None]
@@ -60,31 +71,78 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(decoder.layers)
 
 
+def _softmax_maps(
+    q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, scale: float, logit_fn: LogitFn | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, maps) [b, h, sq, sk] in fp32 or wider: q [b, h, sq, d] against k [b, h, sk, d]."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
+    if logit_fn is not None:
+        logits = logit_fn(logits, keep)
+    return logits, torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+
+
 def _diff_backend(layer: int, sink: Sink | None, logit_fn: LogitFn | None):
-    """An attention backend with the reference math that reports maps and can transform logits."""
+    """A DIFF V1 attention backend with the reference math that reports maps and can transform logits."""
 
     def backend(q1, q2, k1, k2, v, lam, *, scale, dropout_p=0.0, attention_mask=None):
         if dropout_p > 0.0:
             raise DiffmegError("attention analysis needs the model in eval mode (attention dropout is on)")
-        h, g, sk = q1.shape[1], k1.shape[1], k1.shape[2]
-        rep = h // g
-        k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
-        dtype = torch.promote_types(q1.dtype, torch.float32)
-        keep = causal_keep_mask(q1.shape[2], sk, q1.device)
+        rep = q1.shape[1] // k1.shape[1]
+        k1, k2, v = (
+            t.repeat_interleave(rep, dim=1) for t in (k1, k2, v)
+        )  # GQA: [b, g, s, .] -> [b, h, s, .]
+        keep = causal_keep_mask(q1.shape[2], k1.shape[2], q1.device)
         if attention_mask is not None:
             keep = keep & ~attention_mask.bool()
-        logits = [
-            torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale for q, k in ((q1, k1), (q2, k2))
-        ]
-        if logit_fn is not None:
-            logits = [logit_fn(x, keep) for x in logits]
-        maps = [torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1) for x in logits]
-        lam = lam.to(dtype)
+        (l1, a1), (l2, a2) = (_softmax_maps(q, k, keep, scale, logit_fn) for q, k in ((q1, k1), (q2, k2)))
+        lam = lam.to(a1.dtype)
         if sink is not None:
-            sink(AttentionRecord(layer, "diff", logits, maps, keep, float(lam)))
-        return torch.matmul(maps[0] - lam * maps[1], v.to(dtype)).to(q1.dtype)
+            sink(AttentionRecord(layer, "diff", [l1, l2], [a1, a2], keep, float(lam)))
+        return torch.matmul(a1 - lam * a2, v.to(a1.dtype)).to(q1.dtype)
 
     return backend
+
+
+def _sdpa_keep(attn_mask: torch.Tensor | None, is_causal: bool, sq: int, sk: int, device) -> torch.Tensor:
+    """The [sq, sk] entries torch's SDPA attends to for these arguments (True = attend)."""
+    if attn_mask is not None:
+        keep = attn_mask.bool()
+        while keep.dim() > 2 and keep.shape[0] == 1:  # [1, 1, sq, sk] -> [sq, sk]
+            keep = keep[0]
+        if keep.dim() != 2:
+            raise DiffmegError("attention analysis takes one mask for the whole batch ([sq, sk])")
+        return keep.expand(sq, sk)
+    if is_causal:  # torch's convention: the top-left triangle
+        return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+    return torch.ones(sq, sk, dtype=torch.bool, device=device)
+
+
+def _sdpa(layer: int, sink: Sink | None, logit_fn: LogitFn | None, pair_lambda: dict | None):
+    """torch SDPA's math, explicit, reporting the maps. With `pair_lambda` (DIFF V2) the 2h heads are
+    reported as h pairs (even heads A1, odd heads A2) with `pair_lambda["lam"]` [s, b, h]."""
+
+    def sdpa(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p > 0.0:
+            raise DiffmegError("attention analysis needs the model in eval mode (attention dropout is on)")
+        heads, sq, sk = q.shape[1], q.shape[2], k.shape[2]
+        rep = heads // k.shape[1]
+        k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))  # query head j reads KV head j // rep
+        keep = _sdpa_keep(attn_mask, is_causal, sq, sk, q.device)
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        logits, maps = _softmax_maps(q, k, keep, scale, logit_fn)
+        if sink is not None:
+            if pair_lambda is None:
+                sink(AttentionRecord(layer, "softmax", [logits], [maps], keep))
+            else:
+                if "lam" not in pair_lambda:
+                    raise DiffmegError(f"layer {layer}: DIFF V2 attention ran without its lambda projection")
+                lam = pair_lambda.pop("lam").permute(1, 2, 0).unsqueeze(-1)  # [s, b, h] -> [b, h, s, 1]
+                pairs = [[t[:, 0::2], t[:, 1::2]] for t in (logits, maps)]  # heads 2i, 2i+1 -> A1, A2 of i
+                sink(AttentionRecord(layer, "diff", pairs[0], pairs[1], keep, lam.to(maps.dtype)))
+        return torch.matmul(maps, v.to(maps.dtype)).to(q.dtype)
+
+    return sdpa
 
 
 @contextmanager
@@ -93,21 +151,36 @@ def capture_attention(
 ) -> Iterator[None]:
     """Within the block, every attention layer reports an `AttentionRecord` to `sink` per forward pass
     and applies `logit_fn` to its logits before the softmax (both maps for DIFF)."""
-    from diffmeg.attention import DiffCoreAttention, override_attention_backend
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from diffmeg.attention import override_attention_backend
+    from diffmeg.attention_v2 import DiffV2SelfAttention
 
     with ExitStack() as stack:
-        stack.enter_context(
-            override_attention_backend(model, lambda index: _diff_backend(index, sink, logit_fn))
-        )
+        v2_lambdas: dict[int, dict] = {}
         for index, layer in enumerate(decoder_layers(model)):
-            core = layer.self_attention.core_attention
-            if isinstance(core, DiffCoreAttention):
-                continue
-            softmax = getattr(core, "scale_mask_softmax", None)
-            if softmax is None:
-                raise DiffmegError(f"layer {index}: unsupported attention module {type(core).__name__}")
-            for handle in _softmax_hooks(softmax, index, sink, logit_fn):
-                stack.callback(handle.remove)
+            attention = layer.self_attention
+            core = attention.core_attention
+            if isinstance(attention, DiffV2SelfAttention) and hasattr(core, "override"):
+                v2_lambdas[index] = holder = {}  # this forward's per-token lambda, for the SDPA override
+
+                def keep_lambda(mod, args, output, holder=holder):
+                    logits = output[0]  # [s, b, h]: (output, bias) of the column-parallel linear
+                    holder["lam"] = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+
+                stack.callback(attention.linear_lambda.register_forward_hook(keep_lambda).remove)
+            elif isinstance(core, DotProductAttention) and not isinstance(attention, DiffV2SelfAttention):
+                for handle in _softmax_hooks(core.scale_mask_softmax, index, sink, logit_fn):
+                    stack.callback(handle.remove)
+            elif not hasattr(core, "override"):
+                raise DiffmegError(f"layer {index}: attention analysis cannot read {type(core).__name__}")
+        stack.enter_context(
+            override_attention_backend(
+                model,
+                lambda i: _diff_backend(i, sink, logit_fn),
+                lambda i: _sdpa(i, sink, logit_fn, v2_lambdas.get(i)),
+            )
+        )
         yield
 
 
