@@ -93,17 +93,24 @@ def dry_run_summary(args) -> dict:
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
+    """Arguments -> runtime setup -> Trainer. Exit status 0, 2 (one-line error) or 130 (Ctrl-C)."""
     args = resolve_args(argv)
     if args.dry_run:
         print(json.dumps(dry_run_summary(args), indent=2))
         return 0
-    from diffmeg.training.loop import pretrain, shutdown
+    from diffmeg import runtime
+    from diffmeg.training.run_config import RunConfig
+    from diffmeg.training.trainer import Trainer
 
+    runtime.setup()
     try:
-        pretrain(args)
+        # Inside train() Ctrl-C saves and stops (a second one exits at once); before it, this catches it.
+        return Trainer(RunConfig.from_args(args)).train()["exit_code"]
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C) before training started", file=sys.stderr, flush=True)
+        return 130
     finally:
-        shutdown()
-    return 0
+        runtime.teardown()
 
 
 if __name__ == "__main__":  # the dist-checkpoint writer uses a spawn context: this guard is required

@@ -11,8 +11,11 @@ readers here build the single-rank (TP=PP=1) model a checkpoint's arguments desc
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import json
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 
@@ -51,9 +54,13 @@ def read_tracker(root: str) -> int | None:
 def write_tracker(root: str, iteration: int) -> None:
     """Point `root`'s tracker at `iteration`, atomically (a reader sees the old or the new number)."""
     tmp = os.path.join(root, f"{TRACKER_FILE}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-    os.replace(tmp, os.path.join(root, TRACKER_FILE))
+    try:
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, TRACKER_FILE))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def iteration_dirs(root: str) -> list[int]:
@@ -76,31 +83,130 @@ def _json_args(args: argparse.Namespace | dict) -> dict:
     return dict(args) if isinstance(args, dict) else vars(args)
 
 
-def write_checkpoint(root: str, iteration: int, state: dict, args: argparse.Namespace | dict) -> str:
+def format_bytes(n: float) -> str:
+    """`n` bytes for a message: 512 B, 20.1 MiB, 3.2 GiB."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def directory_bytes(path: str) -> int:
+    """Bytes of the files under `path` (0 if it does not exist)."""
+    total = 0
+    for directory, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.path.getsize(os.path.join(directory, name))
+            except OSError:
+                pass
+    return total
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes for this user on the file system holding `path` (or its nearest existing parent)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _exception_chain(exc: BaseException):
+    """`exc`, its causes and contexts, and the per-rank failures a torch.distributed.checkpoint
+    CheckpointException carries (values are exceptions or (exception, traceback) tuples)."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        for failure in getattr(e, "failures", {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """An ENOSPC/EDQUOT anywhere in `exc`'s chain (torch's zip writer reports a full disk as "unexpected
+    pos", without errno: callers also compare the free space with what they meant to write)."""
+    return any(
+        isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS or "No space left on device" in str(e)
+        for e in _exception_chain(exc)
+        if isinstance(e, BaseException)
+    )
+
+
+def write_checkpoint(
+    root: str,
+    iteration: int,
+    state: dict,
+    args: argparse.Namespace | dict,
+    expected_bytes: int | None = None,
+) -> str:
     """Save `state` (a megatron-core sharded state dict plus common entries) as `{root}/iter_N`.
 
     Called on every rank of the job (or by one process in a single-process group). Rank 0 clears an
     unfinished earlier save of the same iteration; `args.json` and then the tracker are written only
     after every rank's data is on disk. Returns the iteration directory.
+
+    A save that fails (a full disk above all) raises one `DiffmegError` line naming the directory, the free
+    space and the checkpoint's size (`expected_bytes`, the caller's estimate, else what was written); rank 0
+    removes the partial `iter_N` and the tracker keeps naming the previous checkpoint.
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     path = checkpoint_path(root, iteration)
     rank = torch.distributed.get_rank()
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(path):  # an earlier, unfinished save of this iteration (never marked latest)
-            shutil.rmtree(path)
-        os.makedirs(path)
-    torch.distributed.barrier()
-    dist_checkpointing.save(state, path)
-    torch.distributed.barrier()
-    if rank == 0:
-        with open(os.path.join(path, ARGS_FILE), "w") as f:
-            json.dump(_json_args(args), f, indent=2, default=str)
-        write_tracker(root, iteration)
+    try:
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(path):  # an earlier, unfinished save of this iteration (never marked latest)
+                shutil.rmtree(path)
+            os.makedirs(path)
+        torch.distributed.barrier()
+        dist_checkpointing.save(state, path)
+        torch.distributed.barrier()
+        if rank == 0:
+            with open(os.path.join(path, ARGS_FILE), "w") as f:
+                json.dump(_json_args(args), f, indent=2, default=str)
+            write_tracker(root, iteration)
+    except (Exception, CheckpointException) as exc:  # no collective here: the other ranks may be elsewhere
+        raise _failed_save(root, path, iteration, exc, expected_bytes, rank == 0) from exc
     torch.distributed.barrier()
     return path
+
+
+def _failed_save(
+    root: str, path: str, iteration: int, exc: BaseException, expected_bytes: int | None, clean: bool
+) -> DiffmegError:
+    """The one-line error of a failed save; with `clean`, the partial directory is removed first."""
+    written = directory_bytes(path)
+    full = is_disk_full(exc) or (expected_bytes is not None and free_bytes(root) < expected_bytes - written)
+    if clean:
+        shutil.rmtree(path, ignore_errors=True)
+    size = expected_bytes if expected_bytes is not None else written
+    try:
+        latest = read_tracker(root)
+    except DiffmegError:
+        latest = None
+    kept = (
+        f"the latest checkpoint is still iteration {latest}"
+        if latest is not None
+        else "no earlier checkpoint"
+    )
+    removed = f"removed the partial {os.path.basename(path)}" if clean else f"rank 0 removes {path}"
+    if full:
+        return DiffmegError(
+            f"disk full while saving iteration {iteration} to {root}: {format_bytes(free_bytes(root))} free, "
+            f"the checkpoint needs about {format_bytes(size)}; {removed}, {kept} in {TRACKER_FILE} "
+            f"(free space or point --save elsewhere, then resume)"
+        )
+    return DiffmegError(
+        f"cannot save iteration {iteration} to {root}: {first_line(exc)}; {removed}, {kept} in {TRACKER_FILE}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,23 +228,114 @@ def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argpa
 
 
 def first_line(exc: BaseException) -> str:
-    """An exception's first message line (at most 300 characters), or its type's name."""
+    """An exception's first message line (at most 300 characters), or its type's name. For a
+    torch.distributed.checkpoint CheckpointException ("CheckpointException ranks:...") its first failure's."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        failure = next(iter(failures.values()))
+        return first_line(failure[0] if isinstance(failure, tuple) else failure)
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def load_sharded(state: dict, path: str) -> dict:
-    """megatron-core's `dist_checkpointing.load` with one clear line for a damaged or foreign checkpoint."""
+def load_sharded(state: dict, path: str, pick_flag: str = "--iteration") -> dict:
+    """megatron-core's `dist_checkpointing.load`, with one clear line for a damaged or foreign checkpoint:
+    the file that failed, the iteration, and the other complete iterations beside it (which `pick_flag`
+    selects: training's `--ckpt-step`, the tools' `--iteration`)."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     try:
         return dist_checkpointing.load(state, path)
     except (Exception, CheckpointException) as exc:  # many types for a damaged or foreign checkpoint
-        raise DiffmegError(
-            f"cannot load checkpoint {path}: {first_line(exc)} (is it complete and from pretrain_diff.py? "
-            f"point --load elsewhere or remove the directory)"
-        ) from exc
+        raise DiffmegError(damaged_checkpoint_message(path, exc, pick_flag)) from exc
+
+
+def damaged_checkpoint_message(path: str, exc: BaseException, pick_flag: str = "--iteration") -> str:
+    """One line: which file of `path` failed and how, and which other iterations can be loaded instead."""
+    root, name = os.path.split(os.path.normpath(path))
+    iteration = int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
+    where = f"iteration {iteration} of {root}" if iteration is not None else path
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    # Reading every chunk again is for one rank only (the others name the damage as the loader saw it).
+    damage = damaged_file(path, deep=rank == 0)
+    what = f"{damage[0]} {damage[1]}" if damage else first_line(exc)
+    others = [i for i in iteration_dirs(root) if i != iteration]
+    if others:
+        listed = ", ".join(map(str, others[-8:])) + (
+            f" (and {len(others) - 8} earlier)" if len(others) > 8 else ""
+        )
+        choice = f"other complete iterations in {root}: {listed}; start from one with {pick_flag} N"
+    else:
+        choice = f"no other complete iteration in {root}; point the run at another checkpoint"
+    return f"cannot load checkpoint {where}: {what}; {choice}"
+
+
+def damaged_file(path: str, deep: bool = True) -> tuple[str, str] | None:
+    """The first file of checkpoint directory `path` that cannot be read, and why (None: nothing found).
+
+    Checks megatron-core's metadata.json and common.pt, torch.distributed.checkpoint's index (.metadata),
+    that every indexed chunk lies inside its file, and with `deep` that every tensor chunk deserialises
+    (this reads the whole checkpoint: done only after a load failed).
+    """
+    name = os.path.basename(os.path.normpath(path))
+
+    def why(exc: BaseException) -> str:  # the first sentence is enough to tell the damage apart
+        return first_line(exc).split(". ")[0][:160]
+
+    def rel(file: str) -> str:
+        return f"{name}/{file}"
+
+    if not os.path.isdir(path):
+        return path, "is missing"
+    for file, reader in (("metadata.json", lambda f: json.load(f)), ("common.pt", None)):
+        full = os.path.join(path, file)
+        if not os.path.isfile(full):
+            return rel(file), "is missing"
+        try:
+            if reader is not None:
+                with open(full) as f:
+                    reader(f)
+            else:
+                torch.load(full, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            return rel(file), f"cannot be read ({why(exc)})"
+    index_file = os.path.join(path, ".metadata")
+    if not os.path.isfile(index_file):
+        return rel(".metadata"), "is missing"
+    try:
+        with open(index_file, "rb") as f:
+            index = pickle.load(f)
+        items = list(index.storage_data.items())
+    except Exception as exc:
+        return rel(".metadata"), f"cannot be read ({why(exc)})"
+    sizes: dict[str, int] = {}
+    for _, info in items:
+        file = os.path.join(path, info.relative_path)
+        if info.relative_path not in sizes:
+            if not os.path.isfile(file):
+                return rel(info.relative_path), "is missing"
+            sizes[info.relative_path] = os.path.getsize(file)
+        if sizes[info.relative_path] < info.offset + info.length:
+            end = info.offset + info.length
+            return rel(info.relative_path), f"is {sizes[info.relative_path]} bytes, its index expects {end}+"
+    if not deep:
+        return None
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key, info in sorted(items, key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        if getattr(info, "transform_descriptors", None):
+            continue  # a compressed or otherwise transformed chunk
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            chunk = f.read(info.length)
+        # Tensors and objects alike are torch.save'd chunks (torch.distributed.checkpoint saves objects so).
+        tensor = isinstance(index.state_dict_metadata.get(key.fqn), TensorStorageMetadata)
+        try:
+            torch.load(io.BytesIO(chunk), map_location="cpu", weights_only=tensor)
+        except Exception as exc:
+            return rel(info.relative_path), f"holds an unreadable entry {key.fqn!r} ({why(exc)})"
+    return None
 
 
 def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:

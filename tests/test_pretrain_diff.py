@@ -1,16 +1,20 @@
-"""pretrain_diff.py as users run it: dry run JSON, one-line errors, NaN stop, corrupt checkpoints."""
+"""pretrain_diff.py as users run it: dry run JSON, one-line errors, NaN stop, fresh starts, unusable or full
+save targets, corrupt checkpoints and --ckpt-step, Ctrl-C."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.distributed.runner import run_training
+from tests.distributed.runner import TINY, job_env, launch_cmd, read_losses, run_training
 
 
 def _run(argv, tmp_path, env_extra=None):
@@ -76,25 +80,152 @@ def test_nan_loss_stops_with_iteration(tmp_path):
     assert "error: lm loss is" in proc.stderr and "at iteration" in proc.stderr
 
 
-def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def test_corrupt_checkpoint_names_the_file_and_ckpt_step_resumes_an_earlier_one(tmp_path):
     ckpt = tmp_path / "ckpt"
-    run_training(tmp_path, "a", ["--train-iters", "2", "--save", str(ckpt)])
+    run_training(tmp_path, "a", ["--train-iters", "2", "--save-interval", "1", "--save", str(ckpt)])
     for f in (ckpt / "iter_0000002").glob("*.distcp"):
         f.write_bytes(b"garbage")
     proc = run_training(tmp_path, "b", ["--train-iters", "4", "--load", str(ckpt)], check=False)
     assert proc.returncode == 2
-    assert "error: cannot load checkpoint" in proc.stderr, proc.stderr[-2000:]
+    line = _error_line(proc.stderr)
+    assert re.match(
+        rf"error: cannot load checkpoint iteration 2 of {ckpt}: iter_0000002/__0_\d\.distcp is 7 bytes", line
+    )
+    assert line.endswith(f"other complete iterations in {ckpt}: 1; start from one with --ckpt-step N")
     # nothing already written was touched
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    # Megatron-LM's --ckpt-step: resume from the intact iteration 1, exactly where the first run was then.
+    proc = run_training(
+        tmp_path, "c", ["--train-iters", "3", "--load", str(ckpt), "--ckpt-step", "1", "--save", str(ckpt)]
+    )
+    assert f"loaded checkpoint from {ckpt} at iteration 1" in proc.stdout
+    resumed = read_losses(tmp_path, "c")
+    assert sorted(resumed) == [2, 3] and resumed[2] == read_losses(tmp_path, "a")[2]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 
 def test_unfinished_save_is_not_marked_latest(tmp_path):
     ckpt = tmp_path / "ckpt"
-    run_training(tmp_path, "a", ["--train-iters", "2", "--save", str(ckpt)])
+    # The requeue-friendly form on its first start: --load names the --save directory, not there yet.
+    proc = run_training(tmp_path, "a", ["--train-iters", "2", "--save", str(ckpt), "--load", str(ckpt)])
+    assert f" no checkpoint in {ckpt}, starting from scratch" in proc.stdout
+    # One summary line instead of the argument dump, which is in the run directory.
+    assert "end of arguments" not in proc.stdout
+    assert re.search(
+        rf"^ diff-tiny \(DIFF\): 3\.28M parameters, .* arguments in {ckpt}/arguments.json$", proc.stdout, re.M
+    )
+    assert json.loads((ckpt / "arguments.json").read_text())["save"] == str(ckpt)
     (ckpt / "iter_0000004").mkdir()  # a save that died half way: never in the tracker
     proc = run_training(tmp_path, "b", ["--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt)])
     assert "at iteration 2" in proc.stdout
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_a_typo_in_load_or_an_unusable_save_stops_before_training(tmp_path):
+    proc = run_training(
+        tmp_path, "typo", ["--train-iters", "2", "--load", str(tmp_path / "ckpt_typo")], check=False
+    )
+    assert proc.returncode == 2 and "does not exist" in _error_line(proc.stderr)
+    proc = run_training(tmp_path, "nosave", ["--train-iters", "2", "--save", "/proc/nope"], check=False)
+    assert proc.returncode == 2 and "iteration " not in proc.stdout
+    assert _error_line(proc.stderr).startswith("error: --save /proc/nope cannot be created: ")
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 60 MiB tmpfs: room for one diff-tiny checkpoint of the runner's shape (about 39 MiB), not two."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (the fault-injection test covers the writer)")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=60m", "tmpfs", str(mount)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_while_saving_on_a_small_filesystem(tmp_path, small_filesystem):
+    ckpt = small_filesystem / "ckpt"
+    proc = run_training(
+        tmp_path, "full", ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1"], check=False
+    )
+    assert proc.returncode == 2
+    line = _error_line(proc.stderr)
+    assert line.startswith(f"error: disk full while saving iteration 2 to {ckpt}: ")
+    assert re.search(r"\d+(\.\d)? [KMG]?i?B free, the checkpoint needs about 3\d\.\d MiB", line), line
+    assert "the latest checkpoint is still iteration 1" in line
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000001"]
+
+
+def _start(tmp_path, extra: list[str]) -> subprocess.Popen:
+    argv = [str(REPO_ROOT / "pretrain_diff.py"), *TINY, *extra]
+    return subprocess.Popen(
+        launch_cmd(1, argv),
+        cwd=tmp_path,
+        env=job_env(tmp_path, 1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _read_until(proc: subprocess.Popen, pattern: str, seen: list[str], timeout: float = 600) -> None:
+    """Append output lines to `seen` until one matches `pattern` (the process is killed after `timeout`)."""
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if re.search(pattern, line):
+                return
+        raise AssertionError(f"no line matching {pattern!r}:\n{''.join(seen)[-3000:]}")
+    finally:
+        timer.cancel()
+
+
+def test_ctrl_c_saves_and_exits_with_one_line(tmp_path):
+    """Issue 16, item 5: SIGINT as SIGTERM: a checkpoint at the current step, one line, no traceback."""
+    ckpt = tmp_path / "ckpt"
+    proc = _start(tmp_path, ["--train-iters", "1000", "--save", str(ckpt)])
+    seen: list[str] = []
+    _read_until(proc, r"iteration +1/", seen)
+    proc.send_signal(signal.SIGINT)
+    _read_until(proc, r"exiting at iteration \d+ \(SIGINT\)", seen)
+    seen += proc.stdout.readlines()
+    assert proc.wait(timeout=300) == 130
+    out = "".join(seen)
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    stopped = re.search(r"exiting at iteration (\d+) \(SIGINT\)", out).group(1)
+    assert f"saved checkpoint at iteration {stopped}" in out
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == stopped
+
+
+def test_a_second_ctrl_c_exits_at_once(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = _start(tmp_path, ["--train-iters", "1000", "--save", str(ckpt)])
+    seen: list[str] = []
+    _read_until(proc, r"iteration +1/", seen)
+    proc.send_signal(signal.SIGINT)
+    _read_until(proc, r"Ctrl-C again exits now", seen)
+    proc.send_signal(signal.SIGINT)
+    seen += proc.stdout.readlines()
+    assert proc.wait(timeout=120) == 130
+    out = "".join(seen)
+    assert "error: second Ctrl-C: exiting at once, without saving" in out
+    assert "Traceback" not in out and "exiting at iteration" not in out, out[-3000:]
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
 
 
 def test_recompute_and_bf16_match_the_plain_run(tmp_path):

@@ -35,6 +35,9 @@ CACHE_DIR_ENV = "DIFFMEG_CACHE_DIR"
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings"}
 """Tests are code, not prose; encodings/ is a hundred copies of one generated docstring."""
 _MIN_BYTES = 200_000
+BUILD_CPU_SECONDS = 5
+"""About how long a first build takes on one idle core (measured: 5.0 s of CPU time with Python 3.11's
+standard library, 2.6 MB of text; the wall time grows with the machine's load)."""
 
 
 def default_cache_dir() -> str:
@@ -197,7 +200,12 @@ def _get_or_build(tokenizer, cache_dir: str | None) -> str:
     with _locked(directory + ".lock"):
         if exists(prefix):
             return prefix
-        print(f"building the builtin corpus (first use) in {directory}", file=sys.stderr, flush=True)
+        print(
+            f"building the builtin corpus (first use: about {BUILD_CPU_SECONDS} s on an idle core, longer on "
+            f"a busy one; later runs reuse it) in {directory}",
+            file=sys.stderr,
+            flush=True,
+        )
         jsonl = os.path.join(directory, "builtin.jsonl")
         if not os.path.isfile(jsonl):
             write_jsonl(jsonl)

@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. the 64K extension); a requeued job then resumes from --load",
     )
     g.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="resume from this iteration of --load instead of the latest (e.g. when the latest is damaged)",
+    )
+    g.add_argument(
         "--override-opt-param-scheduler",
         action="store_true",
         help="take the LR schedule from these flags, not the checkpoint",
@@ -197,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--metrics-file", default=None, help="also write every logged iteration as a JSON line")
     g.add_argument("--dry-run", action="store_true", help="print the resolved configuration as JSON and exit")
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print every resolved argument at start (always written to arguments.json beside --save)",
+    )
     return p
 
 
@@ -364,6 +375,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.recompute_num_layers = 1
     if args.finetune and args.load is None:
         raise DiffmegError("--finetune needs --load")
+    if args.ckpt_step is not None and args.load is None:
+        raise DiffmegError("--ckpt-step needs --load (the checkpoint directory whose iteration it names)")
 
 
 def args_to_json(args: argparse.Namespace) -> str:

@@ -14,6 +14,7 @@ from diffmeg.config import DiffTransformerConfig
 from diffmeg.model import build_model
 from diffmeg.training.grads import finalize_diff_model_grads
 from diffmeg.training.optim import build_optimizer, build_scheduler, params_dtype
+from diffmeg.training.run_config import RunConfig, as_run_config
 
 # megatron-core's FusedScaleMaskSoftmax imports these CUDA extensions (Megatron-LM's / apex's fused kernels)
 # when the fusion is on and the shapes qualify (bf16/fp16, 16 < sk <= 4096): without them every local-spec
@@ -81,27 +82,34 @@ def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
     )
 
 
-def build_training_objects(args: argparse.Namespace):
-    """(config, DDP model, optimizer, scheduler) for this rank; parallel state must be initialised."""
-    config = config_from_args(args)
+def build_training_objects(run: RunConfig | argparse.Namespace):
+    """(config, DDP model, optimizer, scheduler) for this rank; parallel state must be initialised.
+
+    `run` may also be resolved flat arguments (the benchmarks hold those). The TransformerConfig comes from
+    `config_from_args`, the one mapping of flags to megatron-core's config that the offline readers
+    (conversion, single-rank models of checkpoints) share with training.
+    """
+    run = as_run_config(run)
+    m, t, p = run.model, run.training, run.parallel
+    config = config_from_args(run.to_args())
     model = build_model(
         config,
-        vocab_size=args.vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        rotary_base=args.rotary_base,
-        use_te=args.transformer_impl == "transformer_engine",
-        seed=args.seed,
+        vocab_size=m.vocab_size,
+        max_sequence_length=m.max_position_embeddings,
+        rotary_base=m.rotary_base,
+        use_te=m.transformer_impl == "transformer_engine",
+        seed=t.seed,
     )
-    if args.bf16 or args.fp16:
+    if t.bf16 or t.fp16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        use_distributed_optimizer=p.use_distributed_optimizer,
     )
     model = DistributedDataParallel(config, ddp_config, model)
-    optimizer = build_optimizer(args, [model])
-    scheduler = build_scheduler(args, optimizer)
+    optimizer = build_optimizer(run, [model])
+    scheduler = build_scheduler(run, optimizer)
     config.finalize_model_grads_func = finalize_diff_model_grads
     config.no_sync_func = model.no_sync
     config.grad_scale_func = optimizer.scale_loss

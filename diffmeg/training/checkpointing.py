@@ -1,12 +1,20 @@
-"""Training state in checkpoints: what a run saves (model, optimizer, scheduler, RNG, counters) and how
-it resumes exactly. Paths, the tracker, the writer and offline reading are `diffmeg.checkpoints`'.
+"""Training state in checkpoints: what a run saves (model, optimizer, scheduler, RNG, counters), where
+it resumes from, and how it resumes exactly. `CheckpointManager` is the Trainer's component for all of it
+(torchtitan's idiom); paths, the tracker, the writer and offline reading are `diffmeg.checkpoints`'.
+
+Where a run starts (Megatron-LM's rules, plus clear errors):
+- `--load D` with a tracker: its iteration, or `--ckpt-step N` (any complete iteration of D);
+- `--load D` holding no checkpoint yet (missing, empty, or the `--save` directory): from scratch, said in
+  one line, so `--save D --load D` works on the first start of a requeue-friendly job;
+- `--load` that is a file, a directory holding something else, or a missing path that is not the --save
+  directory (a typo): one-line errors.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +27,20 @@ from diffmeg.checkpoints import (
     TRACKER_FILE,
     WEIGHTS_ONLY_KEY,
     checkpoint_path,
+    directory_bytes,
+    format_bytes,
+    free_bytes,
+    iteration_dirs,
     load_sharded,
     read_tracker,
     write_checkpoint,
 )
 from diffmeg.errors import DiffmegError
+from diffmeg.training import collectives
+from diffmeg.training.run_config import RunConfig, TrainingConfig
+
+ARGUMENTS_FILE = "arguments.json"
+"""The full resolved arguments of the latest run, written at start into the run directory (--save)."""
 
 # megatron-core's distributed optimizer without TE/apex saves and reloads exactly in this format
 # (same TP/PP; DP may change); the default `fully_sharded_model_space` fails without them.
@@ -52,19 +69,61 @@ def _layout() -> dict[str, int]:
     }
 
 
-def _rng_object() -> ShardedObject:
+def rng_device_type() -> str:
+    """The device type the model-parallel RNG tracker draws on in this process."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rng_state() -> dict:
+    """This rank's RNG state: the default generator, the model-parallel tracker (with the device type its
+    states belong to: CPU generator states and CUDA Philox states are not interchangeable), CUDA's."""
     from megatron.core import tensor_parallel
 
-    state = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "device_type": rng_device_type(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def saved_rng_device_type(rng: dict) -> str:
+    """The device type of a saved RNG state; checkpoints from before the field are told apart by their
+    tracker states (a CUDA generator's Philox state is 16 bytes, the CPU Mersenne Twister's 5056)."""
+    if "device_type" in rng:
+        return rng["device_type"]
+    states = list(rng.get("tracker", {}).values())
+    return "cuda" if states and all(s.numel() == 16 for s in states) else "cpu"
+
+
+def restore_rng_state(rng: dict, log: Callable[[str], None]) -> None:
+    """Restore `rng_state()`'s output. Tracker states saved on another device type cannot be set here (they
+    would fail at the next `fork()`): the tracker keeps its --seed states and one line says so."""
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(rng["torch"])  # CPU generator state: valid on any machine
+    saved, here = saved_rng_device_type(rng), rng_device_type()
+    if saved == here:
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+    else:
+        log(
+            f" RNG: the model-parallel RNG states were saved on {saved} and cannot be restored on {here}; "
+            f"they restart from --seed (dropout draws differ from an uninterrupted run)"
+        )
+    if "cuda" in rng and here == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _rng_object() -> ShardedObject:
     pp, tp = (
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_rank(),
     )
     return ShardedObject(
         "rng_state",
-        state,
+        rng_state(),
         (
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_world_size(),
@@ -141,90 +200,226 @@ def _state_dict(
     return state
 
 
-def save_checkpoint(
-    args: argparse.Namespace,
-    iteration: int,
-    consumed_samples: int,
-    model: torch.nn.Module,
-    optimizer: MegatronOptimizer,
-    scheduler: OptimizerParamScheduler,
-) -> str:
-    """Write `iter_N` on all ranks, then mark it latest. Returns the checkpoint directory."""
-    state = _state_dict(model, optimizer, scheduler, is_loading=False, with_rng=True)
-    state.update(
-        iteration=iteration,
-        consumed_samples=consumed_samples,
-        layout=_layout(),
-        args=json.dumps(vars(args), default=str),
+def checkpoint_bytes(num_parameters: int, training: TrainingConfig) -> int:
+    """About how many bytes one checkpoint of a model of `num_parameters` takes: the weights in their dtype,
+    plus Adam's two fp32 moments and (bf16/fp16) the fp32 main copy of the weights."""
+    weight = torch.tensor([], dtype=training.params_dtype).element_size()
+    main_copy = 4 if weight < 4 else 0
+    return num_parameters * (weight + main_copy + 8)
+
+
+def _rank0_print(line: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+
+
+def _same_path(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def _holds_only_run_files(root: str) -> bool:
+    """Empty, or only what a run writes before its first checkpoint (the argument dump, temporaries)."""
+    return all(
+        name == ARGUMENTS_FILE or name.startswith(f"{TRACKER_FILE}.tmp-") or name.startswith(".write-test-")
+        for name in os.listdir(root)
     )
-    return write_checkpoint(args.save, iteration, state, args)
 
 
-def load_checkpoint(
-    args: argparse.Namespace,
-    model: torch.nn.Module,
-    optimizer: MegatronOptimizer,
-    scheduler: OptimizerParamScheduler,
-) -> LoadedState:
-    """Restore from `args.load` (latest complete checkpoint). Returns where training resumes."""
-    root = args.load
-    if not os.path.isdir(root):
-        raise DiffmegError(f"--load {root} does not exist")
-    iteration = read_tracker(root)
-    if iteration is None:
-        if any(name.startswith("iter_") for name in os.listdir(root)):
+def _complete_list(root: str) -> str:
+    found = iteration_dirs(root)
+    return ", ".join(map(str, found)) if found else "none"
+
+
+class CheckpointManager:
+    """Resuming and saving for the Trainer: where the run starts (`resolve`), whether --save can take a
+    checkpoint (`check_save_target`, `check_room`), loading (`load`), and saves (`due`, `save`)."""
+
+    def __init__(self, run: RunConfig, log: Callable[[str], None] = _rank0_print) -> None:
+        self.run = run
+        self.config = run.checkpoint
+        self.log = log
+        self.load_iteration: int | None = None
+        """The iteration of --load to resume from; None: start from scratch (or --pretrained-checkpoint)."""
+        self.checkpoint_bytes: int | None = None
+        """About one checkpoint's size (from the model size, then measured): for disk-full messages."""
+
+    # ------------------------------------------------------------------------------------------ start
+
+    def resolve(self) -> int | None:
+        """Decide where the run starts, before anything is built; every bad --load is one line here."""
+        root, cfg = self.config.load, self.config
+        if root is None:
+            return None
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise DiffmegError(f"--load {root} is a file, not a checkpoint directory")
+        fresh_ok = _same_path(root, cfg.save) or cfg.pretrained_checkpoint is not None
+        if not os.path.isdir(root):
+            if not fresh_ok:
+                raise DiffmegError(
+                    f"--load {root} does not exist (a typo? to start from scratch and save there, pass it "
+                    f"as --save too)"
+                )
+            return self._fresh(root)
+        latest = read_tracker(root)
+        if cfg.ckpt_step is not None:
+            if cfg.ckpt_step not in iteration_dirs(root):
+                raise DiffmegError(
+                    f"--ckpt-step {cfg.ckpt_step}: {root} holds no complete checkpoint of that iteration "
+                    f"(complete: {_complete_list(root)})"
+                )
+            self.load_iteration = cfg.ckpt_step
+            return self.load_iteration
+        if latest is None:
+            if any(name.startswith("iter_") for name in os.listdir(root)):
+                raise DiffmegError(
+                    f"{root} has checkpoint directories but no {TRACKER_FILE}: the last save did not finish; "
+                    f"complete iterations: {_complete_list(root)}; start from one with --ckpt-step N"
+                )
+            if not (fresh_ok or _holds_only_run_files(root)):
+                raise DiffmegError(
+                    f"--load {root} is not a checkpoint directory (no {TRACKER_FILE}, no iter_* "
+                    f"directories); point --load at one, or drop it to start from scratch"
+                )
+            return self._fresh(root)
+        if not os.path.isdir(checkpoint_path(root, latest)):
             raise DiffmegError(
-                f"{root} has checkpoint directories but no {TRACKER_FILE}: the last save did not finish; "
-                f"write the iteration to resume from into {TRACKER_FILE}"
+                f"{TRACKER_FILE} in {root} names iteration {latest} but {checkpoint_path(root, latest)} is "
+                f"missing; complete iterations: {_complete_list(root)}; start from one with --ckpt-step N"
             )
-        return LoadedState()  # an empty directory: start from scratch, as Megatron-LM does
-    path = checkpoint_path(root, iteration)
-    if not os.path.isdir(path):
-        raise DiffmegError(f"{TRACKER_FILE} in {root} names iteration {iteration} but {path} is missing")
+        self.load_iteration = latest
+        return latest
 
-    common = dist_checkpointing.load_common_state_dict(path)
-    saved_layout = common.get("layout", {})
-    same_model_layout = (
-        saved_layout.get("tp") == _layout()["tp"] and saved_layout.get("pp") == _layout()["pp"]
-    )
-    # A weights-only checkpoint (an HF import) has no optimizer/scheduler/RNG state to resume.
-    weights_only = bool(common.get(WEIGHTS_ONLY_KEY))
-    load_optim = not (args.no_load_optim or args.finetune or weights_only)
-    if load_optim and args.use_distributed_optimizer and not same_model_layout:
-        raise DiffmegError(
-            f"distributed-optimizer state in {path} was saved at TP={saved_layout.get('tp')} "
-            f"PP={saved_layout.get('pp')} and cannot be resharded to this layout; add --no-load-optim"
+    def _fresh(self, root: str) -> None:
+        if self.config.pretrained_checkpoint is None:  # else the pretrained weights' line says where from
+            self.log(f" no checkpoint in {root}, starting from scratch")
+        self.load_iteration = None
+
+    def check_save_target(self) -> None:
+        """--save can be created and written (checked on rank 0, before anything is built)."""
+        root = self.config.save
+        if root is None:
+            return
+
+        def check() -> None:
+            try:
+                os.makedirs(root, exist_ok=True)
+            except OSError as exc:
+                raise DiffmegError(f"--save {root} cannot be created: {exc.strerror or exc}") from exc
+            probe = os.path.join(root, f".write-test-{os.getpid()}")
+            try:
+                with open(probe, "wb") as f:
+                    f.write(b"0")
+                os.remove(probe)
+            except OSError as exc:
+                raise DiffmegError(f"--save {root} is not writable: {exc.strerror or exc}") from exc
+
+        collectives.on_rank0(check)
+
+    def check_room(self, num_parameters: int) -> None:
+        """--save has room for one checkpoint of this model (rank 0 checks, every rank stops)."""
+        self.checkpoint_bytes = checkpoint_bytes(num_parameters, self.run.training)
+        root, need = self.config.save, self.checkpoint_bytes
+        if root is None:
+            return
+
+        def check() -> None:
+            free = free_bytes(root)
+            if free < need:
+                raise DiffmegError(
+                    f"--save {root} has {format_bytes(free)} free, one checkpoint of this model needs about "
+                    f"{format_bytes(need)}; free space or point --save elsewhere"
+                )
+
+        collectives.on_rank0(check)
+
+    # ------------------------------------------------------------------------------------------ loading
+
+    def load(
+        self, model: torch.nn.Module, optimizer: MegatronOptimizer, scheduler: OptimizerParamScheduler
+    ) -> LoadedState:
+        """Restore what `resolve` chose (or the --pretrained-checkpoint weights). Returns where to resume."""
+        state = LoadedState()
+        if self.load_iteration is not None:
+            state = self._load(self.load_iteration, model, optimizer, scheduler)
+            self.log(f" loaded checkpoint from {self.config.load} at iteration {state.iteration}")
+        elif self.config.pretrained_checkpoint is not None:
+            source = load_pretrained_weights(self.config.pretrained_checkpoint, model)
+            self.log(
+                f" initialised weights from pretrained checkpoint {self.config.pretrained_checkpoint} "
+                f"(iteration {source}); optimizer, schedule and counters start fresh"
+            )
+        return state
+
+    def _load(self, iteration: int, model, optimizer, scheduler) -> LoadedState:
+        cfg, path = self.config, checkpoint_path(self.config.load, iteration)
+        common = dist_checkpointing.load_common_state_dict(path)
+        saved_layout = common.get("layout", {})
+        same_model_layout = (
+            saved_layout.get("tp") == _layout()["tp"] and saved_layout.get("pp") == _layout()["pp"]
         )
-    load_rng = not (args.no_load_rng or args.finetune or weights_only) and same_model_layout
-    state = _state_dict(
-        model,
-        optimizer if load_optim else None,
-        scheduler if load_optim else None,
-        is_loading=True,
-        with_rng=load_rng,
-    )
-    with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
-        loaded = load_sharded(state, path)
-        unwrap_model(model).load_state_dict(loaded["model"])
-        if load_optim:
-            if "optimizer" not in loaded:
-                raise DiffmegError(f"{path} has no optimizer state; add --no-load-optim")
-            optimizer.load_state_dict(loaded["optimizer"])
-            _restore_distributed_optimizer_step(optimizer)
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if load_rng:
-        from megatron.core import tensor_parallel
+        # A weights-only checkpoint (an HF import) has no optimizer/scheduler/RNG state to resume.
+        weights_only = bool(common.get(WEIGHTS_ONLY_KEY))
+        load_optim = not (cfg.no_load_optim or cfg.finetune or weights_only)
+        if load_optim and self.run.parallel.use_distributed_optimizer and not same_model_layout:
+            raise DiffmegError(
+                f"distributed-optimizer state in {path} was saved at TP={saved_layout.get('tp')} "
+                f"PP={saved_layout.get('pp')} and cannot be resharded to this layout; add --no-load-optim"
+            )
+        load_rng = not (cfg.no_load_rng or cfg.finetune or weights_only) and same_model_layout
+        state = _state_dict(
+            model,
+            optimizer if load_optim else None,
+            scheduler if load_optim else None,
+            is_loading=True,
+            with_rng=load_rng,
+        )
+        with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
+            loaded = load_sharded(state, path, pick_flag="--ckpt-step")
+            unwrap_model(model).load_state_dict(loaded["model"])
+            if load_optim:
+                if "optimizer" not in loaded:
+                    raise DiffmegError(f"{path} has no optimizer state; add --no-load-optim")
+                optimizer.load_state_dict(loaded["optimizer"])
+                _restore_distributed_optimizer_step(optimizer)
+                scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        if load_rng:
+            restore_rng_state(loaded["rng_state"], self.log)
+        if cfg.finetune or weights_only:
+            return LoadedState(loaded=True)
+        return LoadedState(
+            iteration=int(common["iteration"]), consumed_samples=int(common["consumed_samples"]), loaded=True
+        )
 
-        rng = loaded["rng_state"]
-        torch.set_rng_state(rng["torch"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    if args.finetune or weights_only:
-        return LoadedState(loaded=True)
-    return LoadedState(
-        iteration=int(common["iteration"]), consumed_samples=int(common["consumed_samples"]), loaded=True
-    )
+    # ------------------------------------------------------------------------------------------ saving
+
+    def due(self, iteration: int, final: bool) -> bool:
+        """Save at this iteration? Every --save-interval, at the last iteration and when stopping early."""
+        return self.config.save is not None and (final or iteration % self.config.save_interval == 0)
+
+    def save(
+        self,
+        iteration: int,
+        consumed_samples: int,
+        model: torch.nn.Module,
+        optimizer: MegatronOptimizer,
+        scheduler: OptimizerParamScheduler,
+    ) -> str:
+        """Write `iter_N` on all ranks, then mark it latest. Returns the checkpoint directory."""
+        args = self.run.to_args()
+        state = _state_dict(model, optimizer, scheduler, is_loading=False, with_rng=True)
+        state.update(
+            iteration=iteration,
+            consumed_samples=consumed_samples,
+            layout=_layout(),
+            args=json.dumps(vars(args), default=str),
+        )
+        path = write_checkpoint(
+            self.config.save, iteration, state, args, expected_bytes=self.checkpoint_bytes
+        )
+        if torch.distributed.get_rank() == 0:
+            self.checkpoint_bytes = directory_bytes(path) or self.checkpoint_bytes  # measured from now on
+        self.log(f" saved checkpoint at iteration {iteration} to {path}")
+        return path
 
 
 def load_pretrained_weights(root: str, model: torch.nn.Module) -> int:

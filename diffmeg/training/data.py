@@ -16,6 +16,7 @@ import torch
 from megatron.core import parallel_state
 
 from diffmeg.parallel import slice_sequence_for_cp
+from diffmeg.training.run_config import RunConfig
 
 
 class MockTokenDataset(torch.utils.data.Dataset):
@@ -41,37 +42,49 @@ class MockTokenDataset(torch.utils.data.Dataset):
         }
 
 
-def build_datasets(args: argparse.Namespace, tokenizer=None):
-    """(train, valid, test) datasets for the run; valid/test may be None."""
-    if args.mock_data:
+def build_datasets(run: RunConfig | argparse.Namespace, tokenizer=None):
+    """(train, valid, test) datasets for the run; valid/test may be None.
+
+    `run` may also be flat arguments holding just the fields read here (tools and tests build those)."""
+    if isinstance(run, argparse.Namespace):
+        run = RunConfig.from_args(run, partial=True)
+    m, t, d, log = run.model, run.training, run.data, run.logging
+    if d.mock_data:
         return (
-            MockTokenDataset(args.vocab_size, args.seq_length, args.seed),
-            MockTokenDataset(args.vocab_size, args.seq_length, args.seed + 1),
+            MockTokenDataset(m.vocab_size, m.seq_length, t.seed),
+            MockTokenDataset(m.vocab_size, m.seq_length, t.seed + 1),
             None,
         )
-    from diffmeg.data.gpt_datasets import build_gpt_datasets
+    from diffmeg.data.gpt_datasets import build_gpt_datasets, parse_data_path
+    from diffmeg.data.loss_mask import build_loss_mask_datasets, has_loss_mask
 
-    eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_iters > 0 else 0
+    eval_runs = t.train_iters // log.eval_interval + 1 if log.eval_iters > 0 else 0
     num_samples = (
-        args.train_iters * args.global_batch_size,
-        eval_runs * args.eval_iters * args.global_batch_size,
-        args.eval_iters * args.global_batch_size,
+        t.train_iters * t.global_batch_size,
+        eval_runs * log.eval_iters * t.global_batch_size,
+        log.eval_iters * t.global_batch_size,
     )
+    prefixes, _ = parse_data_path(d.data_path)
+    if any(has_loss_mask(p) for p in prefixes):  # one whole document per sample, loss on masked tokens
+        return build_loss_mask_datasets(prefixes, d.split, m.seq_length, t.seed, num_samples)
     return build_gpt_datasets(
-        data_path=args.data_path,
-        split=args.split,
-        seq_length=args.seq_length,
-        seed=args.seed,
+        data_path=d.data_path,
+        split=d.split,
+        seq_length=m.seq_length,
+        seed=t.seed,
         num_samples=num_samples,
         tokenizer=tokenizer,
-        cache_path=args.data_cache_path,
+        cache_path=d.data_cache_path,
     )
 
 
 def microbatches(
-    dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int
+    dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int, pin_memory: bool = False
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of the global batch starting at `consumed_samples`."""
+    """This rank's micro-batches of the global batch starting at `consumed_samples`.
+
+    `pin_memory` (for a CUDA model): page-locked batches, so `to_device` copies them without a host sync.
+    """
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
@@ -85,4 +98,12 @@ def microbatches(
         }  # each [mbs, s]
         if cp_size > 1:  # this CP rank's tokens, in megatron-core's load-balanced layout
             batch = {k: slice_sequence_for_cp(v, 1, cp_rank, cp_size) for k, v in batch.items()}
+        if pin_memory:
+            batch = {k: v.pin_memory() for k, v in batch.items()}
         yield batch
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A micro-batch on the model's device; to CUDA asynchronously (pinned batches: see `microbatches`)."""
+    non_blocking = device.type == "cuda"
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}

@@ -1,4 +1,5 @@
-"""Megatron-style log lines, tensorboard scalars and an optional JSON-lines metrics file."""
+"""Megatron-style log lines, tensorboard scalars and an optional JSON-lines metrics file; the one-line run
+summary printed at start."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import json
 import math
 import os
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diffmeg.training.run_config import RunConfig
 
 
 def _ts() -> str:
@@ -107,3 +112,35 @@ class TrainingLogger:
             self.writer.close()
         if self.metrics is not None:
             self.metrics.close()
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+def run_summary(run: RunConfig, num_parameters: int, arguments_file: str | None) -> str:
+    """The run in one line (model, parameters, tokens per step, data, layout, where the arguments are):
+    printed at start instead of the full argument dump, which goes to `arguments_file` (and --verbose)."""
+    m, t, p = run.model, run.training, run.parallel
+    name = m.preset or "custom model"
+    if run.data.mock_data:
+        data = "mock (synthetic token ids)"
+    elif run.data.data_path == ["builtin"]:
+        data = "builtin corpus (Python's documentation text)"
+    else:
+        data = " ".join(run.data.data_path or [])
+    ranks = f"{p.world_size} rank{'s' if p.world_size > 1 else ''}"
+    layout = (
+        f"DP {p.data_parallel_size} TP {p.tensor_model_parallel_size} PP {p.pipeline_model_parallel_size}"
+    )
+    layout += f" CP {p.context_parallel_size}"
+    where = f"arguments in {arguments_file}" if arguments_file else "arguments: --verbose prints them"
+    return (
+        f" {name} ({m.architecture}): {_count(num_parameters)} parameters, {m.num_layers} layers, hidden "
+        f"{m.hidden_size}, {m.num_attention_heads} heads | {run.tokens_per_step:,} tokens/step (global batch "
+        f"{t.global_batch_size} x {m.seq_length}), {t.train_iters:,} iterations, {t.precision} "
+        f"| data: {data} | {ranks} ({layout}) | {where}"
+    )

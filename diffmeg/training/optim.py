@@ -1,52 +1,55 @@
-"""megatron-core's optimizer (plain or distributed) and LR/WD scheduler, from parsed arguments."""
+"""megatron-core's optimizer (plain or distributed) and LR/WD scheduler, from the run configuration."""
 
 from __future__ import annotations
-
-import argparse
 
 import torch
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from diffmeg.training.run_config import RunConfig
 
-def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module]) -> MegatronOptimizer:
+
+def build_optimizer(run: RunConfig, model: list[torch.nn.Module]) -> MegatronOptimizer:
     """AdamW with fp32 main params; weight decay skips 1-D params (norms, lambda vectors) as in Megatron."""
+    o, t = run.optim, run.training
     config = OptimizerConfig(
         optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=params_dtype(args),
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        params_dtype=t.params_dtype,
+        use_distributed_optimizer=run.parallel.use_distributed_optimizer,
         # megatron-core's gloo side groups would double the process groups on CPU; not needed here.
     )
     return get_megatron_optimizer(config, model, use_gloo_process_groups=False)
 
 
-def build_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
+def build_scheduler(run: RunConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
     """Iteration-based schedule: warmup then `--lr-decay-style` down to `--min-lr` at `--lr-decay-iters`."""
+    o = run.optim
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters,
+        lr_decay_steps=o.lr_decay_iters,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=run.training.train_iters,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=not o.override_opt_param_scheduler,
+        override_opt_param_scheduler=o.override_opt_param_scheduler,
     )
 
 
-def params_dtype(args: argparse.Namespace) -> torch.dtype:
+def params_dtype(args) -> torch.dtype:
+    """The parameter dtype of flat arguments (--bf16/--fp16); a RunConfig has `training.params_dtype`."""
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32

@@ -89,3 +89,16 @@ def test_data_path_builtin(built, gloo, tokenizer, monkeypatch, tmp_path):
     )
     assert len(train) >= 100 and len(valid) >= 10 and len(test) >= 10
     assert train[0]["tokens"].shape == (64,)
+
+
+def test_first_build_says_so_and_about_how_long(tmp_path, monkeypatch, capsys):
+    """Issue 16, item 9: the wait before the first training line is explained when it starts."""
+    steps = []
+    monkeypatch.setattr(builtin, "write_jsonl", lambda path: steps.append("jsonl") or (0, 0))
+    monkeypatch.setattr(builtin, "preprocess", lambda cfg, log: steps.append("tokenize"))
+    builtin.builtin_corpus(None, cache_dir=str(tmp_path))
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"building the builtin corpus (first use: about {builtin.BUILD_CPU_SECONDS} s on an idle"
+    )
+    assert "later runs reuse it" in err and steps == ["jsonl", "tokenize"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from tests.distributed.runner import read_losses, run_training
@@ -33,7 +36,12 @@ def test_resume_is_exact(tmp_path, nproc, extra):
 
 
 def test_transformer_baseline_trains(tmp_path):
-    proc = run_training(tmp_path, "baseline", ["--model", "transformer-tiny", "--train-iters", "3"])
+    proc = run_training(
+        tmp_path, "baseline", ["--model", "transformer-tiny", "--train-iters", "3", "--verbose"]
+    )
     losses = read_losses(tmp_path, "baseline")
     assert sorted(losses) == [1, 2, 3]
-    assert '"diff_attention": false' in proc.stdout
+    assert re.search(r"^ transformer-tiny \(Transformer\): [\d.]+M parameters", proc.stdout, re.M)
+    assert '"diff_attention": false' in proc.stdout  # --verbose: every argument, as Megatron-LM prints them
+    # Without --save the full arguments go beside --metrics-file.
+    assert json.loads((tmp_path / "arguments.json").read_text())["diff_attention"] is False

@@ -1,0 +1,160 @@
+"""What happens around each training step, as callbacks of the Trainer (OLMo-core's idiom).
+
+The Trainer calls every callback's hooks in list order:
+- `on_train_start(trainer)` before the first step, `on_train_end(trainer)` after the last (also on errors);
+- `on_step_end(trainer, out)` after every optimizer step, with the loss still on the device: no host sync
+  here (the signal check's one-flag all-reduce is the exception: every rank must stop at the same step);
+- `on_losses(trainer, losses)` when the pending losses reached the host ({iteration: loss}; once per
+  logging interval, and before a save or a stop);
+- `on_log(trainer, record)` at logging steps; `on_evaluation(trainer, iteration, loss)` after evaluation.
+
+A callback stops the run with `trainer.request_stop(reason)`; the Trainer then saves (with --save) and exits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from diffmeg.errors import DiffmegError
+from diffmeg.training import collectives
+from diffmeg.training.logger import TrainingLogger
+
+if TYPE_CHECKING:
+    from diffmeg.training.run_config import RunConfig
+    from diffmeg.training.trainer import StepOutput, Trainer
+
+
+@dataclass
+class LogRecord:
+    """One logged iteration: what the Megatron-style line, tensorboard and the metrics file show."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    elapsed_ms: float
+    tflops: float
+    lr: float
+    global_batch_size: int
+    loss: float
+    grad_norm: float | None
+    loss_scale: float
+    lambdas: dict[str, float]
+    skipped: int
+
+
+class Callback:
+    """Base class: every hook does nothing."""
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        pass
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        pass
+
+    def on_losses(self, trainer: Trainer, losses: dict[int, float]) -> None:
+        pass
+
+    def on_log(self, trainer: Trainer, record: LogRecord) -> None:
+        pass
+
+    def on_evaluation(self, trainer: Trainer, iteration: int, loss: float) -> None:
+        pass
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        pass
+
+
+class NanGuard(Callback):
+    """Stop with one line at the first iteration whose loss is not finite (before anything is saved)."""
+
+    def on_losses(self, trainer: Trainer, losses: dict[int, float]) -> None:
+        for iteration in sorted(losses):
+            if not math.isfinite(losses[iteration]):
+                raise DiffmegError(
+                    f"lm loss is {losses[iteration]} at iteration {iteration}; stopping (lower --lr, check "
+                    f"the data, or resume from the last checkpoint)"
+                )
+
+
+class MetricsLogger(Callback):
+    """Megatron-style stdout lines, tensorboard scalars and --metrics-file, on the logging rank."""
+
+    def __init__(self, tensorboard_dir: str | None, metrics_file: str | None, enabled: bool) -> None:
+        self.logger = TrainingLogger(tensorboard_dir, metrics_file, enabled=enabled)
+
+    def on_log(self, trainer: Trainer, record: LogRecord) -> None:
+        self.logger.training(**vars(record))
+
+    def on_evaluation(self, trainer: Trainer, iteration: int, loss: float) -> None:
+        self.logger.validation(iteration, loss)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        self.logger.close()
+
+
+class SignalHandler(Callback):
+    """SIGTERM, SIGUSR1 (Slurm's pre-timeout signal) and SIGINT (Ctrl-C): save and exit after this step.
+
+    A second Ctrl-C exits at once, without saving. Installed for the training loop only: before it, Ctrl-C
+    is an ordinary KeyboardInterrupt (the entry point turns it into one line).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread (e.g. a test driving the Trainer from a thread)
+                pass
+
+    def _handler(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.received == "SIGINT":
+            # os.write: printing from a handler could re-enter a buffered write the main thread is in
+            os.write(2, b"error: second Ctrl-C: exiting at once, without saving\n")
+            os._exit(130)
+        self.received = self.received or name
+        if signum == signal.SIGINT:
+            os.write(
+                2, b" Ctrl-C: saving (with --save), then exiting after this step; Ctrl-C again exits now\n"
+            )
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if collectives.any_rank(self.received is not None):
+            reason = self.received or "a signal on another rank"
+            trainer.request_stop(reason, interrupted=self.received == "SIGINT")
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
+class ExitInterval(Callback):
+    """--exit-interval N: save and exit at the first iteration divisible by N."""
+
+    def __init__(self, interval: int | None) -> None:
+        self.interval = interval
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if self.interval and out.iteration % self.interval == 0:
+            trainer.request_stop(f"--exit-interval {self.interval}")
+
+
+def default_callbacks(run: RunConfig, is_logging_rank: bool) -> list[Callback]:
+    """The callbacks of a pretrain_diff.py run; the NaN guard comes before the logger (no NaN is logged)."""
+    return [
+        NanGuard(),
+        MetricsLogger(run.logging.tensorboard_dir, run.logging.metrics_file, enabled=is_logging_rank),
+        SignalHandler(),
+        ExitInterval(run.training.exit_interval),
+    ]

@@ -1,0 +1,263 @@
+"""The typed run configuration: the resolved command line, grouped by concern.
+
+`diffmeg.training.arguments` parses and validates Megatron-LM's flat flags into an `argparse.Namespace`;
+`RunConfig.from_args` converts it once, and everything after the entry point (the Trainer, checkpointing,
+the builders) reads typed groups: `run.model.hidden_size`, `run.optim.lr`, `run.checkpoint.save`.
+
+Every field is named as its flag (`--hidden-size` -> `hidden_size`), so `to_args()` gives the flat form
+back exactly: checkpoints keep writing the flat `args.json` that old checkpoints and the offline tools
+(conversion, the memory and FLOPs estimates) read. Flags no group knows (`--dry-run` and its options, or
+a flag added before a group names it) travel in `extra`, so nothing resolved is ever dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diffmeg.errors import DiffmegError
+
+_FLAG = "flag"
+"""Field metadata key: the flat argument name where it differs from the field's (`preset` <- `model`)."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The network: sizes, attention kind and initialisation (heads counted as `--num-attention-heads`)."""
+
+    preset: str | None = field(default=None, metadata={_FLAG: "model"})
+    """The `--model` preset the sizes came from (None: all given as flags)."""
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    """DIFF: differential heads (2 sub-heads of `kv_channels` each); baseline: heads."""
+    num_query_groups: int
+    kv_channels: int
+    seq_length: int
+    max_position_embeddings: int
+    vocab_size: int
+    """Padded vocabulary size."""
+    group_query_attention: bool = False
+    rotary_base: float = 10000.0
+    init_method_std: float = 0.02
+    norm_epsilon: float = 1e-5
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    diff_attention: bool = True
+    """False: the FLOP-matched Transformer baseline."""
+    diff_version: int = 1
+    """1: the paper's differential attention; 2: DIFF V2."""
+    lambda_init: str = "exp"
+    lambda_std: float = 0.1
+    diff_attn_backend: str = "auto"
+    transformer_impl: str = "local"
+    untie_embeddings_and_output_weights: bool = False
+    """Accepted for Megatron-LM compatibility; output weights are always untied."""
+
+    @property
+    def architecture(self) -> str:
+        if not self.diff_attention:
+            return "Transformer"
+        return "DIFF" if self.diff_version == 1 else "DIFF V2"
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the job is split: model-parallel sizes (data parallel is what remains of the world)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    cp_comm_type: str | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    distributed_backend: str = "auto"
+    distributed_timeout_minutes: int = 10
+    data_parallel_size: int = 1
+    """Derived by validation from the world size."""
+
+    @property
+    def world_size(self) -> int:
+        return (
+            self.data_parallel_size
+            * self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """Batches, length of the run, precision, recomputation and the seed."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int
+    train_iters: int
+    train_tokens: int | None = None
+    seed: int = 1234
+    exit_interval: int | None = None
+    """Save and exit at the first iteration divisible by this."""
+    bf16: bool = False
+    fp16: bool = False
+    fp8_format: str | None = None
+    fp8_recipe: str = "delayed"
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int
+    lr_decay_style: str = "linear"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    override_opt_param_scheduler: bool = False
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the tokens come from."""
+
+    data_path: list[str] | None = None
+    """Prefixes (`w1 p1 w2 p2 ...`), or ["builtin"]; None with mock data."""
+    mock_data: bool = False
+    split: str = "969,30,1"
+    data_cache_path: str | None = None
+    tokenizer_file: str | None = None
+    tokenizer_type: str = "cl100k_base"
+    num_workers: int = 0
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    ckpt_step: int | None = None
+    """Resume from this iteration of --load instead of the tracker's (Megatron-LM's --ckpt-step)."""
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    pretrained_checkpoint: str | None = None
+    """Weights to start from when --load holds no checkpoint yet (continued training)."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """What is reported, where and how often (evaluation included)."""
+
+    log_interval: int = 10
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    tensorboard_dir: str | None = None
+    metrics_file: str | None = None
+    verbose: bool = False
+    """Print the full resolved arguments at start (they are always written to the run directory)."""
+
+
+_GROUPS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+    "optim": OptimizerConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get(_FLAG, f.name)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """One training run, as resolved and validated by `diffmeg.training.arguments.resolve_args`."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    optim: OptimizerConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Resolved flags no group reads (`dry_run`, `explicit_flags`, ...), kept for `to_args()`."""
+    defaulted: frozenset[str] = frozenset()
+    """Flags the flat arguments lacked (filled with defaults here), left out again by `to_args()`."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | dict, partial: bool = False) -> RunConfig:
+        """Group the flat resolved arguments.
+
+        `partial`: for flat arguments that may lack fields (an old checkpoint's args.json, a test's
+        hand-made Namespace): a missing field takes its default, or None where it has none. Without it a
+        missing field without default is an error (the entry point always has every field).
+        """
+        flat = dict(args) if isinstance(args, dict) else dict(vars(args))
+        groups, defaulted = {}, set()
+        for name, cls_ in _GROUPS.items():
+            values = {}
+            for f in dataclasses.fields(cls_):
+                key = _flag(f)
+                if key in flat:
+                    values[f.name] = flat.pop(key)
+                    continue
+                defaulted.add(key)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    if not partial:
+                        raise DiffmegError(f"the run arguments lack {key!r}")
+                    values[f.name] = None
+            groups[name] = cls_(**values)
+        return cls(**groups, extra=flat, defaulted=frozenset(defaulted))
+
+    def to_args(self) -> argparse.Namespace:
+        """The flat arguments (Megatron-LM's names): for args.json and the flat-argument readers."""
+        flat: dict[str, Any] = {}
+        for name in _GROUPS:
+            group = getattr(self, name)
+            for f in dataclasses.fields(group):
+                if _flag(f) not in self.defaulted:
+                    flat[_flag(f)] = getattr(group, f.name)
+        flat.update(self.extra)
+        return argparse.Namespace(**dict(sorted(flat.items())))
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per rank per step."""
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.training.global_batch_size * self.model.seq_length
+
+
+def as_run_config(run: RunConfig | argparse.Namespace) -> RunConfig:
+    """A `RunConfig`, from itself or from resolved flat arguments (benchmarks and tools hold those)."""
+    return run if isinstance(run, RunConfig) else RunConfig.from_args(run)

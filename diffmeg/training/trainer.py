@@ -1,0 +1,394 @@
+"""The Trainer: one pretraining run on megatron-core, from a `RunConfig` to its last checkpoint.
+
+State: the model, optimizer and scheduler, and the counters (`TrainState`: iteration, consumed samples,
+skipped updates). `train_step()` is one optimizer step (megatron-core's pipeline schedule over this rank's
+micro-batches), `evaluate()` the validation loss, `train()` the loop. Around the loop: callbacks
+(`diffmeg.training.callbacks`: logs, the NaN guard, signals, --exit-interval) and the `CheckpointManager`
+(`diffmeg.training.checkpointing`), in the spirit of torchtitan's Trainer and OLMo-core's callbacks.
+
+Host syncs: a step leaves its loss on the device; the pending losses come to the host once per logging
+interval (and before a save or a stop), with the logged lambdas and loss scale, in one copy. The signal
+check's one-flag all-reduce per step is the only other host read in the loop (megatron-core's own
+optimizer step reads its grad norm and overflow flag every step anyway).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from diffmeg.compat import model_parallel_manual_seed
+from diffmeg.errors import DiffmegError
+from diffmeg.model import lambda_parameters
+from diffmeg.training import collectives
+from diffmeg.training.arguments import args_to_json
+from diffmeg.training.builders import build_training_objects
+from diffmeg.training.callbacks import Callback, LogRecord, default_callbacks
+from diffmeg.training.checkpointing import ARGUMENTS_FILE, CheckpointManager, unwrap_model
+from diffmeg.training.data import build_datasets, microbatches, to_device
+from diffmeg.training.distributed import initialize_distributed
+from diffmeg.training.flops import train_flops_per_iteration
+from diffmeg.training.logger import run_summary
+from diffmeg.training.run_config import RunConfig
+
+
+@dataclass
+class TrainState:
+    """Where the run is: what a checkpoint records besides model, optimizer, scheduler and RNG."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+
+
+@dataclass
+class StepOutput:
+    """One optimizer step, as the callbacks see it (nothing here forced a host sync)."""
+
+    iteration: int
+    loss: torch.Tensor | None
+    """This rank's mean over its micro-batches (a device scalar); None off the last pipeline stage."""
+    grad_norm: float | None
+    update_ok: bool
+
+
+def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    """One micro-batch forward; returns the output and the loss function megatron-core's schedules call."""
+    device = next(model.parameters()).device
+    batch = to_device(next(data_iterator), device)
+    loss_mask = batch["loss_mask"].float()
+    output = model(
+        input_ids=batch["tokens"],
+        position_ids=batch["position_ids"],
+        attention_mask=None,
+        labels=batch["labels"],
+    )
+
+    def loss_func(per_token_loss: torch.Tensor):
+        # Mean over the whole sequence. Under context parallelism this rank holds only some tokens:
+        # divide its sum by the CP-global token count (megatron-core's schedule then multiplies by the
+        # CP size and DDP averages over DP x CP, so the gradient is that of the global mean).
+        local_sum = (per_token_loss.float() * loss_mask).sum()
+        count = loss_mask.sum()
+        cp_group = parallel_state.get_context_parallel_group()
+        if cp_group.size() > 1:
+            count = collectives.all_reduce(count.clone(), group=cp_group)
+        loss = local_sum / count.clamp(min=1)
+        reported = loss.detach().clone()  # clone: the schedule scales the returned loss in place
+        if cp_group.size() > 1:
+            reported = collectives.all_reduce(reported, group=cp_group)
+        return loss, {"lm loss": reported}
+
+    return output, loss_func
+
+
+class Trainer:
+    """Builds everything a run needs on this rank (process groups, model, optimizer, scheduler, data),
+    resumes as the checkpoint flags say, and trains."""
+
+    def __init__(self, run: RunConfig, callbacks: Sequence[Callback] | None = None) -> None:
+        self.run = run
+        p, t = run.parallel, run.training
+        self.rank, self.world = initialize_distributed(p.distributed_backend, p.distributed_timeout_minutes)
+        if self.world != p.world_size:
+            raise DiffmegError(f"world size {self.world} does not match the layout validated from WORLD_SIZE")
+        sizes = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=sizes[0],
+                pipeline_model_parallel_size=sizes[1],
+                context_parallel_size=sizes[2],
+            )
+        elif sizes != (  # a process that already set up megatron-core (tests) must match the run
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+        ):
+            raise DiffmegError(
+                f"megatron-core's parallel state is set up for another layout than TP/PP/CP {sizes}"
+            )
+        model_parallel_manual_seed(t.seed)
+        self.checkpoints = CheckpointManager(run, log=self.log)
+        self.checkpoints.resolve()  # every bad --load / --ckpt-step fails here, before anything is built
+        self.checkpoints.check_save_target()
+        tokenizer = self._tokenizer()
+
+        self._rss_before_model = _rss_bytes("VmRSS")
+        self.model_config, self.model, self.optimizer, self.scheduler = build_training_objects(run)
+        self.device = next(self.model.parameters()).device
+        self.num_parameters = self._count_parameters()
+        self.checkpoints.check_room(self.num_parameters)
+        self._announce()
+        loaded = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
+        self.state = TrainState(loaded.iteration, loaded.consumed_samples)
+        self.train_ds, self.valid_ds, _ = build_datasets(run, tokenizer)
+
+        self.is_logging_rank = self.rank == self.world - 1  # the last rank holds the loss, as in Megatron-LM
+        self.callbacks = (
+            list(callbacks) if callbacks is not None else default_callbacks(run, self.is_logging_rank)
+        )
+        self.flops_per_iteration = train_flops_per_iteration(run.to_args())
+        self.stop_reason: str | None = None
+        self.interrupted = False
+        self.last_loss = math.nan
+        self._lambdas: dict[str, float] = {}
+        self._pending: list[tuple[int, torch.Tensor | None]] = []  # losses not yet on the host
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    def log(self, line: str) -> None:
+        """Print on rank 0."""
+        if self.rank == 0:
+            print(line, flush=True)
+
+    def _tokenizer(self):
+        d, m = self.run.data, self.run.model
+        if d.mock_data:
+            return None
+        if d.tokenizer_type == "null":
+            from diffmeg.data.tokenizer import IdTokenizer
+
+            return IdTokenizer(m.vocab_size)
+        from diffmeg.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(d.tokenizer_file)
+        if tokenizer.vocab_size > m.vocab_size:
+            raise DiffmegError(
+                f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
+            )
+        return tokenizer
+
+    def _count_parameters(self) -> int:
+        """Parameters of the whole model: each model-parallel rank's share, counted once over DP x CP."""
+        local = sum(p.numel() for p in unwrap_model(self.model).parameters())
+        first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        return int(collectives.all_reduce([float(local if first_replica else 0)]).item())
+
+    def _announce(self) -> None:
+        """The run in one line; the full arguments into the run directory (and on stdout with --verbose)."""
+        if self.rank != 0:
+            return
+        arguments = args_to_json(self.run.to_args())
+        path = self._write_arguments(arguments)
+        print(run_summary(self.run, self.num_parameters, path), flush=True)
+        if self.run.logging.verbose:
+            print("------------------------ arguments ------------------------", flush=True)
+            print(arguments, flush=True)
+            print("-------------------- end of arguments ---------------------", flush=True)
+
+    def _write_arguments(self, text: str) -> str | None:
+        """`arguments.json` beside the checkpoints (--save), else beside --metrics-file; its path or None."""
+        if self.run.checkpoint.save is not None:
+            directory = self.run.checkpoint.save
+        elif self.run.logging.metrics_file is not None:
+            directory = os.path.dirname(os.path.abspath(self.run.logging.metrics_file))
+        else:
+            return None
+        path = os.path.join(directory, ARGUMENTS_FILE)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        except OSError as exc:
+            print(f" could not write the arguments to {path}: {exc.strerror or exc}", flush=True)
+            return None
+        return path
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def _forward_backward(self, batches: Iterator, forward_only: bool) -> torch.Tensor | None:
+        """This rank's mean loss over the micro-batches (last stage; a device scalar), else None."""
+        t = self.run.training
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=batches,
+            model=[self.model],
+            num_microbatches=self.run.num_microbatches,
+            seq_length=self.run.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=forward_only,
+        )
+        if parallel_state.is_pipeline_last_stage():
+            return torch.stack([d["lm loss"] for d in losses]).mean()
+        return None
+
+    def _batches(self, dataset, start: int) -> Iterator[dict[str, torch.Tensor]]:
+        t = self.run.training
+        return microbatches(
+            dataset, start, t.global_batch_size, t.micro_batch_size, pin_memory=self.device.type == "cuda"
+        )
+
+    def train_step(self) -> StepOutput:
+        """One optimizer step over the next global batch; advances the counters."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._forward_backward(self._batches(self.train_ds, self.state.consumed_samples), False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.state.iteration += 1
+        self.state.consumed_samples += self.run.training.global_batch_size
+        if update_ok:
+            self.scheduler.step(increment=1)
+        else:
+            self.state.skipped_iterations += 1
+        return StepOutput(self.state.iteration, loss, grad_norm, bool(update_ok))
+
+    def evaluate(self) -> float:
+        """Mean validation loss over `--eval-iters` global batches (deterministic: always the first ones)."""
+        n, batch = self.run.logging.eval_iters, self.run.training.global_batch_size
+        self.model.eval()
+        with torch.no_grad():
+            losses = [self._forward_backward(self._batches(self.valid_ds, i * batch), True) for i in range(n)]
+        self.model.train()
+        values, _ = self._to_host(losses)
+        return sum(values) / max(1, n)
+
+    def _to_host(
+        self, losses: list[torch.Tensor | None], extras: Sequence[torch.Tensor] = ()
+    ) -> tuple[list[float], list[float]]:
+        """Losses averaged over data- and context-parallel ranks and known on every rank, plus this rank's
+        `extras`, on the host: two small all-reduces and one device-to-host copy.
+
+        Every CP rank holds the same number of tokens, so the mean of their means is the sequence mean.
+        """
+        n = len(losses)
+        shared = collectives.small_tensor([0.0] * (n + 1))
+        if parallel_state.is_pipeline_last_stage() and n:
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            local = collectives.all_reduce(
+                torch.stack(losses), group=group
+            ) / torch.distributed.get_world_size(group)
+            shared[:n] = local.double()
+            shared[n] = 1.0
+        collectives.all_reduce(shared)  # sum over the last stage's ranks, which hold the same values
+        values = shared[:n] / shared[n].clamp(min=1)
+        flat = [values] + [e.detach().double().flatten().to(values.device) for e in extras]
+        host = torch.cat(flat).tolist()
+        return host[:n], host[n:]
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    def request_stop(self, reason: str, interrupted: bool = False) -> None:
+        """Save (with --save) and stop after this step; `interrupted`: Ctrl-C (the exit status says so)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self.interrupted = self.interrupted or interrupted
+
+    def _call(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    def _flush(self, log_step: bool) -> list[float]:
+        """Bring the pending losses to the host (the callbacks' `on_losses`, e.g. the NaN guard, see them);
+        at a logging step also the loss scale and lambdas, which it returns."""
+        extras = []
+        lambdas = lambda_parameters(unwrap_model(self.model)) if log_step else {}
+        if log_step:
+            extras = [self.optimizer.get_loss_scale().reshape(1), *(v.reshape(1) for v in lambdas.values())]
+        iterations = [it for it, _ in self._pending]
+        values, extra_values = self._to_host([loss for _, loss in self._pending], extras)
+        self._pending.clear()
+        losses = dict(zip(iterations, values, strict=True))
+        if values:
+            self.last_loss = values[-1]
+        self._call("on_losses", losses)
+        self._lambdas = dict(zip(lambdas, extra_values[1:], strict=True))
+        return extra_values
+
+    def train(self) -> dict:
+        """Train to --train-iters (or until a callback stops the run). Returns a summary for callers."""
+        run, state = self.run, self.state
+        train_iters, log_interval = run.training.train_iters, run.logging.log_interval
+        window_start, window_iters = time.perf_counter(), 0
+        self.model.train()
+        self._call("on_train_start")
+        try:
+            while state.iteration < train_iters:
+                out = self.train_step()
+                self._pending.append((out.iteration, out.loss))
+                window_iters += 1
+                self._call("on_step_end", out)
+                it, stopping = out.iteration, self.stop_reason is not None
+                final = it == train_iters
+                save = self.checkpoints.due(it, final or stopping)
+                log_step = it % log_interval == 0 or final
+                if log_step or save or stopping:
+                    extra = self._flush(log_step)
+                    if log_step:
+                        elapsed = (time.perf_counter() - window_start) / window_iters
+                        record = LogRecord(
+                            iteration=it,
+                            train_iters=train_iters,
+                            consumed_samples=state.consumed_samples,
+                            elapsed_ms=elapsed * 1000,
+                            tflops=self.flops_per_iteration / elapsed / self.world / 1e12,
+                            lr=self.optimizer.param_groups[0]["lr"],
+                            global_batch_size=run.training.global_batch_size,
+                            loss=self.last_loss,
+                            grad_norm=out.grad_norm,
+                            loss_scale=extra[0],
+                            lambdas=self._lambdas,
+                            skipped=state.skipped_iterations,
+                        )
+                        self._call("on_log", record)
+                        window_start, window_iters = time.perf_counter(), 0
+                if (
+                    self.valid_ds is not None
+                    and run.logging.eval_iters > 0
+                    and it % run.logging.eval_interval == 0
+                ):
+                    self._call("on_evaluation", it, self.evaluate())
+                if save:
+                    self.checkpoints.save(
+                        it, state.consumed_samples, self.model, self.optimizer, self.scheduler
+                    )
+                if self.stop_reason is not None:
+                    self.log(f" exiting at iteration {it} ({self.stop_reason})")
+                    break
+        finally:
+            self._call("on_train_end")
+        memory = self._memory_report()
+        if self.is_logging_rank:
+            print(
+                f" memory (MiB) | measured peak: {memory['measured_peak_mib']:.1f} | "
+                f"estimated: {memory['estimated_mib']:.1f} | ({memory['what']})",
+                flush=True,
+            )
+        return {
+            "iteration": state.iteration,
+            "consumed_samples": state.consumed_samples,
+            "lm_loss": self.last_loss,
+            "memory": memory,
+            "stop_reason": self.stop_reason,
+            "exit_code": 130 if self.interrupted else 0,
+        }
+
+    def _memory_report(self) -> dict:
+        """Measured peak vs `diffmeg.training.memory` estimate (GPU: allocator peak; CPU: RSS growth)."""
+        from diffmeg.training.memory import estimate_memory
+
+        estimate = estimate_memory(self.run.to_args())
+        if torch.cuda.is_available():
+            measured, what = torch.cuda.max_memory_allocated(), "GPU max allocated"
+        else:
+            measured = _rss_bytes("VmHWM") - self._rss_before_model
+            what = "CPU peak RSS growth since model build"
+        return {"measured_peak_mib": measured / 2**20, "estimated_mib": estimate.total / 2**20, "what": what}
+
+
+def _rss_bytes(field: str) -> int:
+    """VmRSS / VmHWM (peak) of this process from /proc, in bytes (0 where /proc is unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

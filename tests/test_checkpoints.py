@@ -1,0 +1,117 @@
+"""diffmeg.checkpoints' writer and reader when things go wrong: a full disk while saving (a fault injected at
+the writer) and a damaged checkpoint (the file that failed, the iteration, the others to pick from)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from diffmeg import checkpoints
+from diffmeg.checkpoints import TRACKER_FILE, load_sharded, read_tracker, write_checkpoint
+from diffmeg.errors import DiffmegError
+
+
+def _state(iteration: int) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    weight = torch.arange(1000, dtype=torch.float32) + iteration
+    return {"w": ShardedTensor.from_rank_offsets("w", weight), "iteration": iteration}
+
+
+def _load(root, iteration: int, pick_flag: str = "--iteration") -> torch.Tensor:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    template = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(1000))}
+    return load_sharded(template, checkpoints.checkpoint_path(str(root), iteration), pick_flag)["w"]
+
+
+def _fail_mid_write(exc: BaseException):
+    """dist_checkpointing.save that writes part of a shard, then fails as a full disk makes it fail."""
+
+    def save(state, path, *args, **kwargs):
+        with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
+            f.write(b"\0" * 4096)
+        raise exc
+
+    return save
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("[enforce fail at inline_container.cc:783] . unexpected pos 704 vs 598"),
+    ],
+    ids=["ENOSPC", "torch-zip-writer"],
+)
+def test_disk_full_while_saving_is_one_line_and_loses_nothing(
+    single_rank_parallel_state, tmp_path, monkeypatch, fault
+):
+    """Issue 16, item 3: the line names the directory, free space and size; the partial iter_N is gone;
+    the tracker still names the previous checkpoint, which still loads."""
+    from megatron.core import dist_checkpointing
+
+    root = tmp_path / "ckpt"
+    write_checkpoint(str(root), 1, _state(1), {"seq_length": 8})
+    monkeypatch.setattr(dist_checkpointing, "save", _fail_mid_write(fault))
+    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 3 * 2**20)
+    with pytest.raises(DiffmegError) as err:
+        write_checkpoint(str(root), 2, _state(2), {"seq_length": 8}, expected_bytes=40 * 2**20)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"disk full while saving iteration 2 to {root}: 3.0 MiB free")
+    assert "the checkpoint needs about 40.0 MiB" in message and "removed the partial iter_0000002" in message
+    assert "the latest checkpoint is still iteration 1" in message
+    assert not (root / "iter_0000002").exists() and read_tracker(str(root)) == 1
+    monkeypatch.undo()
+    assert torch.equal(_load(root, 1), torch.arange(1000, dtype=torch.float32) + 1)
+
+
+def test_another_save_failure_is_one_line_too(single_rank_parallel_state, tmp_path, monkeypatch):
+    from megatron.core import dist_checkpointing
+
+    root = tmp_path / "ckpt"
+    monkeypatch.setattr(dist_checkpointing, "save", _fail_mid_write(PermissionError(errno.EACCES, "denied")))
+    with pytest.raises(
+        DiffmegError, match=r"cannot save iteration 3 to .*: \[Errno 13\] denied; .*no earlier"
+    ):
+        write_checkpoint(str(root), 3, _state(3), {}, expected_bytes=100)
+    assert not (root / "iter_0000003").exists() and not (root / TRACKER_FILE).exists()
+
+
+def test_a_damaged_checkpoint_names_the_file_and_the_alternatives(single_rank_parallel_state, tmp_path):
+    """Issue 16, item 4: not "remove the directory" but which file, which iteration, and what else loads."""
+    root = tmp_path / "ckpt"
+    for it in (1, 2, 3):
+        write_checkpoint(str(root), it, _state(it), {})
+    shard = next((root / "iter_0000003").glob("*.distcp"))
+    shard.write_bytes(b"garbage")
+    with pytest.raises(DiffmegError) as err:
+        _load(root, 3, "--ckpt-step")
+    message = str(err.value)
+    assert message.startswith(
+        f"cannot load checkpoint iteration 3 of {root}: iter_0000003/{shard.name} is 7 bytes"
+    )
+    assert message.endswith(f"other complete iterations in {root}: 1, 2; start from one with --ckpt-step N")
+    assert "remove" not in message and "\n" not in message
+
+
+def test_damage_inside_a_chunk_is_found(single_rank_parallel_state, tmp_path):
+    root = tmp_path / "ckpt"
+    write_checkpoint(str(root), 1, _state(1), {})
+    shard = next((root / "iter_0000001").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[:64] = b"x" * 64  # the first chunk's zip header: same size, unreadable
+    shard.write_bytes(bytes(data))
+    found = checkpoints.damaged_file(str(root / "iter_0000001"))
+    assert found is not None and found[0] == f"iter_0000001/{shard.name}" and "unreadable" in found[1]
+    with pytest.raises(DiffmegError, match="no other complete iteration"):
+        _load(root, 1)
+
+
+def test_an_intact_checkpoint_has_no_damaged_file(single_rank_parallel_state, tmp_path):
+    write_checkpoint(str(tmp_path), 5, _state(5), {})
+    assert checkpoints.damaged_file(str(tmp_path / "iter_0000005")) is None

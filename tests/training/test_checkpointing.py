@@ -1,0 +1,185 @@
+"""CheckpointManager: where a run starts (--load/--save/--ckpt-step), the --save checks before training,
+and RNG states that resume across device types."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from diffmeg.checkpoints import ARGS_FILE, TRACKER_FILE
+from diffmeg.errors import DiffmegError
+from diffmeg.training import checkpointing
+from diffmeg.training.arguments import resolve_args
+from diffmeg.training.checkpointing import CheckpointManager
+from diffmeg.training.run_config import RunConfig
+
+
+def _manager(*flags: str) -> tuple[CheckpointManager, list[str]]:
+    run = RunConfig.from_args(resolve_args(["--model", "diff-tiny", "--mock-data", *flags], world_size=1))
+    lines: list[str] = []
+    return CheckpointManager(run, log=lines.append), lines
+
+
+def _fake_checkpoints(root, iterations, tracker=None) -> str:
+    for it in iterations:
+        os.makedirs(root / f"iter_{it:07d}")
+        (root / f"iter_{it:07d}" / ARGS_FILE).write_text("{}")
+    if tracker is not None:
+        (root / TRACKER_FILE).write_text(str(tracker))
+    return str(root)
+
+
+# ------------------------------------------------------------------------------------ where a run starts
+
+
+def test_same_new_directory_for_save_and_load_starts_from_scratch(tmp_path):
+    """Issue 16, item 1: `--save D --load D` on a job's first start (D not there yet)."""
+    d = str(tmp_path / "ckpt")
+    manager, lines = _manager("--save", d, "--load", d)
+    assert manager.resolve() is None
+    assert lines == [f" no checkpoint in {d}, starting from scratch"]
+
+
+def test_an_empty_load_directory_starts_from_scratch(tmp_path):
+    manager, lines = _manager("--load", str(tmp_path))
+    assert manager.resolve() is None and "starting from scratch" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "make,flags,match",
+    [
+        (lambda t: None, ["--load", "{t}/ckpt_typo"], "does not exist"),
+        (lambda t: None, ["--load", "{t}/ckpt_typo", "--save", "{t}/ckpt"], "does not exist"),
+        (lambda t: (t / "file").write_text("x"), ["--load", "{t}/file"], "is a file"),
+        (
+            lambda t: (t / "data.bin").write_text("x"),
+            ["--load", "{t}", "--save", "{t}/c"],
+            "not a checkpoint dir",
+        ),
+    ],
+    ids=["typo", "typo-other-save", "file", "foreign-directory"],
+)
+def test_a_load_that_is_not_a_checkpoint_is_one_line(tmp_path, make, flags, match):
+    make(tmp_path)
+    manager, _ = _manager(*(f.format(t=tmp_path) for f in flags))
+    with pytest.raises(DiffmegError, match=match) as err:
+        manager.resolve()
+    assert "\n" not in str(err.value)
+
+
+def test_ckpt_step_picks_any_complete_iteration(tmp_path):
+    root = _fake_checkpoints(tmp_path / "c", [2, 4], tracker=4)
+    assert _manager("--load", root)[0].resolve() == 4
+    assert _manager("--load", root, "--ckpt-step", "2")[0].resolve() == 2
+    with pytest.raises(DiffmegError, match=r"--ckpt-step 3: .* \(complete: 2, 4\)"):
+        _manager("--load", root, "--ckpt-step", "3")[0].resolve()
+
+
+def test_checkpoints_without_tracker_list_what_can_be_resumed(tmp_path):
+    root = _fake_checkpoints(tmp_path / "c", [2, 4])
+    os.makedirs(tmp_path / "c" / "iter_0000006")  # died mid-save: no args.json
+    with pytest.raises(DiffmegError, match=r"complete iterations: 2, 4; start from one with --ckpt-step N"):
+        _manager("--load", root)[0].resolve()
+
+
+def test_ckpt_step_needs_load():
+    with pytest.raises(DiffmegError, match="--ckpt-step needs --load"):
+        _manager("--ckpt-step", "2")
+
+
+# ------------------------------------------------------------------------------------ the --save checks
+
+
+@pytest.mark.parametrize(
+    "save,match", [("/proc/nope", "cannot be created"), ("/proc", "is not writable")], ids=["create", "write"]
+)
+def test_an_unusable_save_target_is_one_line(single_rank_parallel_state, save, match):
+    """Issue 16, item 2: found before training, not at the first save."""
+    manager, _ = _manager("--save", save)
+    with pytest.raises(DiffmegError, match=f"--save {save} {match}") as err:
+        manager.check_save_target()
+    assert "\n" not in str(err.value)
+
+
+def test_a_save_target_is_created(single_rank_parallel_state, tmp_path):
+    save = tmp_path / "a" / "b"
+    _manager("--save", str(save))[0].check_save_target()
+    assert save.is_dir() and not os.listdir(save)
+
+
+def test_a_save_target_needs_room_for_one_checkpoint(single_rank_parallel_state, tmp_path, monkeypatch):
+    manager, _ = _manager("--save", str(tmp_path))
+    manager.check_room(3_000_000)  # 36 MB: fits
+    assert manager.checkpoint_bytes == 3_000_000 * 12  # fp32 weights + two Adam moments
+    monkeypatch.setattr(checkpointing, "free_bytes", lambda path: 10 * 2**20)
+    with pytest.raises(
+        DiffmegError, match=r"has 10.0 MiB free, one checkpoint of this model needs about 34.3 MiB"
+    ):
+        manager.check_room(3_000_000)
+
+
+def test_checkpoint_size_follows_precision():
+    run = RunConfig.from_args(resolve_args(["--model", "diff-tiny", "--mock-data", "--bf16"], world_size=1))
+    assert checkpointing.checkpoint_bytes(10, run.training) == 10 * (2 + 4 + 8)
+
+
+# ------------------------------------------------------------------------------------ RNG across devices
+
+
+class PhiloxTracker:
+    """megatron-core's CUDA RNG tracker, as far as states go: fork() sets a 16-byte Philox state."""
+
+    def __init__(self) -> None:
+        self.states = {"model-parallel-rng": torch.zeros(16, dtype=torch.uint8)}
+
+    def get_states(self) -> dict:
+        return dict(self.states)
+
+    def set_states(self, states: dict) -> None:
+        self.states = states
+
+    @contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if self.states[name].numel() != 16:  # what torch.cuda.set_rng_state says to a CPU generator state
+            raise RuntimeError("RNG state is wrong size")
+        yield
+
+
+def test_cpu_saved_rng_state_resumes_on_another_device_type(single_rank_parallel_state, monkeypatch):
+    """Issue 17, item 6: a CPU checkpoint's tracker states are skipped on CUDA (and said so), not set."""
+    from megatron.core import tensor_parallel
+
+    saved = checkpointing.rng_state()
+    assert saved["device_type"] == "cpu"
+    tracker = PhiloxTracker()
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: tracker)
+    monkeypatch.setattr(checkpointing, "rng_device_type", lambda: "cuda")
+    lines: list[str] = []
+    checkpointing.restore_rng_state(saved, lines.append)
+    with tracker.fork():  # the CPU states were not set into the CUDA tracker
+        pass
+    assert len(lines) == 1 and "saved on cpu and cannot be restored on cuda" in lines[0]
+
+
+def test_rng_device_type_of_checkpoints_without_the_field():
+    cpu = {"tracker": {"model-parallel-rng": torch.get_rng_state()}}  # 5056 bytes
+    cuda = {"tracker": {"model-parallel-rng": torch.zeros(16, dtype=torch.uint8)}}
+    assert checkpointing.saved_rng_device_type(cpu) == "cpu"
+    assert checkpointing.saved_rng_device_type(cuda) == "cuda"
+
+
+def test_same_device_rng_state_is_restored_exactly(single_rank_parallel_state):
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved = checkpointing.rng_state()
+    with tracker.fork():
+        first = torch.rand(4)
+    lines: list[str] = []
+    checkpointing.restore_rng_state(saved, lines.append)
+    with tracker.fork():
+        again = torch.rand(4)
+    assert torch.equal(first, again) and not lines

@@ -1,0 +1,172 @@
+"""The Trainer in process, on a one-layer model: hooks, host syncs, the NaN guard, stops, pinned batches."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from diffmeg.errors import DiffmegError
+from diffmeg.training import data as training_data
+from diffmeg.training.arguments import resolve_args
+from diffmeg.training.callbacks import Callback, NanGuard, default_callbacks
+from diffmeg.training.run_config import RunConfig
+
+SMALL = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32"]
+SMALL += ["--mock-data", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]
+SMALL += ["--lr", "1e-3", "--eval-iters", "0"]
+
+
+@pytest.fixture
+def trainer_of(single_rank_parallel_state, monkeypatch):
+    """Build a Trainer for extra flags in this process (the launcher variables it sets are restored)."""
+    from diffmeg.training.trainer import Trainer
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+
+    def build(*flags: str, callbacks=None, extra_callbacks=()):
+        run = RunConfig.from_args(resolve_args([*SMALL, *flags], world_size=1))
+        if callbacks is None:
+            callbacks = [*default_callbacks(run, is_logging_rank=True), *extra_callbacks]
+        return Trainer(run, callbacks=callbacks)
+
+    return build
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def on_train_start(self, trainer) -> None:
+        self.events.append(("start",))
+
+    def on_step_end(self, trainer, out) -> None:
+        assert isinstance(out.loss, torch.Tensor)  # still on the device: nothing synced yet
+        self.events.append(("step", out.iteration))
+
+    def on_losses(self, trainer, losses) -> None:
+        self.events.append(("losses", sorted(losses)))
+
+    def on_log(self, trainer, record) -> None:
+        self.events.append(("log", record.iteration, record.loss))
+
+    def on_train_end(self, trainer) -> None:
+        self.events.append(("end",))
+
+
+def test_hooks_and_one_host_read_of_the_losses_per_logging_interval(trainer_of, monkeypatch, capsys):
+    """Issue 17, item 10: between logging steps the losses stay on the device; each logging step brings
+    them (with lambdas and loss scale) to the host in one copy. The one other read is the signal flag."""
+    recorder = Recorder()
+    trainer = trainer_of("--train-iters", "6", "--log-interval", "3", extra_callbacks=[recorder])
+    reads: list[tuple[int, str]] = []
+
+    def counting(method):
+        def wrapper(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            if f"{os.sep}diffmeg{os.sep}" in caller.f_code.co_filename:
+                reads.append((trainer.state.iteration, caller.f_code.co_name))
+            return method(self, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(torch.Tensor, "item", counting(torch.Tensor.item))
+    monkeypatch.setattr(torch.Tensor, "tolist", counting(torch.Tensor.tolist))
+    summary = trainer.train()
+    monkeypatch.undo()
+
+    assert [r for r in reads if r[1] != "any_rank"] == [(3, "_to_host"), (6, "_to_host")]
+    assert [r[0] for r in reads if r[1] == "any_rank"] == [1, 2, 3, 4, 5, 6]  # one flag per step
+    kinds = [e[0] for e in recorder.events]
+    assert kinds == [
+        "start",
+        "step",
+        "step",
+        "step",
+        "losses",
+        "log",
+        "step",
+        "step",
+        "step",
+        "losses",
+        "log",
+        "end",
+    ]
+    assert recorder.events[4] == ("losses", [1, 2, 3])
+    logged = [e for e in recorder.events if e[0] == "log"]
+    assert [e[1] for e in logged] == [3, 6] and summary["lm_loss"] == logged[-1][2]
+    out = capsys.readouterr().out
+    assert "iteration        3/       6 |" in out and "iteration        1/" not in out
+
+
+def test_a_callback_stops_the_run_after_saving(trainer_of, tmp_path, capsys):
+    class StopAtTwo(Callback):
+        def on_step_end(self, trainer, out) -> None:
+            if out.iteration == 2:
+                trainer.request_stop("test")
+
+    ckpt = str(tmp_path / "ckpt")
+    trainer = trainer_of(
+        "--train-iters", "5", "--save", ckpt, "--log-interval", "10", extra_callbacks=[StopAtTwo()]
+    )
+    summary = trainer.train()
+    assert (summary["iteration"], summary["stop_reason"], summary["exit_code"]) == (2, "test", 0)
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "2"
+    assert " exiting at iteration 2 (test)" in capsys.readouterr().out
+
+
+def test_nan_guard_names_the_first_bad_iteration():
+    with pytest.raises(DiffmegError, match=r"lm loss is nan at iteration 2; stopping"):
+        NanGuard().on_losses(None, {3: math.nan, 1: 2.0, 2: math.nan})
+    NanGuard().on_losses(None, {1: 2.0})
+
+
+def test_a_nan_loss_is_never_saved(trainer_of, tmp_path):
+    """Losses reach the host at the latest before a save: a run saving every step and logging rarely
+    stops at its first non-finite loss, and its last checkpoint is the step before it."""
+    ckpt = tmp_path / "ckpt"
+    flags = ["--train-iters", "40", "--log-interval", "100", "--save", str(ckpt), "--save-interval", "1"]
+    flags += ["--lr", "1e6", "--min-lr", "1e6", "--clip-grad", "0", "--lr-warmup-iters", "0"]
+    trainer = trainer_of(*flags)
+    with pytest.raises(DiffmegError, match=r"lm loss is (nan|inf) at iteration (\d+)") as err:
+        trainer.train()
+    bad = int(str(err.value).split("at iteration ")[1].split(";")[0])
+    assert bad > 1 and (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(bad - 1)
+
+
+def test_batches_are_pinned_and_copied_asynchronously_for_cuda(single_rank_parallel_state, monkeypatch):
+    pinned, copies = [], []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.shape) or self)
+    batches = training_data.microbatches(training_data.MockTokenDataset(64, 8, 0), 0, 2, 1, pin_memory=True)
+    batch = next(batches)
+    assert len(pinned) == 4  # tokens, labels, loss mask, positions
+
+    def to(self, device, non_blocking=False):
+        copies.append((str(device), non_blocking))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    training_data.to_device(batch, torch.device("cuda", 0))
+    training_data.to_device(batch, torch.device("cpu"))
+    assert copies == [("cuda:0", True)] * 4 + [("cpu", False)] * 4
+
+
+def test_evaluation_runs_at_its_interval(trainer_of, capsys):
+    class Evaluations(Callback):
+        seen: list[tuple[int, float]] = []
+
+        def on_evaluation(self, trainer, iteration, loss) -> None:
+            self.seen.append((iteration, loss))
+
+    trainer = trainer_of(
+        "--train-iters", "4", "--eval-iters", "2", "--eval-interval", "2", extra_callbacks=[Evaluations()]
+    )
+    trainer.train()
+    assert [it for it, _ in Evaluations.seen] == [2, 4]
+    assert all(math.isfinite(loss) and 0 < loss < 10 for _, loss in Evaluations.seen)
+    assert trainer.evaluate() == Evaluations.seen[-1][1]  # the same first batches every time, weights as at 4
+    assert " validation loss at iteration 4 | lm loss value: " in capsys.readouterr().out
