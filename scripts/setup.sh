@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install diffmeg with its CPU test dependencies into the current Python. Idempotent; safe to re-run.
 #
-#   bash scripts/setup.sh            # core + dev + MPI extras
+#   bash scripts/setup.sh            # core + dev, MPI, HF, eval and harness extras
 #
 # torch is installed first and only if missing, so an existing (CUDA) torch is kept and pip never
 # resolves a multi-GB CUDA build on a CPU machine. If a local cl100k_base BPE file is available
@@ -15,7 +15,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[dev,mpi,hf,eval]"
+# harness: lm-eval for tools/eval_harness.py and its tests (~2.5 min the first time; keeps the torch above).
+"$PY" -m pip install -q -e ".[dev,mpi,hf,eval,harness]"
 # deepspeed (FLOPs-profiler cross-check; Ulysses reference design) without compiling its CUDA ops.
 "$PY" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 "$PY" -m pip install -q "deepspeed>=0.15"
 

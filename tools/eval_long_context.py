@@ -8,8 +8,11 @@ For each document of at least --min-doc-length tokens (default: the evaluated le
 document fills every position), the first --max-length + 1 tokens (default: the checkpoints' training
 length) give one prediction per position; position p is token p + 1 predicted from tokens 0..p. The
 NLL is averaged over documents per position and reported as the cumulative average over positions
-0..p. Writes long_context_nll.csv (position, one column per checkpoint), long_context_nll.png (log x
-axis) and summary.json into --output-dir. See docs/evaluation.md.
+0..p. With --prefix-eod, an end-of-document token goes before each document, as lm-eval scores a
+document (loglikelihood_rolling): position p is then document token p given the EOD and tokens 0..p-1,
+and documents need --max-length tokens. Writes long_context_nll.csv (position, one column per
+checkpoint), long_context_nll.png (log x axis) and summary.json into --output-dir. See
+docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--csv-every", type=int, default=1, help="CSV keeps position 0, every N-th and the last (plot: all)"
+    )
+    p.add_argument(
+        "--prefix-eod",
+        action="store_true",
+        help="score as lm-eval does: an end-of-document token before each document, so position p is "
+        "document token p (the first one included) given the EOD and the tokens before it",
     )
     return cli.parse(p, argv)
 

@@ -61,6 +61,14 @@ def default_labels(infos: Sequence[CheckpointInfo]) -> list[str]:
     return labels
 
 
+def eod_id(info: CheckpointInfo) -> int:
+    """The end-of-document token of the ids a checkpoint reads: cl100k's `<|endoftext|>`, or the last id
+    of a mock / `--tokenizer-type null` vocabulary (the convention of the generated corpora)."""
+    from diffmeg.data.tokenizer import EOD_ID
+
+    return EOD_ID if info.tokenizer == "cl100k_base" else info.vocab_size - 1
+
+
 @dataclass
 class CheckpointSet:
     """The --load/--label/--iteration flags of a tool, resolved before any weights are read."""
@@ -195,6 +203,15 @@ def write_json(path: str, data: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2, default=str)
         f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_jsonl(path: str, records: Sequence[dict]) -> None:
+    """One JSON object per line, written atomically."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for record in records:
+            f.write(json.dumps(record, default=str) + "\n")
     os.replace(tmp, path)
 
 

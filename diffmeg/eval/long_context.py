@@ -28,6 +28,7 @@ from diffmeg.errors import DiffmegError
 from diffmeg.eval.common import (
     EvalConfig,
     Log,
+    eod_id,
     expand_text_files,
     loaded_models,
     read_text_file,
@@ -235,6 +236,16 @@ def _hidden_states_only(model: torch.nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
+def final_hidden_states(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The final normed hidden states [s, b, h] of inputs [b, s] at positions 0..s-1: what the output
+    projection (`model.output_layer`) turns into logits, for callers that need only some positions."""
+    b, s = inputs.shape
+    position_ids = torch.arange(s, device=inputs.device).unsqueeze(0).expand(b, s)
+    with _hidden_states_only(model):
+        return model(input_ids=inputs, position_ids=position_ids, attention_mask=None)
+
+
+@torch.no_grad()
 def per_token_nll(
     model: torch.nn.Module, tokens: torch.Tensor, chunk_size: int | None = 4096
 ) -> torch.Tensor:
@@ -251,8 +262,7 @@ def per_token_nll(
     if chunk_size is None:
         loss = model(input_ids=inputs, position_ids=position_ids, attention_mask=None, labels=labels)
         return loss.float()
-    with _hidden_states_only(model):
-        hidden = model(input_ids=inputs, position_ids=position_ids, attention_mask=None)  # [s, b, h]
+    hidden = final_hidden_states(model, inputs)  # [s, b, h]
     out = torch.empty(b, s, dtype=torch.float32, device=tokens.device)
     for start in range(0, s, chunk_size):
         stop = min(s, start + chunk_size)
@@ -271,10 +281,11 @@ def _check_token_ids(source: DocumentSource, index: int, tokens: np.ndarray, voc
         )
 
 
-def check_token_ids(source: DocumentSource, indices: np.ndarray, length: int, vocab_size: int) -> None:
-    """Every evaluated token is a row of the embedding (checked before any model is loaded)."""
+def check_token_ids(source: DocumentSource, indices: np.ndarray, count: int, vocab_size: int) -> None:
+    """Every evaluated token (the first `count` of each document) is a row of the embedding (checked
+    before any model is loaded)."""
     for i in indices:
-        _check_token_ids(source, int(i), source.read(int(i), length + 1), vocab_size)
+        _check_token_ids(source, int(i), source.read(int(i), count), vocab_size)
 
 
 def _batches(indices: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
@@ -293,15 +304,20 @@ def evaluate_model(
     chunk_size: int | None = 4096,
     log: Log = stderr,
     label: str = "",
+    prefix: int | None = None,
 ) -> PositionStats:
-    """Per-position NLL sums of `model` over documents `indices`, each cut to `length + 1` tokens."""
+    """Per-position NLL sums of `model` over documents `indices`, each cut to `length + 1` tokens; with
+    a `prefix` token id (lm-eval's way), that token and the first `length` tokens of each document, so
+    position p is document token p given the prefix and tokens 0..p-1."""
     device = next(model.parameters()).device
     stats = PositionStats(length)
     started = last_log = time.monotonic()
     for batch in _batches(indices, batch_size):
-        docs = [source.read(int(i), length + 1) for i in batch]
+        docs = [source.read(int(i), length + (prefix is None)) for i in batch]
         for i, doc in zip(batch, docs, strict=True):
             _check_token_ids(source, int(i), doc, vocab_size)
+        if prefix is not None:
+            docs = [np.concatenate([[prefix], doc]) for doc in docs]
         width = max(len(d) for d in docs)
         padded = np.zeros((len(docs), width), dtype=np.int64)  # a causal model never sees the padding
         for row, doc in enumerate(docs):
@@ -365,6 +381,9 @@ class LongContextConfig(EvalConfig):
     batch_size: int = 1
     loss_chunk_size: int | None = 4096
     csv_every: int = 1
+    prefix_eod: bool = False
+    """Put the end-of-document token before every document, as lm-eval's `loglikelihood_rolling` does,
+    so the first document token is scored too and sums compare with lm-eval's per document."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -403,7 +422,8 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
     start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
     length = resolve_length(infos, cfg.max_length, log)
-    min_doc_length = cfg.min_doc_length if cfg.min_doc_length is not None else length + 1
+    scored = length + (not cfg.prefix_eod)  # document tokens read per document
+    min_doc_length = cfg.min_doc_length if cfg.min_doc_length is not None else scored
     source = _document_source(cfg, infos[0])
     indices = select_documents(source.lengths, min_doc_length, cfg.num_docs, cfg.seed)
     log(
@@ -412,7 +432,8 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
         f"{length} positions"
     )
 
-    check_token_ids(source, indices, length, infos[0].vocab_size)
+    check_token_ids(source, indices, scored, infos[0].vocab_size)
+    prefix = eod_id(infos[0]) if cfg.prefix_eod else None
 
     results: list[tuple[CheckpointInfo, PositionStats, float]] = []
     started = time.monotonic()
@@ -427,6 +448,7 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
             chunk_size=cfg.loss_chunk_size,
             log=log,
             label=info.label,
+            prefix=prefix,
         )
         results.append((info, stats, time.monotonic() - started))  # loading included
         started = time.monotonic()
@@ -458,6 +480,7 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
         "seed": cfg.seed,
         "dtype": cfg.dtype,
         "csv_every": cfg.csv_every,
+        "prefix_eod": prefix,
         "checkpoints": [
             {
                 "label": info.label,

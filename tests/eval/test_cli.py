@@ -79,6 +79,21 @@ def test_every_tool_flag_reaches_its_config(tool, config, argv, field, value):
     assert (cfg.checkpoints.loads, cfg.output_dir, cfg.plot) == (["ckpt"], "out", False)
 
 
+def test_harness_flags_reach_its_config():
+    pytest.importorskip("lm_eval")
+    from diffmeg.eval.harness import HarnessConfig
+
+    argv = ["--load", "ckpt", "--tasks", "paper", "x.yaml", "--limit", "5", "--num-fewshot", "0"]
+    cfg = cli.config(HarnessConfig, load_tool("eval_harness").parse_args(argv))
+    assert (cfg.tasks, cfg.limit, cfg.num_fewshot, cfg.output_dir) == (
+        ["paper", "x.yaml"],
+        5.0,
+        0,
+        "harness_eval",
+    )
+    assert cfg.checkpoints.loads == ["ckpt"]
+
+
 def test_needle_corpus_flags_reach_its_config():
     from diffmeg.eval.needle_corpus import NeedleCorpusConfig
 

@@ -1,0 +1,311 @@
+"""lm-evaluation-harness on diffmeg checkpoints: the model, in memory, as an lm-eval language model.
+
+The DIFF paper's zero-shot table (ARC-Challenge, ARC-Easy, BoolQ, HellaSwag, OBQA, PIQA, WinoGrande) is
+lm-eval's. `DiffmegLM` answers lm-eval's three requests with the single-rank model
+`diffmeg.checkpoints` builds, so what is scored is the model every other evaluation here scores, for
+every input they take (checkpoints of any TP/PP layout, Hugging Face folders, mock-vocabulary models,
+DIFF V2, which has no transformers class), with no export written to disk:
+* `loglikelihood`: lm-eval's own tokenisation of (context, continuation) (`TemplateLM`), then the
+  continuation's summed log-probabilities from one forward pass, and whether each of its tokens is the
+  argmax; the input is cut on the left to the model's length, as lm-eval's HF model does;
+* `loglikelihood_rolling`: lm-eval's disjoint windows of at most the model's length, the first
+  conditioned on the end-of-document token (what `tools/eval_long_context.py --prefix-eod` scores);
+* `generate_until`: greedy decoding with the KV cache (`diffmeg.generation`), cut at the first stop
+  string.
+Text becomes ids with cl100k_base, or, for a mock-vocabulary checkpoint, as whitespace-separated ids
+("17 4 250"): tasks for such models are written in ids.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from diffmeg.errors import DiffmegError
+from diffmeg.eval import common
+
+try:
+    import lm_eval
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as exc:
+    raise DiffmegError(
+        f"lm-evaluation-harness is not installed ({exc}): pip install 'diffmeg[harness]' (or 'lm-eval[hf]')"
+    ) from None
+
+PRESETS = {
+    "paper": ["arc_challenge", "arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "winogrande"],
+}
+"""Named task lists: `paper` is the DIFF paper's zero-shot table."""
+RESULTS_NAME = "harness_results.json"
+CSV_NAME = "harness_results.csv"
+SAMPLES_NAME = "harness_samples.jsonl"
+
+
+class IdText:
+    """Text as whitespace-separated token ids, for checkpoints whose ids mean no text (mock data)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError:
+            raise DiffmegError(
+                f"this checkpoint reads token ids, not text: write its tasks as whitespace-separated ids "
+                f"below {self.vocab_size}, got {text[:60]!r}"
+            ) from None
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise DiffmegError(
+                f"task text {text[:60]!r} holds an id outside the vocabulary of {self.vocab_size}"
+            )
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class DiffmegLM(TemplateLM):
+    """A loaded diffmeg model (single rank, eval mode) as an lm-eval language model."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        eod: int,
+        max_length: int,
+        batch_size: int = 1,
+        max_gen_toks: int = 256,
+    ) -> None:
+        super().__init__()
+        self.model, self.text, self.eod = model, tokenizer, eod
+        self.max_length, self.batch_size, self.max_gen_toks = max_length, batch_size, max_gen_toks
+        self._device = next(model.parameters()).device
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.eod
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.text.tokenize(string)
+
+    def tok_decode(self, ids: Sequence[int]) -> str:
+        return self.text.detokenize(ids)
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), continuation is the greedy choice) per request of
+        (cache key, context ids, continuation ids); batched by length, padded on the right."""
+        from diffmeg.eval.long_context import final_hidden_states
+
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            rows = []
+            for i in batch:
+                _, context, continuation = requests[i]
+                if not continuation:
+                    raise DiffmegError("lm-eval asked for the log-likelihood of an empty continuation")
+                whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
+                rows.append((whole[:-1], whole[-len(continuation) :]))
+            width = max(len(inputs) for inputs, _ in rows)
+            ids = torch.zeros(
+                len(rows), width, dtype=torch.long, device=self._device
+            )  # causal: padding unseen
+            for r, (inputs, _) in enumerate(rows):
+                ids[r, : len(inputs)] = torch.as_tensor(inputs)
+            hidden = final_hidden_states(self.model, ids)  # [s, b, h]
+            for r, (i, (inputs, targets)) in enumerate(zip(batch, rows, strict=True)):
+                n = len(targets)
+                logits, _ = self.model.output_layer(
+                    hidden[len(inputs) - n : len(inputs), r : r + 1]
+                )  # [n, 1, V]
+                logp = torch.log_softmax(logits[:, 0].float(), dim=-1)  # [n, V]
+                target = torch.as_tensor(targets, device=self._device)
+                score = float(logp.gather(-1, target[:, None]).sum())
+                results[i] = (score, bool((logp.argmax(-1) == target).all()))
+                key = requests[i][0]
+                if key is not None:
+                    self.cache_hook.add_partial("loglikelihood", key, results[i])
+        return results  # type: ignore[return-value]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each document's summed log-likelihood over lm-eval's disjoint windows (the first conditioned on
+        the end-of-document token)."""
+        out = []
+        for (string,) in (req.args for req in requests):
+            windows = [
+                (None, *make_disjoint_window(w))
+                for w in get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
+            total = sum(score for score, _ in self._loglikelihood_tokens(windows))
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+            out.append(total)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuation of each context, up to `max_gen_toks` tokens or the end-of-document token,
+        cut before the first of the request's stop strings."""
+        from diffmeg.generation import SamplingConfig, generate
+
+        out = []
+        for context, gen_kwargs in (req.args for req in requests):
+            kwargs = dict(gen_kwargs)
+            if kwargs.get("do_sample") and kwargs.get("temperature", 0.0) > 0.0:
+                raise DiffmegError("diffmeg's lm-eval model decodes greedily; the task asked for sampling")
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            prompt = self.tok_encode(context)[-max(1, self.max_length - max_new) :]
+            result = generate(self.model, prompt, max_new, SamplingConfig(greedy=True), eod_id=self.eod)
+            ids = [t for t in result.output_ids if t != self.eod]
+            text = self.tok_decode(ids)
+            cuts = [text.index(stop) for stop in until if stop and stop in text]
+            text = text[: min(cuts)] if cuts else text
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            out.append(text)
+        return out
+
+
+def resolve_tasks(names: Sequence[str]) -> list[str]:
+    """Task names with presets expanded (`paper`: the DIFF paper's zero-shot list), each once, in order."""
+    tasks: list[str] = []
+    for name in names:
+        for task in PRESETS.get(name, [name]):
+            if task not in tasks:
+                tasks.append(task)
+    if not tasks:
+        raise DiffmegError(
+            f"give --tasks: lm-eval task names, task YAML files, or a preset ({', '.join(PRESETS)})"
+        )
+    return tasks
+
+
+@dataclass
+class HarnessConfig(common.EvalConfig):
+    tasks: list[str] = field(default_factory=lambda: ["paper"])
+    """lm-eval task or group names, task YAML files, or presets (`PRESETS`)."""
+    num_fewshot: int | None = None
+    """Few-shot examples per prompt (None: each task's default; the paper's table is zero-shot)."""
+    limit: float | None = None
+    """Documents per task (a whole number), or a fraction of them (below 1); None: all."""
+    include_path: str | None = None
+    """A directory of extra task YAMLs (lm-eval's --include_path)."""
+    batch_size: int = 8
+    max_length: int | None = None
+    """Tokens the model sees per request (default: its training length)."""
+    max_gen_toks: int = 256
+    tokenizer_file: str | None = None
+    log_samples: bool = False
+    """Also write every scored request and response (harness_samples.jsonl)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("batch_size", "max_length", "max_gen_toks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise DiffmegError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise DiffmegError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
+        if self.limit is not None and (
+            self.limit <= 0 or (self.limit >= 1 and self.limit != int(self.limit))
+        ):
+            raise DiffmegError(f"--limit takes a document count or a fraction below 1, got {self.limit}")
+
+
+def text_of(info, tokenizer_file: str | None):
+    """How the checkpoint's ids are written as text: cl100k_base, or whitespace-separated ids."""
+    if info.tokenizer == "mock":
+        return IdText(info.vocab_size)
+    from diffmeg.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_file)
+
+
+def _metrics(task_results: dict) -> dict[str, float]:
+    """lm-eval's `{"acc,none": 0.5, "acc_stderr,none": ...}` as `{"acc": 0.5, "acc_stderr": ...}`."""
+    out = {}
+    for key, value in task_results.items():
+        metric, _, filt = key.partition(",")
+        if isinstance(value, int | float) and not isinstance(value, bool) and key != "alias":
+            out[metric if filt in ("", "none") else f"{metric},{filt}"] = float(value)
+    return out
+
+
+def run_harness(cfg: HarnessConfig, log: common.Log = common.stderr) -> dict:
+    """Every checkpoint on every task through lm-eval's `simple_evaluate`; writes harness_results.json,
+    harness_results.csv (label, task, metric, value) and, with `log_samples`, harness_samples.jsonl."""
+    from lm_eval.tasks import TaskManager
+
+    tasks = resolve_tasks(cfg.tasks)
+    common.prepare_output_dir(cfg.output_dir)
+    infos = cfg.checkpoints.resolve()
+    texts = {info.root: text_of(info, cfg.tokenizer_file) for info in infos}  # a missing tokenizer: now
+    # Indexing lm-eval's own ~10k task files takes tens of seconds: skip it when every task is a YAML file.
+    own_only = all(os.path.isfile(task) for task in tasks)
+    manager = TaskManager(include_path=cfg.include_path, include_defaults=not own_only)
+    limit = int(cfg.limit) if cfg.limit is not None and cfg.limit >= 1 else cfg.limit
+    results, rows, samples = {}, [], []
+    for info, model in common.loaded_models(infos, cfg.dtype, cfg.seed):
+        lm = DiffmegLM(
+            model,
+            texts[info.root],
+            common.eod_id(info),
+            cfg.max_length or info.seq_length,
+            cfg.batch_size,
+            cfg.max_gen_toks,
+        )
+        log(f"{info.label}: lm-eval {lm_eval.__version__} on {', '.join(tasks)}")
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=cfg.num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=cfg.log_samples,
+            random_seed=cfg.seed,
+            numpy_random_seed=cfg.seed,
+            torch_random_seed=cfg.seed,
+            fewshot_random_seed=cfg.seed,
+            bootstrap_iters=1000,
+        )
+        per_task = {task: _metrics(values) for task, values in out["results"].items()}
+        results[info.label] = {
+            "load": info.root,
+            "iteration": info.iteration,
+            "architecture": info.architecture,
+            "max_length": lm.max_length,
+            "results": per_task,
+            "n-shot": out.get("n-shot"),
+            "versions": out.get("versions"),
+        }
+        for task, metrics in per_task.items():
+            rows += [{"label": info.label, "task": task, "metric": m, "value": v} for m, v in metrics.items()]
+        for task, docs in (out.get("samples") or {}).items():
+            samples += [{"label": info.label, "task": task, **doc} for doc in docs]
+    summary = {
+        "tasks": tasks,
+        "num_fewshot": cfg.num_fewshot,
+        "limit": cfg.limit,
+        "lm_eval": lm_eval.__version__,
+        "seed": cfg.seed,
+        "dtype": cfg.dtype,
+        "checkpoints": results,
+    }
+    common.write_json(os.path.join(cfg.output_dir, RESULTS_NAME), summary)
+    common.write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
+    if cfg.log_samples:
+        common.write_jsonl(os.path.join(cfg.output_dir, SAMPLES_NAME), samples)
+    return summary
