@@ -8,13 +8,17 @@
 #
 # Environment knobs of every recipe (each recipe's header lists its own defaults):
 #   DRY_RUN=1          print the srun command line and the resolved configuration JSON
-#                      (`pretrain_diff.py --dry-run` with WORLD_SIZE = NODES x GPUS_PER_NODE), start nothing
+#                      (`pretrain_diff.py --dry-run` with WORLD_SIZE = NODES x GPUS_PER_NODE), start nothing;
+#                      then its checks: the datasets of DATA_PATH (missing ones are an error), flags the run
+#                      ignores (note:), a per-GPU memory plan that does not fit GPU_MEMORY_GIB (warning:)
 #   NODES, GPUS_PER_NODE   the cluster for DRY_RUN (default: the recipe's #SBATCH --nodes and
 #                      --ntasks-per-node). Inside a job the allocation decides: sbatch --nodes=N ...
 #   TP, PP, CP         tensor / pipeline / context parallel sizes
 #   DP                 optional check: fail unless NODES x GPUS_PER_NODE / (TP x PP x CP) equals it
 #   MICRO_BATCH        micro-batch size (the global batch is the paper's; see each recipe)
-#   SEQUENCE_PARALLEL=1, DIST_OPTIMIZER=1, PRECISION=bf16 (bf16|fp16|fp32), RECOMPUTE= (|selective|full)
+#   SEQUENCE_PARALLEL=1 (passed only at TP > 1: it splits activations over tensor-parallel ranks),
+#   DIST_OPTIMIZER=1, PRECISION=bf16 (bf16|fp16|fp32), RECOMPUTE= (|selective|full)
+#   GPU_MEMORY_GIB=80  the GPU memory the memory plan must fit (--gpu-memory-gib), e.g. 141 on H200
 #   DATA_PATH          a dataset prefix or a blend "w1 prefix1 w2 prefix2 ..." (docs/data.md); required
 #                      unless EXTRA_ARGS has --mock-data or --data-path ("builtin" = the embedded corpus).
 #                      Relative paths here and below mean the directory sbatch was run from.
@@ -80,6 +84,10 @@ _dm_abs() {  # a path made absolute against the directory the recipe was started
         /*) echo "$1" ;;
         *) echo "$_DM_START_DIR/$1" ;;
     esac
+}
+
+_dm_python_messages() {  # a Python stderr file without library warnings (UserWarning lines, warnings.warn)
+    grep -v -E '^[^ ]+:[0-9]+: [A-Za-z]*Warning: |^ +warnings\.warn\(' "$1" || true
 }
 
 _dm_has_flag() {  # is one of the flags among the words of EXTRA_ARGS?
@@ -187,7 +195,13 @@ diffmeg_launch() {
     local args=(pretrain_diff.py "${recipe_args[@]}"
         --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp"
         --context-parallel-size "$cp" --micro-batch-size "$mb")
-    [ "${SEQUENCE_PARALLEL:-1}" = 1 ] && args+=(--sequence-parallel)  # dropped by validation at TP 1
+    if [ "${SEQUENCE_PARALLEL:-1}" = 1 ] && ((run_tp > 1)); then
+        args+=(--sequence-parallel)
+    elif [ "${SEQUENCE_PARALLEL:-}" = 1 ]; then  # set by the user, not the default: say why it is left out
+        _dm_log "note: SEQUENCE_PARALLEL=1 is not passed: sequence parallelism splits activations over" \
+            "tensor-parallel ranks and TP is $run_tp"
+    fi
+    [ -n "${GPU_MEMORY_GIB:-}" ] && args+=(--gpu-memory-gib "$GPU_MEMORY_GIB")
     [ "${DIST_OPTIMIZER:-1}" = 1 ] && args+=(--use-distributed-optimizer)
     case ${PRECISION:-bf16} in
         bf16) args+=(--bf16) ;;
@@ -220,10 +234,11 @@ diffmeg_launch() {
         local err
         err=$(mktemp)
         if ! WORLD_SIZE=$world "$python" "${args[@]}" --dry-run 2>"$err"; then
-            grep -v -i warn "$err" >&2 || true
+            _dm_python_messages "$err" >&2
             rm -f "$err"
             _dm_die "pretrain_diff.py rejected this configuration (above)"
         fi
+        _dm_python_messages "$err" >&2  # the checks: data found, flags ignored (note:), memory (warning:)
         rm -f "$err"
         return 0
     fi
@@ -244,6 +259,7 @@ diffmeg_launch() {
     printf '%q ' "${cmd[@]}" >"$job_dir/command.sh"
     echo >>"$job_dir/command.sh"
     local knobs='NODES|GPUS_PER_NODE|TP|PP|CP|DP|MICRO_BATCH|SEQUENCE_PARALLEL|DIST_OPTIMIZER|PRECISION'
+    knobs+='|GPU_MEMORY_GIB'
     knobs+='|RECOMPUTE|DATA_PATH|RUNS_ROOT|RUN_NAME|RUN_DIR|CKPT_DIR|TB_DIR|INIT_CKPT|CONTAINER_[A-Z_]*|PYTHON'
     knobs+='|SRUN_ARGS|EXTRA_ARGS|AUTO_REQUEUE|MAX_RESTARTS|[A-Z]*_INTERVAL|EVAL_ITERS|ARCH|DIFFMEG_[A-Z_]*'
     knobs+='|SLURM_[A-Z_]*'
@@ -254,7 +270,7 @@ diffmeg_launch() {
         resolve=(srun --nodes=1 --ntasks=1 "${container[@]}" "${resolve[@]}")
     fi
     if ! "${resolve[@]}" >"$job_dir/config.json" 2>"$job_dir/config.err"; then
-        cat "$job_dir/config.err" >&2
+        _dm_python_messages "$job_dir/config.err" >&2
         _dm_die "pretrain_diff.py rejected the configuration (above); nothing was started"
     fi
     local train_iters save_dir
@@ -267,6 +283,7 @@ diffmeg_launch() {
             "${SLURM_JOB_NODELIST:-}, $world ranks, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
         echo "=== git $sha ($dirty modified tracked files); run directory $run_dir; $resume"
         echo "=== $(cat "$job_dir/command.sh")"
+        _dm_python_messages "$job_dir/config.err" | sed 's/^/=== /'  # data found, notes, memory warnings
     } | tee -a "$job_dir/train.log"
 
     local rc

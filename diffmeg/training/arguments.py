@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 from diffmeg.errors import DiffmegError
@@ -204,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", default=None, help="also write every logged iteration as a JSON line")
     g.add_argument("--dry-run", action="store_true", help="print the resolved configuration as JSON and exit")
     g.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=80.0,
+        help="GPU memory the run targets: --dry-run warns when its per-GPU memory plan does not fit",
+    )
+    g.add_argument(
         "--verbose",
         action="store_true",
         help="print every resolved argument at start (always written to arguments.json beside --save)",
@@ -241,6 +248,10 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     validate_args(args, world_size=world_size)
+    args.dropped_flags = dropped_flags(args, explicit)
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        for note in args.dropped_flags:
+            print(f"note: {note}", file=sys.stderr, flush=True)
     return args
 
 
@@ -381,3 +392,29 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
 
 def args_to_json(args: argparse.Namespace) -> str:
     return json.dumps({k: v for k, v in sorted(vars(args).items())}, indent=2, default=str)
+
+
+def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list[str]:
+    """The typed flags the resolved run ignores, each with why (printed as notes by `resolve_args`)."""
+    notes = []
+    if explicit.get("sequence_parallel") and not args.sequence_parallel:
+        notes.append(
+            "--sequence-parallel is dropped: it splits activations over tensor-parallel ranks and "
+            f"--tensor-model-parallel-size is {args.tensor_model_parallel_size}"
+        )
+    if "cp_comm_type" in explicit and args.context_parallel_size == 1:
+        notes.append(f"--cp-comm-type {explicit['cp_comm_type']} has no effect: --context-parallel-size is 1")
+    if "train_tokens" in explicit and "train_iters" in explicit:
+        notes.append(f"--train-tokens is ignored: --train-iters {args.train_iters} sets the run's length")
+    if "fp8_recipe" in explicit and args.fp8_format is None:
+        notes.append("--fp8-recipe has no effect without --fp8-format")
+    if not args.diff_attention:
+        for name in ("lambda_init", "lambda_std", "diff_attn_backend"):
+            if name in explicit:
+                flag = "--" + name.replace("_", "-")
+                notes.append(f"{flag} has no effect: the Transformer baseline has no differential attention")
+    if "save_interval" in explicit and args.save is None:
+        notes.append("--save-interval has no effect without --save")
+    if args.mock_data and "data_path" in explicit:
+        notes.append("--data-path is ignored: --mock-data generates the data")
+    return notes

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.slurm.helpers import REPO_ROOT, clean_env
@@ -102,8 +103,20 @@ def test_quickstart_refuses_a_foreign_output_directory(tmp_path):
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
-def _dry(script: str, *args: str, **env: str) -> tuple[str, dict]:
-    proc = run_example(script, *args, DRY_RUN="1", DATA_PATH="/data/corpus_text_document", **env)
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A dataset for the dry runs (they check that every --data-path dataset exists)."""
+    from diffmeg.data.indexed import IndexedWriter
+
+    prefix = str(tmp_path_factory.mktemp("data") / "corpus_text_document")
+    with IndexedWriter(prefix) as writer:
+        writer.add_document(np.arange(100, dtype=np.int32))
+        writer.commit()
+    return prefix
+
+
+def _dry(script: str, corpus: str, *args: str, **env: str) -> tuple[str, dict]:
+    proc = run_example(script, *args, DRY_RUN="1", DATA_PATH=corpus, **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     head, config = split_output(proc.stdout)
     (command,) = [x for x in head if "torch.distributed.run" in x]
@@ -111,8 +124,8 @@ def _dry(script: str, *args: str, **env: str) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("arch", ["diff", "transformer"])
-def test_torchrun_3b(arch):
-    command, c = _dry("torchrun_diff_3b.sh", arch)
+def test_torchrun_3b(arch, corpus):
+    command, c = _dry("torchrun_diff_3b.sh", corpus, arch)
     assert "--standalone --nproc_per_node 8 pretrain_diff.py" in command
     m, s, p = c["model"], c["schedule"], c["parallel"]
     assert m["preset"] == f"{arch}-3b" and (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"]) == (
@@ -127,15 +140,15 @@ def test_torchrun_3b(arch):
 
 
 @pytest.mark.parametrize("name", ["830m", "transformer-13.1b"])
-def test_torchrun_scaling(name):
-    _, c = _dry("torchrun_scaling.sh", name)
+def test_torchrun_scaling(name, corpus):
+    _, c = _dry("torchrun_scaling.sh", corpus, name)
     arch, size = ("transformer", "13.1b") if name.startswith("transformer") else ("diff", name)
     check_scaling(c, size, arch)
     assert c["parallel"]["world_size"] == 8
 
 
-def test_torchrun_64k(tmp_path):
-    command, c = _dry("torchrun_diff_3b_64k.sh", INIT_CKPT="/ckpt/diff3b", RUN_DIR=str(tmp_path))
+def test_torchrun_64k(tmp_path, corpus):
+    command, c = _dry("torchrun_diff_3b_64k.sh", corpus, INIT_CKPT="/ckpt/diff3b", RUN_DIR=str(tmp_path))
     assert f"--load {tmp_path}/checkpoints --pretrained-checkpoint /ckpt/diff3b" in command
     m, s, b, p = c["model"], c["schedule"], c["batch"], c["parallel"]
     assert m["preset"] == "diff-3b-64k"

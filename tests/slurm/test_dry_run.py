@@ -1,21 +1,42 @@
 """`DRY_RUN=1 bash slurm/<recipe>.sh` at the recipes' defaults resolves to exactly the paper's numbers
-(DESIGN.md "Paper recipes") on the recipe's default cluster. No Slurm needed: these always run."""
+(DESIGN.md "Paper recipes") on the recipe's default cluster, and passes the dry run's checks (datasets
+present, memory plan within the GPU, no ignored flags); knobs that break them are reported. No Slurm
+needed: these always run."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.slurm.helpers import REPO_ROOT, clean_env
 
-DATA = "0.7 /data/web_text_document 0.3 /data/code_text_document"
+DATA_DIR = Path(tempfile.gettempdir()) / f"diffmeg-dry-run-data-{os.getpid()}"
+DATA = f"0.7 {DATA_DIR}/web_text_document 0.3 {DATA_DIR}/code_text_document"
+"""A blend of two small datasets (the dry run checks that every one exists), made by `datasets`."""
 RUNS = "/nonexistent/runs"  # dry runs create nothing
+
+
+@pytest.fixture(scope="module", autouse=True)
+def datasets():
+    from diffmeg.data.indexed import IndexedWriter
+
+    DATA_DIR.mkdir(exist_ok=True)
+    for name, tokens in (("web_text_document", 700), ("code_text_document", 300)):
+        with IndexedWriter(str(DATA_DIR / name)) as writer:
+            writer.add_document(np.arange(tokens, dtype=np.int32))
+            writer.commit()
+    yield
+    shutil.rmtree(DATA_DIR, ignore_errors=True)
 
 
 def _ffn(hidden: int) -> int:
@@ -36,10 +57,32 @@ CASES = [
     for size in ("830m", "1.4b", "2.8b", "6.8b", "13.1b")
     for arch in ("diff", "transformer")
 ]
+PAPER = [label for label, *_ in CASES]
+CASES += [
+    # The issue's plan that cannot run: fp32 without the distributed optimizer; sequence parallelism
+    # asked for at TP 1 and a CP flag at CP 1, both ignored.
+    (
+        "fp32_no_distopt",
+        "diff_3b_1T.sh",
+        [],
+        {
+            "PRECISION": "fp32",
+            "DIST_OPTIMIZER": "0",
+            "SEQUENCE_PARALLEL": "1",
+            "EXTRA_ARGS": "--cp-comm-type p2p",
+        },
+    ),
+    (
+        "fp32_on_h200",
+        "diff_3b_1T.sh",
+        [],
+        {"PRECISION": "fp32", "DIST_OPTIMIZER": "0", "GPU_MEMORY_GIB": "141"},
+    ),
+]
 
 
 def dry_run(script: str, args: list[str], **env: str) -> subprocess.CompletedProcess:
-    env = clean_env(DRY_RUN="1", DATA_PATH=DATA, RUNS_ROOT=RUNS, PYTHON=sys.executable, **env)
+    env = clean_env(**{"DRY_RUN": "1", "DATA_PATH": DATA, "RUNS_ROOT": RUNS, "PYTHON": sys.executable, **env})
     return subprocess.run(
         ["bash", str(REPO_ROOT / "slurm" / script), *args],
         env=env,
@@ -58,16 +101,24 @@ def split_output(stdout: str) -> tuple[list[str], dict]:
 
 
 @pytest.fixture(scope="module")
-def resolved() -> dict[str, tuple[list[str], dict]]:
+def runs() -> dict[str, subprocess.CompletedProcess]:
     """All dry runs at once (each one imports megatron-core: seconds), two at a time."""
     with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
         futures = {label: pool.submit(dry_run, script, args, **env) for label, script, args, env in CASES}
+    return {label: future.result() for label, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def resolved(runs) -> dict[str, tuple[list[str], dict]]:
     results = {}
-    for label, future in futures.items():
-        proc = future.result()
+    for label, proc in runs.items():
         assert proc.returncode == 0, f"{label}: {proc.stderr[-3000:]}"
         results[label] = split_output(proc.stdout)
     return results
+
+
+def _messages(proc: subprocess.CompletedProcess, kind: str) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith(kind)]
 
 
 def _srun_line(head: list[str]) -> str:
@@ -171,6 +222,7 @@ def test_scaling_sweep(resolved, size, arch):
     p = c["parallel"]
     tp = {"830m": 1, "1.4b": 1, "2.8b": 1, "6.8b": 2, "13.1b": 4}[size]
     assert p["tensor_model_parallel_size"] == tp and p["sequence_parallel"] == (tp > 1)
+    assert (" --sequence-parallel " in _srun_line(head)) == (tp > 1)  # passed only where it applies
 
 
 @pytest.mark.parametrize("arch", ["diff", "transformer"])
@@ -220,7 +272,7 @@ def test_outside_slurm_without_dry_run_refuses():
     "args,env,message",
     [
         (["999m"], {}, "usage: diff_scaling.sh SIZE"),
-        (["830m"], {"ARCH": "mamba"}, "ARCH must be diff or transformer"),
+        (["830m"], {"ARCH": "mamba"}, "ARCH must be diff, diff2 or transformer"),
         (["830m"], {"DP": "4"}, "DP=4 but 8 ranks"),
         (["830m"], {"TP": "3"}, "not divisible by TP 3"),
     ],
@@ -228,3 +280,42 @@ def test_outside_slurm_without_dry_run_refuses():
 def test_bad_knobs_fail_fast(args, env, message):
     proc = dry_run("diff_scaling.sh", args, **env)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_paper_recipes_pass_every_check(runs, resolved):
+    for label in PAPER:
+        proc = runs[label]
+        assert _messages(proc, "data:") == ["data: 2 dataset(s) found, 1,000 tokens"], (label, proc.stderr)
+        assert _messages(proc, "warning:") == [] and _messages(proc, "note:") == [], (label, proc.stderr)
+        checks = resolved[label][1]["checks"]
+        assert checks["memory_fits"] is True and checks["gpu_memory_gib"] == 80
+
+
+def test_a_plan_over_the_gpu_memory_is_reported_with_the_knobs_that_shrink_it(runs, resolved):
+    proc = runs["fp32_no_distopt"]
+    (warning,) = _messages(proc, "warning:")
+    assert "the memory plan needs 97.4 GiB per GPU, which exceeds --gpu-memory-gib 80 (128 GPUs)" in warning
+    assert "PRECISION=bf16, DIST_OPTIMIZER=1, RECOMPUTE=full" in warning
+    assert resolved["fp32_no_distopt"][1]["checks"]["memory_fits"] is False
+    # The flags the run would ignore are explained, by the recipe and by pretrain_diff.py.
+    assert " --sequence-parallel " not in _srun_line(resolved["fp32_no_distopt"][0])
+    assert "diffmeg-slurm: note: SEQUENCE_PARALLEL=1 is not passed" in proc.stderr
+    assert _messages(proc, "note:") == [
+        "note: --cp-comm-type p2p has no effect: --context-parallel-size is 1"
+    ]
+    # The same plan fits a 141 GB GPU.
+    head, config = resolved["fp32_on_h200"]
+    assert " --gpu-memory-gib 141 " in _srun_line(head) and config["checks"]["memory_fits"] is True
+    assert _messages(runs["fp32_on_h200"], "warning:") == []
+
+
+def test_a_missing_dataset_stops_the_dry_run_in_one_line():
+    data = f"0.7 {DATA_DIR}/web_text_document 0.3 {DATA_DIR}/cod_text_document"
+    proc = dry_run("diff_3b_1T.sh", [], DATA_PATH=data)
+    assert proc.returncode == 2
+    (error,) = _messages(proc, "error:")
+    assert error == (
+        f"error: --data-path: 1 of 2 dataset(s) not found: {DATA_DIR}/cod_text_document (no .bin or .idx). "
+        "A dataset is the prefix of a .bin/.idx pair written by tools/preprocess_data.py"
+    )
+    assert "rejected this configuration" in proc.stderr and "Warning" not in proc.stderr

@@ -1,0 +1,160 @@
+"""`pretrain_diff.py --dry-run` checks what would doom the real run: a memory plan over the GPU's memory,
+missing datasets, and flags the resolved run ignores (issue 16, item 8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from diffmeg.data.indexed import IndexedWriter
+from diffmeg.errors import DiffmegError
+from diffmeg.training.arguments import resolve_args
+from diffmeg.training.dry_run import dry_run
+from tests.conftest import REPO_ROOT
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    for var in ("WORLD_SIZE", "SLURM_NTASKS", "RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _dry(argv: list[str], capsys, world_size: int = 1) -> tuple[dict, list[str]]:
+    """(the JSON on stdout, the lines on stderr) of a dry run resolved in this process."""
+    assert dry_run(resolve_args([*argv, "--dry-run"], world_size=world_size)) == 0
+    out, err = capsys.readouterr()
+    return json.loads(out), err.splitlines()
+
+
+def _dataset(prefix, tokens: int, dtype=np.int32) -> str:
+    with IndexedWriter(str(prefix), dtype=dtype) as writer:
+        writer.add_document(np.arange(tokens, dtype=dtype))
+        writer.commit()
+    return str(prefix)
+
+
+def test_a_plan_over_the_gpu_memory_is_a_warning_with_what_shrinks_it(capsys):
+    # The issue's case: the 3B recipe in fp32 without the distributed optimizer, 128 GPUs.
+    summary, err = _dry(["--model", "diff-3b"], capsys, world_size=128)
+    assert summary["memory_per_gpu_gib"]["total"] == pytest.approx(97.4, abs=0.1)
+    (warning,) = [line for line in err if line.startswith("warning:")]
+    assert "the memory plan needs 97.4 GiB per GPU, which exceeds --gpu-memory-gib 80 (128 GPUs)" in warning
+    for fix in ("--bf16", "--use-distributed-optimizer", "--recompute-granularity full", "PRECISION=bf16"):
+        assert fix in warning
+    assert summary["checks"]["memory_fits"] is False and summary["checks"]["warnings"] == [warning[9:]]
+
+    # The recipe's own layout fits with room to spare; a larger GPU takes the fp32 plan.
+    fits = ["--model", "diff-3b", "--bf16", "--use-distributed-optimizer"]
+    summary, err = _dry(fits, capsys, world_size=128)
+    assert summary["checks"]["memory_fits"] is True and not [x for x in err if x.startswith("warning:")]
+    summary, err = _dry(["--model", "diff-3b", "--gpu-memory-gib", "141"], capsys, world_size=128)
+    assert summary["checks"]["gpu_memory_gib"] == 141 and summary["checks"]["memory_fits"] is True
+
+
+def test_a_plan_within_ten_percent_of_the_gpu_memory_is_a_warning(capsys):
+    total = _dry(["--model", "diff-tiny"], capsys)[0]["memory_per_gpu_gib"]["total"]
+    summary, err = _dry(["--model", "diff-tiny", "--gpu-memory-gib", str(total / 0.95)], capsys)
+    (warning,) = [line for line in err if line.startswith("warning:")]
+    assert "leaves less than 10% of --gpu-memory-gib" in warning
+    assert "set WORLD_SIZE to the run's GPU count" in warning  # a dry run outside a launcher sees 1 GPU
+    with pytest.raises(DiffmegError, match="--gpu-memory-gib must be > 0"):
+        _dry(["--model", "diff-tiny", "--gpu-memory-gib", "0"], capsys)
+
+
+def test_every_missing_dataset_is_named_in_one_line(tmp_path, capsys):
+    present = _dataset(tmp_path / "web_text_document", 100)
+    _dataset(tmp_path / "code_text_document", 10)
+    blend = ["0.5", present, "0.3", str(tmp_path / "code_text_document.bin"), "0.2", str(tmp_path / "gone")]
+    with pytest.raises(DiffmegError) as info:
+        _dry(["--model", "diff-tiny", "--data-path", *blend], capsys)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("--data-path: 2 of 3 dataset(s) not found: ")
+    assert (
+        f"{tmp_path}/code_text_document.bin (no .bin or .idx, give the prefix without the extension)"
+        in message
+    )
+    assert f"{tmp_path}/gone (no .bin or .idx)" in message and present not in message
+    (tmp_path / "code_text_document.idx").unlink()
+    with pytest.raises(DiffmegError, match=r"code_text_document \(no \.idx\)"):
+        _dry(
+            ["--model", "diff-tiny", "--data-path", "1", present, "1", str(tmp_path / "code_text_document")],
+            capsys,
+        )
+
+
+def test_datasets_found_are_counted_from_their_files(tmp_path, capsys):
+    wide = _dataset(tmp_path / "wide", 1000)
+    narrow = _dataset(tmp_path / "narrow", 300, dtype=np.uint16)  # 2 bytes a token
+    summary, err = _dry(["--model", "diff-tiny", "--data-path", "0.9", wide, "0.1", narrow], capsys)
+    assert summary["checks"]["dataset_tokens"] == {wide: 1000, narrow: 300}
+    assert "data: 2 dataset(s) found, 1,300 tokens" in err
+    summary, _ = _dry(["--model", "diff-tiny"], capsys)  # the builtin corpus is built on first use
+    assert summary["checks"]["dataset_tokens"] == {}
+
+
+@pytest.mark.parametrize(
+    "argv,note",
+    [
+        (
+            ["--sequence-parallel"],
+            "--sequence-parallel is dropped: it splits activations over tensor-parallel",
+        ),
+        (["--cp-comm-type", "p2p"], "--cp-comm-type p2p has no effect: --context-parallel-size is 1"),
+        (["--train-iters", "5", "--train-tokens", "999999"], "--train-tokens is ignored: --train-iters 5"),
+        (["--fp8-recipe", "tensorwise"], "--fp8-recipe has no effect without --fp8-format"),
+        (["--save-interval", "5"], "--save-interval has no effect without --save"),
+        (["--mock-data", "--data-path", "x"], "--data-path is ignored: --mock-data"),
+        (
+            ["--no-diff-attention", "--lambda-init", "0.5"],
+            "--lambda-init has no effect: the Transformer baseline",
+        ),
+    ],
+)
+def test_ignored_flags_are_explained_in_the_dry_run_and_on_a_real_run(argv, note, capsys, monkeypatch):
+    summary, err = _dry(["--model", "diff-tiny", *argv], capsys)
+    assert [line for line in err if line.startswith("note:")] == [
+        f"note: {n}" for n in summary["checks"]["notes"]
+    ]
+    assert any(n.startswith(note) for n in summary["checks"]["notes"]), summary["checks"]["notes"]
+    # A real run resolves its arguments the same way: rank 0 prints the note, other ranks do not.
+    args = resolve_args(["--model", "diff-tiny", *argv])
+    assert any(line.startswith(f"note: {note}") for line in capsys.readouterr().err.splitlines())
+    assert args.dropped_flags == summary["checks"]["notes"]
+    monkeypatch.setenv("RANK", "1")
+    resolve_args(["--model", "diff-tiny", *argv])
+    assert "note:" not in capsys.readouterr().err
+
+
+def test_flags_that_take_effect_get_no_note(capsys):
+    summary, err = _dry(
+        ["--model", "diff-tiny", "--sequence-parallel", "--tensor-model-parallel-size", "2"], capsys, 2
+    )
+    assert summary["parallel"]["sequence_parallel"] is True
+    assert summary["checks"]["notes"] == [] and not [x for x in err if x.startswith("note:")]
+
+
+def test_pretrain_diff_dry_run_prints_json_then_its_warnings():
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WORLD_SIZE="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "pretrain_diff.py"),
+            "--model",
+            "diff-3b",
+            "--sequence-parallel",
+            "--dry-run",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["checks"]["memory_fits"] is False
+    ours = [line for line in proc.stderr.splitlines() if line.startswith(("note:", "warning:"))]
+    assert [line.split(":")[0] for line in ours] == ["note", "warning"], proc.stderr
