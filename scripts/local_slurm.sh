@@ -19,7 +19,8 @@
 #   LOCAL_SLURM_CPUS   CPUs the node advertises (default: nproc).
 #   LOCAL_SLURM_FIRST_JOB_ID   first job id (default 1). pretrain_diff.py derives MASTER_PORT from the job
 #                      id, so two clusters on one machine should number their jobs apart.
-#   LOCAL_SLURM_NO_INSTALL=1   never call apt-get (fail if Slurm or munge is missing).
+#   LOCAL_SLURM_NO_INSTALL=1   never call apt-get (fail if Slurm or munge is missing). DIFFMEG_SKIP_SLURM=1,
+#                      the test suite's opt-out of the live Slurm tests, implies it.
 set -euo pipefail
 
 D=${LOCAL_SLURM_DIR:-/tmp/diffmeg-slurm}
@@ -58,6 +59,7 @@ install_if_missing() {
     done
     [ ${#missing[@]} -eq 0 ] && return 0
     [ "${LOCAL_SLURM_NO_INSTALL:-0}" = 1 ] && die "missing ${missing[*]} and LOCAL_SLURM_NO_INSTALL=1"
+    [ "${DIFFMEG_SKIP_SLURM:-0}" = 1 ] && die "missing ${missing[*]} and DIFFMEG_SKIP_SLURM=1 (no apt-get)"
     command -v apt-get >/dev/null || die "missing ${missing[*]} and no apt-get to install slurm-wlm munge"
     log "installing slurm-wlm munge (missing: ${missing[*]})"
     local apt_log

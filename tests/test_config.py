@@ -59,5 +59,10 @@ def test_kv_pairs_must_stay_on_one_rank():
 
 
 def test_baseline_skips_diff_validation():
-    c = cfg(diff_attention=False, num_attention_heads=7, kv_channels=8, hidden_size=56)
-    assert c.num_attention_heads == 7
+    # What DIFF rejects (odd sub-heads, its own fields' bad values) builds the baseline, through
+    # megatron-core's own post-init (which fills in the GQA groups and the FFN width).
+    odd = dict(num_attention_heads=7, kv_channels=8, hidden_size=56, lambda_init="bogus")
+    with pytest.raises(DiffmegError, match="even number of sub-heads"):
+        cfg(**odd)
+    c = cfg(diff_attention=False, attention_backend_diff="magic", **odd)
+    assert (c.num_query_groups, c.ffn_hidden_size, c.lambda_init) == (7, 4 * 56, "bogus")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,40 @@ def test_local_slurm_is_idempotent_and_stops_by_pid(slurm_cluster):
     finally:
         subprocess.run(["bash", str(LOCAL_SLURM), "stop"], env=second, capture_output=True)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_skip_slurm_never_calls_apt_get(tmp_path):
+    """DIFFMEG_SKIP_SLURM=1: local_slurm.sh refuses to install, even as root with apt-get at hand."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, body in (("id", "echo 0"), ("apt-get", f"touch {tmp_path}/apt-get-was-called")):
+        (fake / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fake / name).chmod(0o755)
+    env = {
+        "PATH": str(fake),
+        "DIFFMEG_SKIP_SLURM": "1",
+        "LOCAL_SLURM_DIR": str(tmp_path / "c"),
+        "LOCAL_SLURM_CPUS": "2",
+    }
+    bash = shutil.which("bash")
+    proc = subprocess.run(
+        [bash, str(LOCAL_SLURM), "start"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 1 and "DIFFMEG_SKIP_SLURM=1 (no apt-get)" in proc.stderr, proc.stderr
+    assert not (tmp_path / "apt-get-was-called").exists()
+
+
+def test_skip_slurm_skips_the_live_tests():
+    env = {**os.environ, "DIFFMEG_SKIP_SLURM": "1"}
+    env.pop("DIFFMEG_REQUIRE_SLURM", None)
+    test = "tests/slurm/test_scripts.py::test_local_slurm_is_idempotent_and_stops_by_pid"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", test],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:]
+    assert "DIFFMEG_SKIP_SLURM=1 (nothing is installed or started)" in proc.stdout
