@@ -50,12 +50,12 @@ from benchmarks import schema  # noqa: E402
 
 PHASES = schema.PHASES
 # Seconds per phase on a GPU, and in a CPU smoke run; --budget caps the sum of those selected.
-PHASE_BUDGET_S = {"env": 40, "tests": 180, "kernels": 300, "train": 450, "memory": 450}
-SMOKE_BUDGET_S = {"env": 40, "tests": 60, "kernels": 40, "train": 60, "memory": 120}
+PHASE_BUDGET_S = {"env": 60, "tests": 180, "kernels": 300, "train": 450, "memory": 450}
+SMOKE_BUDGET_S = {"env": 20, "tests": 25, "kernels": 30, "train": 30, "memory": 75}
 DEFAULT_TOTAL_S = 450  # 7.5 minutes: inside the 9 a GPU lease allows per command, wheels included
-SMOKE_TOTAL_S = 300
+SMOKE_TOTAL_S = 180  # CI: about 2 minutes of work on 2 idle cores; a slower machine skips rows, never hangs
 MIN_PHASE_S = 30  # kept back for each phase still to come
-CHILD_MARGIN_S = 20  # a phase stops starting new work this long before its budget ends
+CHILD_MARGIN_S = 20  # a phase stops starting new work this long (at most 15%) before its budget ends
 # Where the `gpu`-marked tests live (tests/benchmarks/test_campaign.py fails if one is added elsewhere).
 GPU_TEST_PATHS = ("tests/kernels", "tests/test_gpu_readiness.py", "tests/distributed/test_te_cp.py")
 
@@ -281,9 +281,11 @@ def kept_triton_best(results_dir: Path, device: str) -> dict | None:
     return max(found, key=lambda x: x[0])[1] if found else None
 
 
-def phase_budgets(selected: list[str], total_s: float, smoke: bool) -> dict[str, float]:
+def phase_budgets(
+    selected: list[str], total_s: float, smoke: bool, overrides: dict[str, float] | None = None
+) -> dict[str, float]:
     """Seconds for each selected phase: its own budget, shrunk so the sum stays within total_s."""
-    table = SMOKE_BUDGET_S if smoke else PHASE_BUDGET_S
+    table = {**(SMOKE_BUDGET_S if smoke else PHASE_BUDGET_S), **(overrides or {})}
     out, left = {}, total_s
     for i, phase in enumerate(selected):
         later = len(selected) - i - 1
@@ -357,13 +359,13 @@ def phase_env(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) ->
             versions[dist.replace("-", "_")] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             versions[dist.replace("-", "_")] = None
-    from diffmeg.training.builders import fused_softmax_available
-
+    # diffmeg.training.builders.FUSED_SOFTMAX_MODULES, without importing megatron-core here (env stays light)
+    softmax = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda", "scaled_softmax_cuda")
     machine = {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
-        "fused_softmax_kernels": fused_softmax_available(),
+        "fused_softmax_kernels": all(importlib.util.find_spec(m) is not None for m in softmax),
         "triton_importable": importlib.util.find_spec("triton") is not None,
     }
     if device == "cuda":
@@ -545,7 +547,7 @@ def phase_train(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) 
     layers = fit_layers(plan, device)
     backends = list(plan.train_backends)
     tiles = a.triton_tiles if a.triton_tiles not in (None, "auto", "none") else None
-    if device == "cuda" and "triton" in backends and tiles:
+    if device == "cuda" and "triton" in backends and tiles and not _is_default_tiles(tiles):
         backends.append("triton-tuned")
     base = train_step.baseline_of(plan.train_diff)
     v2 = plan.train_diff.replace("diff-", "diff2-", 1)
@@ -609,6 +611,14 @@ def phase_train(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) 
         part.set(**{f"diff_vs_transformer_ratio_{key}": ratio, f"flop_bound_{key}": bound})
     part.set(flop_bound_3b_4k=flop_bound("diff-3b", 4096))
     train_step.close_process()
+
+
+def _is_default_tiles(path: str) -> bool:
+    """Whether a tuned-tiles file holds its head dim's default configuration (no extra run needed)."""
+    from diffmeg.kernels.triton_diff import TritonDiffConfig, default_config
+
+    info = json.loads(Path(path).read_text())
+    return TritonDiffConfig(**info["config"]) == default_config(info["head_dim"], interpreted=False)
 
 
 def _arch(preset: str) -> str:
@@ -686,7 +696,8 @@ def phase_memory(a: argparse.Namespace, part: Part, deadline: float, plan: Plan)
             row = train_and_resume(model, plan, work / model, deadline, env)
             part.add("gpu_train_run", row)
             print(f"gpu_train_run {model}: {row}", flush=True)
-        train_step.init_process()
+        if time.monotonic() < deadline:
+            train_step.init_process()
         for i, row in enumerate(part.data.get("gpu_train_run", [])):
             ckpt = work / row["model"] / "ckpt"
             if row["error"] is None and time.monotonic() < deadline:
@@ -739,7 +750,8 @@ def phase_memory(a: argparse.Namespace, part: Part, deadline: float, plan: Plan)
             )
             if device == "cuda":
                 torch.cuda.empty_cache()
-        train_step.close_process()
+        if torch.distributed.is_initialized():
+            train_step.close_process()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     skipped = [
@@ -775,7 +787,7 @@ def _losses(path: Path) -> dict[int, float]:
 
 
 def train_and_resume(model: str, plan: Plan, work: Path, deadline: float, env: dict) -> dict:
-    """pretrain_diff.py three times: N iterations straight; N/2 then exit (saving); resume to N.
+    """pretrain_diff.py three times: N iterations straight; N/2 then exit (saving); resume to N (no save).
 
     resume_exact: the first resumed iteration's loss equals the uninterrupted run's bit for bit (its
     forward uses the restored weights and data position; later steps may differ by non-deterministic
@@ -789,8 +801,7 @@ def train_and_resume(model: str, plan: Plan, work: Path, deadline: float, env: d
         "full": base + ["--metrics-file", str(work / "full.jsonl")],
         "first": base
         + ["--save", str(ckpt), "--exit-interval", str(half), "--metrics-file", str(work / "first.jsonl")],
-        "resume": base
-        + ["--load", str(ckpt), "--save", str(ckpt), "--metrics-file", str(work / "resume.jsonl")],
+        "resume": base + ["--load", str(ckpt), "--metrics-file", str(work / "resume.jsonl")],
     }
     row = {
         "model": model,
@@ -809,11 +820,18 @@ def train_and_resume(model: str, plan: Plan, work: Path, deadline: float, env: d
             row["error"] = f"skipped: time budget (before the {name} run)"
             return row
         start = time.monotonic()
+        proc = subprocess.Popen(
+            cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,  # the checkpoint writer's spawned processes end with it
+        )  # fmt: skip
         try:
-            proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=left)
+            stdout, stderr = proc.communicate(timeout=left)
         except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.communicate()
             row["error"] = f"skipped: time budget (the {name} run did not finish)"
             return row
+        proc.stdout, proc.stderr = stdout, stderr
         print(f"  {model} {name}: exit {proc.returncode} in {time.monotonic() - start:.0f}s", flush=True)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
@@ -872,7 +890,7 @@ PHASE_FUNCS = {
 
 def child_main(a: argparse.Namespace) -> int:
     part = Part(Path(a.part))
-    deadline = time.monotonic() + a.budget_s - CHILD_MARGIN_S
+    deadline = time.monotonic() + a.budget_s - min(CHILD_MARGIN_S, 0.15 * a.budget_s)
     plan = SMOKE_PLAN if a.smoke else GPU_PLAN
     try:
         PHASE_FUNCS[a.child](a, part, deadline, plan)
@@ -1098,6 +1116,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks every phase runs (CI, CPU)")
     p.add_argument(
+        "--phase-budget",
+        action="append",
+        default=[],
+        metavar="PHASE=SECONDS",
+        help="override one phase's budget (repeatable); --budget still caps the command",
+    )
+    p.add_argument(
         "--budget",
         type=float,
         default=None,
@@ -1134,6 +1159,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     phases = ["env"] + [p for p in PHASES[1:] if p in selected]
+    try:
+        overrides = {k: float(v) for k, v in (item.split("=", 1) for item in a.phase_budget)}
+    except ValueError:
+        overrides = {"?": 0.0}
+    if not set(overrides) <= set(PHASES):
+        print(
+            f"campaign: --phase-budget takes PHASE=SECONDS, PHASE among {', '.join(PHASES)}", file=sys.stderr
+        )
+        return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
@@ -1161,7 +1195,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for i, phase in enumerate(phases):
         left = total - (time.monotonic() - started)
-        budget = phase_budgets(phases[i:], left, a.smoke)[phase]
+        budget = phase_budgets(phases[i:], left, a.smoke, overrides)[phase]
         if budget < MIN_PHASE_S / 2:
             result["phases"][phase] = {
                 "status": "not run",
@@ -1172,10 +1206,17 @@ def main(argv: list[str] | None = None) -> int:
         part, seconds = run_child(phase, budget, a, result["bf16_matmul_tflops"], tiles_file, log)
         status, error = part.pop("_status", "failed"), part.pop("_error", None)
         result["phases"][phase] = {"status": status, "seconds": round(seconds, 1), "error": error}
-        failed |= status in ("failed", "timeout")
+        # A phase that raised fails the command; one cut short by its budget (partial, or killed as a
+        # timeout on a slow machine) is reported, not fatal: the budget is what keeps CI bounded.
+        failed |= status == "failed"
         for key, value in part.items():
             if key in result:
                 result[key] = value
+        if phase == "env" and result["device_type"] not in ("cuda", "cpu"):  # env failed: what we know
+            import torch
+
+            result["device_type"] = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            result["device"] = result["device"] or f"unknown {result['device_type']} (env phase failed)"
         if phase == "env" and result["device_type"] == "cpu" and not a.smoke:
             log("campaign: no CUDA GPU here; a CPU run is a smoke test: add --smoke (and --device cpu)")
             break

@@ -160,6 +160,19 @@ def _reset_peak(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def attention_impl(model: torch.nn.Module) -> str:
+    """What attends in the built model: DIFF V1's backend name, else the core attention module's class
+    (SDPACoreAttention for the Transformer and DIFF V2 on the local spec, TE's on the TE spec)."""
+    for m in model.modules():
+        if hasattr(m, "backend_name"):
+            return m.backend_name
+    for m in model.modules():
+        core = getattr(m, "core_attention", None)
+        if isinstance(core, torch.nn.Module):
+            return type(core).__name__
+    return "unknown"
+
+
 def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> tuple[float, str | None]:
     """(seconds per optimizer step, attention backend) of the run `args` describes."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -167,7 +180,7 @@ def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> tup
     from diffmeg.training.builders import build_training_objects
 
     _, model, optimizer, _ = build_training_objects(args)
-    backend = next((m.backend_name for m in model.modules() if hasattr(m, "backend_name")), None)
+    backend = attention_impl(model)
     fwd_bwd = get_forward_backward_func()
     seq, mbs = args.seq_length, args.micro_batch_size
 
@@ -226,7 +239,7 @@ def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
     try:
         seconds, backend = _time_steps(args, opts, device)
         result.update(step_s=seconds, tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12)
-        result["backend"] = backend if args.diff_attention else "megatron-core"
+        result["backend"] = backend
         if device == "cuda":
             result["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     except Exception as exc:  # noqa: BLE001 - every failure is a result here
@@ -246,18 +259,18 @@ def baseline_of(diff_preset: str) -> str | None:
 
 def format_header() -> str:
     return (
-        f"{'model':18s} {'seq':>5} {'mbs':>3} {'attn backend':14s} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}"
+        f"{'model':18s} {'seq':>5} {'mbs':>3} {'attention':17s} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}"
         f" {'GFLOP/tok':>9} {'mem GiB':>7} {'est GiB':>7} {'ratio':>6} {'bound':>6}"
     )
 
 
 def format_row(r: dict, peak: float | None, ratio: str = "", bound: str = "") -> str:
     if r["error"]:
-        return f"{r['preset']:18s} {r['seq']:5d} {r['mbs']:3d} {str(r['backend']):14s} {r['error']}"
+        return f"{r['preset']:18s} {r['seq']:5d} {r['mbs']:3d} {str(r['backend']):17s} {r['error']}"
     mfu = f"{100 * r['tflops'] / peak:5.1f}%" if peak else "  n/a"
     mem = "-" if r["mem_gib"] is None else f"{r['mem_gib']:.1f}"
     return (
-        f"{r['preset']:18s} {r['seq']:5d} {r['mbs']:3d} {r['backend']:14s}"
+        f"{r['preset']:18s} {r['seq']:5d} {r['mbs']:3d} {str(r['backend']):17s}"
         f" {r['tokens_per_s']:10.1f} {r['tflops']:8.3f} {mfu:>6}"
         f" {r['flops_per_token'] / 1e9:9.3f} {mem:>7} {r['estimated_gib']:7.1f} {ratio:>6} {bound:>6}"
     )

@@ -41,6 +41,13 @@ def test_budgets_fit_the_command(smoke):
     assert tight["kernels"] == pytest.approx(200.0 - tight["env"] - tight["tests"])
 
 
+def test_phase_budget_overrides():
+    budgets = campaign.phase_budgets(["env", "memory"], 10_000.0, smoke=True, overrides={"memory": 900.0})
+    assert budgets == {"env": campaign.SMOKE_BUDGET_S["env"], "memory": 900.0}
+    assert campaign.main(["--phase", "memory", "--phase-budget", "memory=lots", "--out", "/tmp/never"]) == 2
+    assert campaign.main(["--phase", "memory", "--phase-budget", "nap=10", "--out", "/tmp/never"]) == 2
+
+
 def test_fused_speedup_and_best_tiles_skip_wrong_and_failed_candidates():
     rows = gpu_result()["attention"]
     rows.append({**rows[2], "impl": "diff triton fast-but-wrong", "fwd_bwd_ms": 0.5, "correct": False})
