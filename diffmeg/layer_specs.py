@@ -1,9 +1,11 @@
 """ModuleSpecs that plug differential attention into megatron-core's `TransformerLayer`.
 
-Both specs keep megatron-core's layer (pre-norm, fused QKV, RoPE, SwiGLU MLP, residuals) and swap only
-the attention core. The baseline Transformer (`diff_attention=False`) keeps megatron-core's own core.
-Checkpoint keys of the local and TE specs agree (megatron-core maps the fused-norm names), so a run can
-move between CPU and GPU.
+Both specs keep megatron-core's layer (pre-norm, fused QKV, RoPE, SwiGLU MLP, residuals). DIFF V1 swaps
+only the attention core; DIFF V2 swaps the self-attention for `DiffV2SelfAttention` (megatron-core's
+SelfAttention plus the lambda projection) and keeps megatron-core's core attention, so TE's fused
+attention and its context-parallel modes apply. The baseline Transformer (`diff_attention=False`) keeps
+megatron-core's own attention. Checkpoint keys of the local and TE specs agree (megatron-core maps the
+fused-norm names), so a run can move between CPU and GPU.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from diffmeg.attention import DiffCoreAttention, DiffCoreAttentionSubmodules, SDPACoreAttention
+from diffmeg.attention_v2 import DiffV2SelfAttention, DiffV2SelfAttentionSubmodules
 from diffmeg.config import DiffTransformerConfig
 from diffmeg.errors import DiffmegError
 from diffmeg.norm import RMSNorm
+from diffmeg.parallel import UlyssesAttention, UlyssesAttentionSubmodules
 from diffmeg.runtime import transformer_engine_available
 
 
@@ -32,6 +38,33 @@ def diff_core_attention_spec(cp_attention: type | None = None) -> ModuleSpec:
     )
 
 
+def diff_v2_attention_spec(
+    config: DiffTransformerConfig, base: ModuleSpec, linear_lambda: type = ColumnParallelLinear
+) -> ModuleSpec:
+    """DIFF V2's self-attention from megatron-core's (`base`): same QKV, core and output linears, plus
+    `linear_lambda`; under Ulysses context parallelism the core runs inside `UlyssesAttention`."""
+    sub = base.submodules
+    core = sub.core_attention
+    if config.context_parallel_size > 1 and (config.cp_comm_type or "ulysses") == "ulysses":
+        core = ModuleSpec(module=UlyssesAttention, submodules=UlyssesAttentionSubmodules(attention=core))
+    return ModuleSpec(
+        module=DiffV2SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=DiffV2SelfAttentionSubmodules(
+            linear_qkv=sub.linear_qkv,
+            core_attention=core,
+            linear_proj=sub.linear_proj,
+            q_layernorm=sub.q_layernorm,
+            k_layernorm=sub.k_layernorm,
+            linear_lambda=linear_lambda,
+        ),
+    )
+
+
+def is_diff_v2(config: DiffTransformerConfig) -> bool:
+    return config.diff_attention and config.diff_version == 2
+
+
 def get_diff_layer_local_spec(config: DiffTransformerConfig, cp_attention: type | None = None) -> ModuleSpec:
     """megatron-core modules only (runs on CPU and GPU), with our fp32 RMSNorm (SP-capable)."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
@@ -40,7 +73,9 @@ def get_diff_layer_local_spec(config: DiffTransformerConfig, cp_attention: type 
     # Fused attention through torch SDPA for every non-DIFF core (megatron-core's local core materialises
     # the scores): the baseline then runs flash kernels as DIFF's backends do.
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    if config.diff_attention:
+    if is_diff_v2(config):
+        spec.submodules.self_attention = diff_v2_attention_spec(config, spec.submodules.self_attention)
+    elif config.diff_attention:
         spec.submodules.self_attention.submodules.core_attention = diff_core_attention_spec(cp_attention)
     return spec
 
@@ -52,7 +87,21 @@ def get_diff_layer_te_spec(config: DiffTransformerConfig) -> ModuleSpec:
             "the Transformer Engine spec needs transformer_engine and a CUDA GPU; use --spec local"
         )
     spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec())
-    if config.diff_attention:
+    if is_diff_v2(config):
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
+        # The lambda projection reads the normed input, so the input norm cannot stay fused into QKV's
+        # linear: TE's norm, then plain TE linears; checkpoint keys stay those of the fused layout.
+        spec.submodules.input_layernorm = TENorm
+        spec.submodules.self_attention.submodules.linear_qkv = TEColumnParallelLinear
+        spec.submodules.sharded_state_dict_keys_map = {
+            **spec.submodules.sharded_state_dict_keys_map,
+            "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+        }
+        spec.submodules.self_attention = diff_v2_attention_spec(
+            config, spec.submodules.self_attention, linear_lambda=TEColumnParallelLinear
+        )
+    elif config.diff_attention:
         spec.submodules.self_attention.submodules.core_attention = diff_core_attention_spec()
     return spec
 

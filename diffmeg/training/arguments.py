@@ -29,6 +29,7 @@ DEFAULTS: dict[str, object] = {
     "max_position_embeddings": None,
     "vocab_size": None,
     "diff_attention": True,
+    "diff_version": 1,
     "micro_batch_size": 1,
     "global_batch_size": None,
     "lr": None,
@@ -93,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         default=argparse.SUPPRESS,
         help="build the FLOP-matched Transformer baseline instead of DIFF",
+    )
+    g.add_argument(
+        "--diff-version",
+        type=int,
+        choices=[1, 2],
+        help="differential attention version: 1, the paper's (default); 2, DIFF V2 (2h query heads over "
+        "ordinary GQA attention, per-token sigmoid lambda, no head norm). The diff2-* presets set 2",
     )
     g.add_argument("--lambda-init", default="exp", help="'exp' (layer-wise schedule) or a constant in [0, 1)")
     g.add_argument("--lambda-std", type=float, default=0.1)
@@ -260,7 +268,9 @@ def _derive(args: argparse.Namespace) -> None:
         if getattr(args, name) is None:
             raise DiffmegError(f"--{name.replace('_', '-')} is required (or pick a preset with --model)")
     if args.kv_channels is None:
-        width = 2 * args.num_attention_heads if args.diff_attention else args.num_attention_heads
+        # V1: 2h sub-heads of d share the hidden size; V2 and the baseline: h heads of d.
+        v1 = args.diff_attention and args.diff_version == 1
+        width = 2 * args.num_attention_heads if v1 else args.num_attention_heads
         if args.hidden_size % width:
             raise DiffmegError(
                 f"hidden size {args.hidden_size} is not divisible by {width} sub-heads; pass --kv-channels"
@@ -337,22 +347,24 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--num-query-groups {args.num_query_groups} must divide the {heads} heads "
             f"and be divisible by TP {tp}"
         )
-    if args.diff_attention:
+    v2 = args.diff_attention and args.diff_version == 2
+    if args.diff_attention and not v2:
         from diffmeg.parallel import cp_attention_available
 
         te_ok = cp_attention_available()
-    else:  # the baseline's CP is megatron-core's own attention with Transformer Engine
+    else:  # the baseline's and V2's CP modes are megatron-core's own attention with Transformer Engine
         te_ok = args.transformer_impl == "transformer_engine"
     args.cp_comm_type = validate_cp(
         cp_size=cp,
         comm_type=getattr(args, "cp_comm_type", None),
         diff_attention=args.diff_attention,
-        heads=heads,
+        heads=2 * heads if v2 else heads,  # V2 shards its 2h query heads inside attention
         kv_heads=args.num_query_groups,
         tp=tp,
-        attention_dropout=args.attention_dropout,
+        attention_dropout=0.0 if v2 else args.attention_dropout,
         seq_length=args.seq_length,
         cp_attention_available=te_ok,
+        unit="query heads" if v2 else None,
     )
     if args.vocab_size % tp:
         raise DiffmegError(

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module
 
-from diffmeg.config import DiffTransformerConfig
+from diffmeg.config import DiffTransformerConfig, megatron_head_counts
 from diffmeg.model import build_model
 from diffmeg.training.grads import finalize_diff_model_grads
 from diffmeg.training.optim import build_optimizer, build_scheduler, params_dtype
@@ -36,14 +36,17 @@ def fused_softmax_available() -> bool:
 def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
     """The LLaMA macro layout (pre-RMSNorm, SwiGLU, no biases) with the run's sizes and parallelism."""
     on_gpu = torch.cuda.is_available()
-    sub = 2 if args.diff_attention else 1  # megatron-core counts sub-heads for DIFF
+    diff_version = getattr(args, "diff_version", 1)  # absent from args saved before DIFF V2 existed
+    heads, groups = megatron_head_counts(
+        args.num_attention_heads, args.num_query_groups, args.diff_attention, diff_version
+    )
     dtype = params_dtype(args)
     return DiffTransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=sub * args.num_attention_heads,
-        num_query_groups=sub * args.num_query_groups,
+        num_attention_heads=heads,
+        num_query_groups=groups,
         kv_channels=args.kv_channels,
         normalization="RMSNorm",
         layernorm_epsilon=args.norm_epsilon,
@@ -76,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
         bias_activation_fusion=on_gpu,
         apply_rope_fusion=False,
         diff_attention=args.diff_attention,
+        diff_version=diff_version,
         lambda_init=args.lambda_init,
         lambda_std=args.lambda_std,
         attention_backend_diff=args.diff_attn_backend,
