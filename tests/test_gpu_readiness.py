@@ -18,17 +18,20 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _tiny_config(**kw):
+def _tiny_config(on_gpu: bool):
+    """A 2-layer DIFF config (float64) built on the GPU, or on the CPU (use_cpu_initialization)."""
     from tests.test_attention import make_config
 
-    return make_config(heads=2, kv_heads=1, head_dim=16, layers=2, **kw)
+    cfg = make_config(heads=2, kv_heads=1, head_dim=16, layers=2)
+    cfg.use_cpu_initialization = not on_gpu
+    return cfg
 
 
 def test_gpu_built_model_has_the_cpu_built_weights(single_rank_parallel_state):
     from diffmeg.model import build_model
 
-    on_cpu = build_model(_tiny_config(use_cpu_initialization=True), vocab_size=64, max_sequence_length=32)
-    on_gpu = build_model(_tiny_config(use_cpu_initialization=False), vocab_size=64, max_sequence_length=32)
+    on_cpu = build_model(_tiny_config(on_gpu=False), vocab_size=64, max_sequence_length=32)
+    on_gpu = build_model(_tiny_config(on_gpu=True), vocab_size=64, max_sequence_length=32)
     gpu_state = on_gpu.state_dict()
     checked = 0
     for name, value in on_cpu.state_dict().items():
@@ -49,7 +52,7 @@ def test_core_built_on_cpu_runs_triton_on_gpu(single_rank_parallel_state, monkey
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cores = {}
     for backend in ("reference", "triton"):
-        cfg = make_config(2, 1, 16, use_cpu_initialization=True, attention_backend_diff=backend)
+        cfg = make_config(2, 1, 16, attention_backend_diff=backend)  # use_cpu_initialization=True
         torch.manual_seed(0)
         cores[backend] = DiffCoreAttention(cfg, 3, AttnMaskType.causal, "self").float().cuda()
     cores["triton"].load_state_dict(cores["reference"].state_dict())
@@ -63,8 +66,9 @@ def test_seeded_sampling_on_gpu_logits(single_rank_parallel_state):
     from diffmeg.generation import SamplingConfig, generate
     from diffmeg.model import build_model
 
-    model = build_model(_tiny_config(use_cpu_initialization=False), vocab_size=64, max_sequence_length=32).eval()
-    runs = [generate(model, [1, 2, 3], 8, SamplingConfig(temperature=1.0, seed=5)).output_ids for _ in range(2)]
+    model = build_model(_tiny_config(on_gpu=True), vocab_size=64, max_sequence_length=32).eval()
+    sampling = SamplingConfig(temperature=1.0, seed=5)
+    runs = [generate(model, [1, 2, 3], 8, sampling).output_ids for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 8
 
 
@@ -77,7 +81,8 @@ def test_bf16_local_spec_trains_on_gpu(single_rank_parallel_state, monkeypatch, 
     from diffmeg.training.builders import config_from_args
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    backends = ["sdpa", "triton"] if preset.startswith("diff") and importlib.util.find_spec("triton") else [None]
+    triton = importlib.util.find_spec("triton") is not None
+    backends = ["sdpa", "triton"] if preset.startswith("diff") and triton else [None]
     losses = {}
     for backend in backends:
         argv = ["--model", preset, "--mock-data", "--bf16", "--seq-length", "512", "--vocab-size", "1024"]
@@ -86,7 +91,8 @@ def test_bf16_local_spec_trains_on_gpu(single_rank_parallel_state, monkeypatch, 
         model = build_model(config_from_args(args), vocab_size=1024, max_sequence_length=512, seed=3)
         tokens = torch.randint(0, 1024, (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
         positions = torch.arange(512, device="cuda").expand(2, 512)
-        loss = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=tokens).float().mean()
+        per_token = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=tokens)
+        loss = per_token.float().mean()
         loss.backward()
         assert torch.isfinite(loss)
         assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
