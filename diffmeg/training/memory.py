@@ -10,6 +10,9 @@ Activation terms count what autograd keeps for backward in *our* layer (checked 
                                                            7 Q + 2 h s
   baseline attention (SDPA core of the local spec, or TE): post-RoPE q and k, the fused QKV output, the
   output, an fp32 log-sum-exp per head                     3 Q + 3 K + heads   (Q = h d, K = g d)
+  DIFF V2: the baseline's terms over its 2h query heads (Q = 2h d, K = g d), plus the fp32 sigmoid(lambda)
+  (h), the combined heads going into the output projection (h d), and under bf16/fp16 the fp32 copy of
+  the core output that the pair combination keeps for lambda's gradient (4 bytes x Q)
 `attention_kernel` says which attention terms apply to the model that is built.
   SwiGLU MLP (fc1 output, silu, product, fc2 input)        5 F
 Selective recompute keeps only the core's inputs; full recompute keeps each layer's input. The loss
@@ -56,13 +59,19 @@ def _param_bytes(args: argparse.Namespace) -> int:
 
 def parameters_per_rank(args: argparse.Namespace) -> int:
     """Parameters held by the largest pipeline stage of one tensor-parallel rank."""
+    from diffmeg.config import megatron_head_counts
+
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     d, H, F, V = args.kv_channels, args.hidden_size, args.ffn_hidden_size, args.vocab_size
-    sub = 2 if args.diff_attention else 1
-    q_width = sub * args.num_attention_heads * d
-    kv_width = 2 * sub * args.num_query_groups * d
-    sharded = H * (q_width + kv_width) + q_width * H + 3 * H * F
-    replicated = 2 * H + (6 * d if args.diff_attention else 0)
+    v2 = _is_v2(args)
+    query_heads, kv_heads = megatron_head_counts(
+        args.num_attention_heads, args.num_query_groups, args.diff_attention, 2 if v2 else 1
+    )
+    q_width, kv_width = query_heads * d, 2 * kv_heads * d
+    out_width = args.num_attention_heads * d if v2 else q_width  # V2 projects the h combined heads
+    lambda_proj = H * args.num_attention_heads if v2 else 0
+    sharded = H * (q_width + kv_width) + out_width * H + lambda_proj + 3 * H * F
+    replicated = 2 * H + (6 * d if args.diff_attention and not v2 else 0)
     per_layer = sharded // tp + replicated
     layers = args.num_layers // pp
     first = layers * per_layer + V * H // tp
@@ -70,15 +79,19 @@ def parameters_per_rank(args: argparse.Namespace) -> int:
     return max(first, last) if pp > 1 else layers * per_layer + 2 * V * H // tp + H
 
 
+def _is_v2(args: argparse.Namespace) -> bool:
+    return bool(args.diff_attention) and getattr(args, "diff_version", 1) == 2
+
+
 def attention_kernel(args: argparse.Namespace, on_gpu: bool) -> str:
     """What the built model's attention keeps for backward: "fused" (flash-style kernels: q, k, v, the
     output and a log-sum-exp) or "maps" (both probability maps, the math path).
 
-    The Transformer baseline always runs fused attention (the local spec's SDPA core, or TE's); DIFF V1
-    follows its backend (diffmeg.kernels): triton and flash are fused, sdpa is fused on a GPU (split-V
-    flash calls) but the math path on a CPU (V twice as wide as q), reference keeps the maps.
+    The Transformer baseline and DIFF V2 always run fused attention (the local spec's SDPA core, or TE's);
+    DIFF V1 follows its backend (diffmeg.kernels): triton and flash are fused, sdpa is fused on a GPU
+    (split-V flash calls) but the math path on a CPU (V twice as wide as q), reference keeps the maps.
     """
-    if not args.diff_attention:
+    if not args.diff_attention or _is_v2(args):
         return "fused"
     backend = "sdpa" if args.diff_attn_backend == "auto" else args.diff_attn_backend
     if backend in ("triton", "flash", "te") or (backend == "sdpa" and on_gpu):
@@ -97,10 +110,14 @@ def _activations(args: argparse.Namespace, on_gpu: bool) -> tuple[float, float]:
     b_act = _param_bytes(args)
     tokens = args.micro_batch_size * args.seq_length / cp
     d, H, F = args.kv_channels, args.hidden_size, args.ffn_hidden_size
+    v2 = _is_v2(args)
     sub = 2 if args.diff_attention else 1
     heads = args.num_attention_heads  # DIFF heads, or baseline heads
-    q = sub * heads * d / tp
-    k = sub * args.num_query_groups * d / tp
+    q = sub * heads * d / tp  # V1: 2h sub-heads; V2: 2h query heads; baseline: h heads
+    k = (1 if v2 else sub) * args.num_query_groups * d / tp
+    # V2 beside its core: sigmoid(lambda) in fp32, the combined heads (projection input), and the fp32 copy
+    # of the core output kept by the combination when the core runs in bf16/fp16.
+    v2_extra = (4 * heads / tp + b_act * heads * d / tp + (4 * q if b_act != 4 else 0)) if v2 else 0.0
     te = args.transformer_impl == "transformer_engine"
     # Norm blocks: TE fuses the norm into the next linear (keeps input and normalised input); ours keeps
     # x, the fp32 normalised tensor and the output (fp32 internals cost 4 bytes under bf16 too).
@@ -111,7 +128,9 @@ def _activations(args: argparse.Namespace, on_gpu: bool) -> tuple[float, float]:
     if args.recompute_granularity == "selective":
         # The checkpoint keeps its inputs: post-RoPE q and k, and v, a view that keeps the whole fused
         # QKV output (q + 2k wide) alive; plus the projection input.
-        attn = b_act * (2 * q + 3 * k + q)
+        attn = b_act * (2 * q + 3 * k + q) + v2_extra
+    elif v2:
+        attn = b_act * (3 * q + 3 * k) + 4 * 2 * heads / tp + v2_extra
     elif args.diff_attention and fused_attention:
         # q, k, v, o1, o2 and the projection input in the activation dtype; head-norm input and
         # normalised tensor in fp32.

@@ -35,15 +35,13 @@ def _saved_bytes(model, tokens):
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("preset", ["diff-tiny", "transformer-tiny"])
-@pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "selective"]], ids=["none", "selective"])
-def test_per_layer_activation_terms_match_autograd(single_rank_parallel_state, monkeypatch, extra, preset):
+def _per_layer_bytes(preset: str, extra: list[str]) -> tuple[float, float]:
+    """(measured, estimated) activation bytes of one layer for one micro-batch of 2 x 128 tokens."""
     from diffmeg.model import build_model
     from diffmeg.training.arguments import resolve_args
     from diffmeg.training.builders import config_from_args
     from diffmeg.training.memory import activation_bytes_per_microbatch
 
-    monkeypatch.setenv("WORLD_SIZE", "1")
     measured = {}
     for layers in (2, 4):
         args = resolve_args(
@@ -60,18 +58,32 @@ def test_per_layer_activation_terms_match_autograd(single_rank_parallel_state, m
                 "--vocab-size",
                 "1024",
                 *extra,
-            ]
+            ],
+            world_size=1,
         )
         model = build_model(config_from_args(args), vocab_size=1024, max_sequence_length=128)
+        if args.bf16:
+            model = model.bfloat16()
         model.train()
         tokens = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(0))
         measured[layers] = (_saved_bytes(model, tokens), activation_bytes_per_microbatch(args, on_gpu=False))
-    per_layer_measured = (measured[4][0] - measured[2][0]) / 2
-    per_layer_estimated = (measured[4][1] - measured[2][1]) / 2
+    return (measured[4][0] - measured[2][0]) / 2, (measured[4][1] - measured[2][1]) / 2
+
+
+@pytest.mark.parametrize("preset", ["diff-tiny", "diff2-tiny", "transformer-tiny"])
+@pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "selective"]], ids=["none", "selective"])
+def test_per_layer_activation_terms_match_autograd(single_rank_parallel_state, extra, preset):
+    per_layer_measured, per_layer_estimated = _per_layer_bytes(preset, extra)
     if extra:  # selective recompute: only the checkpoint inputs remain; the formula is an upper bound
         assert per_layer_measured <= per_layer_estimated * 1.03
     else:
         assert per_layer_estimated == pytest.approx(per_layer_measured, rel=0.03)
+
+
+def test_diff2_bf16_terms_match_autograd(single_rank_parallel_state):
+    """Under bf16 the V2 pair combination keeps an fp32 copy of the core output: the plan counts it."""
+    per_layer_measured, per_layer_estimated = _per_layer_bytes("diff2-tiny", ["--bf16"])
+    assert per_layer_estimated == pytest.approx(per_layer_measured, rel=0.03)
 
 
 @pytest.mark.slow
