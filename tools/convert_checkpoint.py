@@ -2,23 +2,28 @@
 
     python tools/convert_checkpoint.py mcore-to-hf --load ckpt/ --save hf/ [--iteration N]
         [--dtype bf16|fp16|fp32] [--tokenizer-file cl100k_base.tiktoken] [--overwrite]
-    python tools/convert_checkpoint.py hf-to-mcore --load hf/ --save ckpt/ [--tensor-model-parallel-size N]
-        [--pipeline-model-parallel-size N] [--overwrite] [-- PRETRAIN_DIFF_FLAGS ...]
+    python tools/convert_checkpoint.py hf-to-mcore --load hf/ --save ckpt/ [--dtype bf16|fp16|fp32]
+        [--tensor-model-parallel-size N] [--pipeline-model-parallel-size N] [--overwrite]
+        [-- PRETRAIN_DIFF_FLAGS ...]
 
 DIFF checkpoints become transformers' DiffLlamaForCausalLM, Transformer baselines (--no-diff-attention)
-LlamaForCausalLM, and back. mcore-to-hf reads any TP/PP layout (checkpoints are layout-free) one layer
-at a time and writes config.json, model-*.safetensors shards with their index, generation_config.json
-and the cl100k_base tokenizer with tiktoken's ids. hf-to-mcore writes a weights-only checkpoint
-(iteration 0) that `pretrain_diff.py --load ckpt/ --finetune` continues from; flags after `--` are
-recorded in its args.json as a pretrain_diff.py run would resolve them. See docs/conversion.md.
+LlamaForCausalLM, and back. Both directions stream one layer at a time (memory: about two layers,
+whatever the depth) and print a progress line per layer. mcore-to-hf reads any TP/PP layout
+(checkpoints are layout-free) and writes config.json, model-*.safetensors shards with their index,
+generation_config.json and the cl100k_base tokenizer with tiktoken's ids. hf-to-mcore writes a
+weights-only checkpoint (iteration 0, in the source's dtype unless --dtype) that
+`pretrain_diff.py --load ckpt/ --finetune` continues from, at any TP/PP; flags after `--` are recorded
+in its args.json as a pretrain_diff.py run would resolve them. See docs/conversion.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
+import time
 import warnings
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron-core compiles fusions at import; not needed here
@@ -72,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tensor-model-parallel-size", type=int, default=1, help="recorded in args.json")
     i.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="recorded in args.json")
     i.add_argument("--seq-length", type=int, default=None, help="default: max_position_embeddings")
-    i.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="stored weights (fp32)")
+    i.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the source's (e.g. bf16)")
     i.add_argument("--overwrite", action="store_true", help="replace an existing --save directory")
     return p
 
@@ -94,6 +99,37 @@ def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, DTYPES[name])
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
+
+
+class Progress:
+    """One stderr line per layer converted: layers done, time per layer, elapsed time and the ETA."""
+
+    def __init__(self, label: str, layers: int) -> None:
+        self.label, self.layers = label, layers
+        self.restart()
+
+    def restart(self) -> None:
+        """Time layers from now (after the tensors outside the layers, which take as long as several)."""
+        self.start = time.perf_counter()
+
+    def layer_done(self, done: int) -> None:
+        elapsed = time.perf_counter() - self.start
+        per_layer = elapsed / done
+        print(
+            f"{self.label}: layer {done}/{self.layers}, {per_layer:.1f} s/layer, elapsed {_clock(elapsed)}, "
+            f"ETA {_clock(per_layer * (self.layers - done))}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _export_tokenizer(args: argparse.Namespace, ckpt_args: argparse.Namespace, layout):
@@ -121,9 +157,9 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
 
     from diffmeg.conversion.checkpoint_io import (
         McoreCheckpointReader,
-        SafetensorsShardWriter,
         atomic_output_dir,
         check_output_path,
+        release_freed_memory,
         save_hf_tokenizer,
     )
     from diffmeg.conversion.hf_config import (
@@ -132,9 +168,11 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
         layout_from_args,
         transformers_config_class,
     )
-    from diffmeg.conversion.mapping import HF_LAYER_PREFIX, mcore_globals_to_hf, mcore_layer_to_hf
+    from diffmeg.conversion.mapping import GLOBALS, HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf
+    from diffmeg.conversion.safetensors_io import SafetensorsShardWriter
     from diffmeg.data.tokenizer import CL100K_N_VOCAB, EOD_ID
 
+    start = time.perf_counter()
     check_output_path(args.save, args.overwrite, args.load)
     reader = McoreCheckpointReader(args.load, args.iteration)  # plain file reads: no process group needed
     layout = layout_from_args(reader.args)
@@ -152,58 +190,75 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
         )
     )
     tokenizer = _export_tokenizer(args, reader.args, layout)
-    with atomic_output_dir(args.save) as out:
-        writer = SafetensorsShardWriter(out, args.max_shard_size)
-        writer.add(mcore_globals_to_hf(reader.read_globals(layout), layout, dtype))
+    shapes = hf_model_shapes(layout)
+    plan = [(name, shape, dtype) for name, shape in shapes.items()]
+    needed = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
+    with atomic_output_dir(args.save, needed_bytes=needed) as out:
+        writer = SafetensorsShardWriter(out, args.max_shard_size, plan)
+        for key, hf_name in GLOBALS.items():  # one at a time: the embedding alone is several layers
+            (tensor,) = reader.read_globals(layout, [key]).values()
+            writer.add({hf_name: tensor.to(dtype)})
+            del tensor
+            release_freed_memory()
+        progress = Progress("mcore-to-hf", layout.num_layers)
         for index in range(layout.num_layers):
             hf_layer = mcore_layer_to_hf(reader.read_layer(layout, index), layout, dtype)
             writer.add({HF_LAYER_PREFIX.format(index) + k: v for k, v in hf_layer.items()})
+            del hf_layer
+            release_freed_memory()
+            progress.layer_done(index + 1)
         shards = writer.close()
         config.save_pretrained(out)
         transformers.GenerationConfig(**generation_config_dict(eod, eod)).save_pretrained(out)
         if tokenizer is not None:
             save_hf_tokenizer(tokenizer, out)
     print(
-        f"wrote {args.save}: {layout.architecture}, {layout.num_layers} layers, "
-        f"{str(dtype).removeprefix('torch.')}, "
+        f"wrote {args.save}: {layout.architecture}, {layout.num_layers} layers, {_dtype_name(dtype)}, "
         f"{len(shards)} shard(s), {writer.total_bytes / 1e9:.3f} GB"
-        f"{', tokenizer' if tokenizer is not None else ''} (from {reader.path})"
+        f"{', tokenizer' if tokenizer is not None else ''} (from {reader.path}) in "
+        f"{_clock(time.perf_counter() - start)}"
     )
 
 
 def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
-    """A DiffLlama / Llama folder -> weights-only megatron-core checkpoint at iteration 0."""
-    from diffmeg.checkpoints import build_single_rank_model
-    from diffmeg.conversion.checkpoint_io import (
-        atomic_output_dir,
-        check_output_path,
-        fill_model,
-        write_mcore_checkpoint,
-    )
+    """A DiffLlama / Llama folder -> weights-only megatron-core checkpoint at iteration 0, streamed."""
+    from diffmeg.conversion.checkpoint_io import atomic_output_dir, check_output_path, release_freed_memory
     from diffmeg.conversion.hf_config import pretrain_flags
     from diffmeg.conversion.hf_import import open_hf_folder, resolved_pretrain_args
+    from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of
     from diffmeg.runtime import single_process
 
+    start = time.perf_counter()
     check_output_path(args.save, args.overwrite, args.load)
     folder = open_hf_folder(args.load)
+    layout = folder.layout
     resolved = resolved_pretrain_args(
-        folder.layout,
+        layout,
         folder.config,
         extra,
         seq_length=args.seq_length,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
     )
-    dtype = _torch_dtype(args.dtype)
+    dtype = _torch_dtype(args.dtype) if args.dtype else folder.dtype
     single_process()
-    model = build_single_rank_model(resolved, dtype)
-    fill_model(model, folder.mcore_blocks(dtype))
-    with atomic_output_dir(args.save) as out:
-        write_mcore_checkpoint(out, model, resolved)
-    flags = pretrain_flags(folder.layout) + ["--seq-length", str(resolved.seq_length)]
+    with atomic_output_dir(args.save, needed_bytes=layout.mcore_parameters() * dtype.itemsize) as out:
+        writer = StreamingCheckpointWriter(out, resolved, dtype)
+        progress = Progress("hf-to-mcore", layout.num_layers)
+        for block in folder.mcore_blocks(dtype):  # each tensor outside the layers, then layer by layer
+            writer.write(block)
+            part = part_of(next(iter(block)))
+            del block
+            release_freed_memory()
+            if isinstance(part, int):
+                progress.layer_done(part + 1)
+            else:
+                progress.restart()
+        writer.close()
+    flags = pretrain_flags(layout) + ["--seq-length", str(resolved.seq_length)]
     print(
-        f"wrote {args.save} ({folder.layout.architecture} -> iteration 0, weights only, {args.dtype}); "
-        f"continue training with:"
+        f"wrote {args.save} ({layout.architecture} -> iteration 0, weights only, {_dtype_name(dtype)}) in "
+        f"{_clock(time.perf_counter() - start)}; continue training with:"
     )
     print(f"  python pretrain_diff.py {shlex.join(flags)} --load {shlex.quote(args.save)} --finetune ...")
 

@@ -1,32 +1,36 @@
-"""Reading and writing the two checkpoint formats, streaming (the only module here that does I/O).
+"""Reading and writing the two checkpoint formats, streaming (with mcore_writer.py and safetensors_io.py,
+the only modules here that do I/O).
 
 - megatron-core dist checkpoints are layout-free: every tensor is stored under one global key with its
   full shape (layers stacked on a leading axis), whatever TP/PP wrote it. `McoreCheckpointReader`
-  loads exactly one layer's slices at a time, in the checkpoint's own dtype, so exporting needs one
-  layer plus the safetensors shard being filled, never the whole model. Writing builds the TP=1 model
-  `pretrain_diff.py` would build, fills it block by block and saves its own sharded state dict: one
-  model in memory, keys exactly as a training run writes them.
-- Hugging Face folders (DiffLlama or Llama): safetensors shards written as they fill
-  (`SafetensorsShardWriter`), read lazily by name (`HFCheckpointReader`).
-- Outputs are built in a temporary sibling directory and renamed into place at the end, so a failed
-  conversion never leaves a half-written checkpoint behind.
+  loads exactly one layer's slices (or one tensor outside the layers) at a time, in the checkpoint's own
+  dtype. Writing is `mcore_writer.StreamingCheckpointWriter`, one part at a time.
+- Hugging Face folders (DiffLlama or Llama): read tensor by tensor with plain file reads
+  (`HFCheckpointReader`, safetensors_io.py); written shard by shard as tensors arrive
+  (safetensors_io.SafetensorsShardWriter).
+- Outputs are built in a temporary sibling directory and renamed into place at the end
+  (`atomic_output_dir`): a failed conversion never leaves a half-written output behind, a full disk is
+  named as such, and the output follows the umask like any directory the user creates.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import ctypes
+import errno
+import functools
 import json
 import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from diffmeg.checkpoints import WEIGHTS_ONLY_KEY, read_checkpoint_args, write_checkpoint
+from diffmeg.checkpoints import first_line, read_checkpoint_args
 from diffmeg.conversion.layout import DiffLayout, ModelLayout
+from diffmeg.conversion.safetensors_io import INDEX_FILE, SafetensorsFile
 from diffmeg.errors import DiffmegError
 
 # megatron-core stores the local spec's layer norms under the names of Transformer Engine's fused
@@ -42,11 +46,6 @@ CKPT_LAYER_PREFIX = "decoder.layers."
 def checkpoint_key(local_key: str) -> str:
     """The dist-checkpoint key of a layer tensor (`local_key` is relative to `decoder.layers.N.`)."""
     return CKPT_LAYER_PREFIX + _CKPT_LAYER_KEYS.get(local_key, local_key)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def _chunk_planner(offsets: dict[str, tuple[int, ...]]):
@@ -103,7 +102,7 @@ class McoreCheckpointReader:
         try:
             self.metadata = self._storage.read_metadata().state_dict_metadata
         except Exception as exc:
-            raise DiffmegError(f"{self.path} is not a readable checkpoint: {_first_line(exc)}") from exc
+            raise DiffmegError(f"{self.path} is not a readable checkpoint: {first_line(exc)}") from exc
 
     def stored_shape(self, key: str) -> tuple[int, ...] | None:
         meta = self.metadata.get(key)
@@ -153,13 +152,15 @@ class McoreCheckpointReader:
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(by_key, storage_reader=self._storage, planner=_chunk_planner(offsets), no_dist=True)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            raise DiffmegError(f"cannot read {self.path}: {_first_line(exc)}") from exc
+            raise DiffmegError(f"cannot read {self.path}: {first_line(exc)}") from exc
         return {name: by_key[key] for name, (key, _, _) in requests.items()}
 
-    def read_globals(self, layout: ModelLayout) -> dict[str, torch.Tensor]:
-        """Embedding, final norm and output layer, under their state-dict keys."""
+    def read_globals(self, layout: ModelLayout, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Embedding, final norm and output layer (or those of them named in `keys`), under their
+        state-dict keys."""
         shapes = layout.mcore_global_shapes()
-        return self._load({key: (key, (0,) * len(shape), shape) for key, shape in shapes.items()})
+        keys = list(shapes) if keys is None else list(keys)
+        return self._load({key: (key, (0,) * len(shapes[key]), shapes[key]) for key in keys})
 
     def read_layer(self, layout: ModelLayout, layer: int) -> dict[str, torch.Tensor]:
         """Layer `layer` (0-based, global) under its keys relative to `decoder.layers.N.`."""
@@ -192,77 +193,6 @@ def fill_model(model: torch.nn.Module, blocks: Iterator[dict[str, torch.Tensor]]
         raise DiffmegError(f"no converted tensor for parameter {missing[0]!r} ({len(missing)} in all)")
 
 
-def write_mcore_checkpoint(
-    path: str, model: torch.nn.Module, args: argparse.Namespace, iteration: int = 0
-) -> None:
-    """Save `model` as a weights-only checkpoint (`{path}/iter_N`, args.json, tracker) as pretrain_diff.py
-    lays them out: the model's own sharded state dict, so every key (extra states included) is what a
-    training run saves and loads at any TP/PP. Needs `diffmeg.runtime.single_process()`.
-    """
-    state = {
-        "model": model.sharded_state_dict(),
-        "iteration": iteration,
-        "consumed_samples": 0,
-        "layout": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size, "dp": 1},
-        "args": json.dumps(vars(args), default=str),
-        WEIGHTS_ONLY_KEY: True,
-    }
-    write_checkpoint(path, iteration, state, args)
-
-
-class SafetensorsShardWriter:
-    """Writes tensors into `model-XXXXX-of-YYYYY.safetensors` shards as they fill, plus the index."""
-
-    def __init__(self, directory: str, max_shard_bytes: int) -> None:
-        if max_shard_bytes <= 0:
-            raise DiffmegError(f"max shard size must be > 0, got {max_shard_bytes}")
-        self.directory = directory
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self.total_bytes = 0
-
-    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        for name, tensor in tensors.items():
-            size = tensor.numel() * tensor.element_size()
-            if self._pending and self._pending_bytes + size > self.max_shard_bytes:
-                self._flush()
-            self._pending[name] = tensor.contiguous()
-            self._pending_bytes += size
-            self.total_bytes += size
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        save_file(self._pending, self._shard_tmp_name(len(self._shards)), metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
-
-    def _shard_tmp_name(self, index: int) -> str:
-        return os.path.join(self.directory, f"shard-{index:05d}.safetensors.part")
-
-    def close(self) -> list[str]:
-        """Flush, give the shards their final names and write model.safetensors.index.json."""
-        if self._pending:
-            self._flush()
-        count = len(self._shards)
-        weight_map: dict[str, str] = {}
-        names = []
-        for index, keys in enumerate(self._shards):
-            name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self._shard_tmp_name(index), os.path.join(self.directory, name))
-            weight_map.update(dict.fromkeys(keys, name))
-            names.append(name)
-        index_file = {
-            "metadata": {"total_size": self.total_bytes},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
-            json.dump(index_file, f, indent=2)
-        return names
-
-
 class HFCheckpointReader:
     """A Hugging Face model folder: config.json and safetensors weights (single file or sharded)."""
 
@@ -277,25 +207,22 @@ class HFCheckpointReader:
             with open(config_file) as f:
                 self.raw_config = json.load(f)
         except (OSError, ValueError) as exc:
-            raise DiffmegError(f"cannot read {config_file}: {_first_line(exc)}") from None
-        index = os.path.join(directory, "model.safetensors.index.json")
+            raise DiffmegError(f"cannot read {config_file}: {first_line(exc)}") from None
+        index = os.path.join(directory, INDEX_FILE)
         single = os.path.join(directory, "model.safetensors")
+        self._files: dict[str, SafetensorsFile] = {}
         if os.path.isfile(index):
             with open(index) as f:
                 self.weight_map: dict[str, str] = json.load(f)["weight_map"]
         elif os.path.isfile(single):
-            from safetensors import safe_open
-
-            with safe_open(single, framework="pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+            self.weight_map = dict.fromkeys(self._file("model.safetensors").tensors, "model.safetensors")
         elif any(n.endswith(".bin") for n in os.listdir(directory)):
             raise DiffmegError(
                 f"{directory} holds PyTorch .bin weights; save the model with safetensors "
                 f"(model.save_pretrained(dir, safe_serialization=True)) and convert that"
             )
         else:
-            raise DiffmegError(f"{directory} has no model.safetensors or model.safetensors.index.json")
-        self._handles: dict[str, object] = {}
+            raise DiffmegError(f"{directory} has no model.safetensors or {INDEX_FILE}")
 
     def normalized_config(self) -> dict:
         """config.json through transformers' DiffLlamaConfig / LlamaConfig (fills defaults, maps legacy
@@ -307,29 +234,36 @@ class HFCheckpointReader:
             return transformers_config_class(layout_class).from_dict(dict(self.raw_config)).to_dict()
         except Exception as exc:  # transformers validates the fields (strict dataclass)
             raise DiffmegError(
-                f"invalid {layout_class.hf_name} config.json in {self.directory}: {_first_line(exc)}"
+                f"invalid {layout_class.hf_name} config.json in {self.directory}: {first_line(exc)}"
             ) from None
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every stored tensor, read from the headers only."""
-        shapes = {}
-        for name in self.weight_map:
-            shapes[name] = tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
-        return shapes
-
-    def _handle(self, filename: str):
-        if filename not in self._handles:
-            from safetensors import safe_open
-
+    def _file(self, filename: str) -> SafetensorsFile:
+        """A shard's header, parsed once (tensors are read on demand, without a memory map)."""
+        if filename not in self._files:
             path = os.path.join(self.directory, filename)
             if not os.path.isfile(path):
                 raise DiffmegError(f"{path} is listed in the index but missing")
-            self._handles[filename] = safe_open(path, framework="pt")
-        return self._handles[filename]
+            self._files[filename] = SafetensorsFile(path)
+        return self._files[filename]
+
+    def _info(self, name: str):
+        info = self._file(self.weight_map[name]).tensors.get(name)
+        if info is None:
+            raise DiffmegError(
+                f"{self.directory}: the index puts {name!r} in {self.weight_map[name]}, which lacks it"
+            )
+        return info
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every stored tensor, read from the headers only."""
+        return {name: self._info(name).shape for name in self.weight_map}
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self._info(name).dtype
 
     def get(self, names) -> dict[str, torch.Tensor]:
-        """The named tensors (only those present), loaded now."""
-        return {n: self._handle(self.weight_map[n]).get_tensor(n) for n in names if n in self.weight_map}
+        """The named tensors (only those present), each read now into memory of its own."""
+        return {n: self._file(self.weight_map[n]).read(n) for n in names if n in self.weight_map}
 
 
 def check_output_path(output: str, overwrite: bool, source: str) -> None:
@@ -344,21 +278,93 @@ def check_output_path(output: str, overwrite: bool, source: str) -> None:
             raise DiffmegError(f"{output} exists and is not a directory; remove it first")
 
 
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
+
+
+def release_freed_memory() -> None:
+    """Give memory freed since the last call back to the operating system (glibc's `malloc_trim`; a
+    no-op elsewhere). Called by the converters after each layer.
+
+    A converter frees each layer's tensors before reading the next, but glibc keeps freed heap pages
+    resident and reuses them only in part as tensors of different sizes come and go: without this a
+    conversion grows by about half a layer per layer (measured: +116 MB over 20 layers of 12.8 MB).
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.1f} MB"
+
+
+def _disk_full(exc: BaseException, free: int) -> bool:
+    """The failure is (or was caused by) a full disk or quota.
+
+    DCP wraps its writers' errors (CheckpointException.failures) and torch.save reports a failed write
+    as "unexpected pos"; so besides ENOSPC / EDQUOT anywhere in the chain, a write failure with less
+    than 16 MB left on the filesystem counts as a full disk.
+    """
+    seen: set[int] = set()
+    todo: list = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        for failure in (getattr(e, "failures", None) or {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+        todo += [e.__cause__, e.__context__]
+    interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit))
+    return not interrupted and free < 16 * 2**20
+
+
 @contextlib.contextmanager
-def atomic_output_dir(output: str) -> Iterator[str]:
+def atomic_output_dir(output: str, needed_bytes: int | None = None) -> Iterator[str]:
     """A fresh directory beside `output` that replaces `output` when the block succeeds.
 
-    On any failure the temporary directory is removed and an existing `output` is left untouched.
+    `needed_bytes` (what the conversion will write) is checked against the free space first. On any
+    failure the temporary directory is removed and an existing `output` is left untouched; a full disk
+    is reported in one line naming the directory and its free space. The finished directory gets the
+    mode a plain `mkdir` would give it (the umask applies), like every file written into it.
     """
     parent = os.path.dirname(os.path.abspath(output)) or "."
     os.makedirs(parent, exist_ok=True)
+    if needed_bytes is not None:
+        free = shutil.disk_usage(parent).free
+        if free < needed_bytes:
+            raise DiffmegError(
+                f"{parent} has {_gb(free)} free but the conversion writes about {_gb(needed_bytes)}; "
+                f"free space there or choose another --save"
+            )
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output))}.tmp-", dir=parent)
     try:
         yield tmp
-    except BaseException:
+    except BaseException as exc:
+        free_at_failure = shutil.disk_usage(parent).free
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, DiffmegError) and _disk_full(exc, free_at_failure):
+            needed = f" (the conversion writes about {_gb(needed_bytes)})" if needed_bytes else ""
+            free = _gb(shutil.disk_usage(parent).free)
+            raise DiffmegError(
+                f"disk full writing {output}: partial output removed, {parent} has {free} free{needed}; "
+                f"free space there or choose another --save"
+            ) from exc
         raise
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is shared like any directory
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private
     old = None
     if os.path.lexists(output):
         old = tmp + ".old"

@@ -4,7 +4,7 @@
 cannot express; `resolved_pretrain_args` gives the arguments a `pretrain_diff.py` run of that model would
 resolve (what an import records in args.json, and what the analysis tools read as the checkpoint's
 arguments); `load_hf_model` builds the TP=PP=1 model and maps the weights in, one layer at a time.
-Used by `tools/convert_checkpoint.py hf-to-mcore` and by `diffmeg.evaluation.long_context`'s loader.
+Used by `tools/convert_checkpoint.py hf-to-mcore` and by `diffmeg.eval.long_context`'s loader.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from diffmeg.conversion.checkpoint_io import HFCheckpointReader
 from diffmeg.conversion.hf_config import layout_from_args, layout_from_hf_config, pretrain_flags
 from diffmeg.conversion.layout import ModelLayout
 from diffmeg.conversion.mapping import (
+    GLOBALS,
     HF_LAYER_PREFIX,
     MCORE_LAYER_PREFIX,
     check_shapes,
-    hf_globals_to_mcore,
     hf_layer_to_mcore,
 )
 from diffmeg.errors import DiffmegError
@@ -57,15 +57,33 @@ class HFModelFolder:
     def directory(self) -> str:
         return self.reader.directory
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weights are stored in (the embedding's)."""
+        return self.reader.dtype_of("model.embed_tokens.weight")
+
     def mcore_blocks(self, dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
-        """TP=1 megatron-core state-dict entries: the globals, then one layer at a time (read lazily)."""
+        """TP=1 megatron-core state-dict entries, read lazily: each tensor outside the layers on its own
+        (the embedding alone is as large as several layers), then one layer at a time."""
         layout, reader = self.layout, self.reader
-        yield hf_globals_to_mcore(reader.get(layout.hf_global_shapes()), layout, dtype, self.tied)
+        # Nothing is kept between blocks: each is dropped here before the next is read.
+        for mcore_name, hf_name in GLOBALS.items():  # shapes were checked from the headers
+            if self.tied and hf_name == "lm_head.weight":
+                hf_name = "model.embed_tokens.weight"  # untied: the embedding read again, a copy of its own
+            block = {mcore_name: reader.get([hf_name])[hf_name]}
+            if dtype is not None:
+                block[mcore_name] = block[mcore_name].to(dtype)
+            yield block
+            del block
         for index in range(layout.num_layers):
             prefix = HF_LAYER_PREFIX.format(index)
             layer = reader.get(prefix + k for k in layout.hf_layer_shapes())
             mcore = hf_layer_to_mcore({k[len(prefix) :]: v for k, v in layer.items()}, layout, dtype)
-            yield {MCORE_LAYER_PREFIX.format(index) + k: v for k, v in mcore.items()}
+            del layer
+            block = {MCORE_LAYER_PREFIX.format(index) + k: v for k, v in mcore.items()}
+            del mcore
+            yield block
+            del block
 
 
 def open_hf_folder(directory: str) -> HFModelFolder:

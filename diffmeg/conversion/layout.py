@@ -14,6 +14,7 @@ converting anything.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from diffmeg.errors import DiffmegError
@@ -114,6 +115,11 @@ class ModelLayout:
             "mlp.up_proj.weight": (ffn, hidden),
             "mlp.down_proj.weight": (hidden, ffn),
         }
+
+    def mcore_parameters(self) -> int:
+        """Elements of the megatron-core model (what an import writes)."""
+        per_layer = sum(math.prod(s) for s in self.mcore_layer_shapes().values())
+        return sum(math.prod(s) for s in self.mcore_global_shapes().values()) + self.num_layers * per_layer
 
     def hf_global_shapes(self) -> dict[str, tuple[int, ...]]:
         return {

@@ -30,7 +30,9 @@ layer), so a converter streams a model layer by layer and never holds two full c
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,11 +51,12 @@ _SAME_IN_LAYER = {
 _DIFF_SAME_IN_LAYER = {
     f"self_attention.core_attention.lambda_{n}": f"self_attn.lambda_{n}" for n in ("q1", "k1", "q2", "k2")
 }
-_GLOBALS = {
+GLOBALS = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
     "output_layer.weight": "lm_head.weight",
 }
+"""megatron-core -> Hugging Face names of the tensors outside the layers (the same in every architecture)."""
 
 
 def check_shapes(
@@ -73,9 +76,9 @@ def check_shapes(
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A fresh contiguous tensor: outputs never share storage (safetensors refuses shared tensors)."""
-    out = t.to(dtype) if dtype is not None and dtype != t.dtype else t.clone()
-    return out.contiguous()
+    """`t` in `dtype` (None: its own), contiguous; no copy when it already is (converters stream, and a
+    copy of the embedding is a second gigabyte)."""
+    return (t if dtype is None else t.to(dtype)).contiguous()
 
 
 def split_fused_qkv(qkv: torch.Tensor, layout: DiffLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,30 +140,72 @@ def fuse_qkv_llama(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Ll
     return torch.cat(parts, dim=1).reshape(layout.qkv_rows, hidden)
 
 
-def _check_layer(layer: Mapping, layout: ModelLayout, to_hf: bool) -> None:
-    if to_hf:
-        check_shapes(layer, layout.mcore_layer_shapes(), "megatron-core layer")
-    else:
-        check_shapes(layer, layout.hf_layer_shapes(), f"{layout.hf_name} layer")
+@dataclass(frozen=True)
+class LayerMapping:
+    """How one architecture's decoder layer maps between the formats (keys inside the layer).
+
+    Everything outside attention is common (`_SAME_IN_LAYER`, SwiGLU fc1 = [gate; up]); an architecture
+    gives its own tensors that only change name, its fused-QKV split and fuse, how `linear_proj` becomes
+    `o_proj`, and the megatron-core tensors Hugging Face does not store. A third architecture is a layout
+    class (layout.py) plus one more entry in LAYER_MAPPINGS.
+    """
+
+    same: Mapping[str, str]
+    """megatron-core key -> HF key of tensors copied as they are (beyond `_SAME_IN_LAYER`)."""
+    split_qkv: Callable[[torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    fuse_qkv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+    o_proj: Callable[[Mapping[str, torch.Tensor], Any], torch.Tensor] = lambda layer, layout: layer[
+        "self_attention.linear_proj.weight"
+    ]
+    """The HF o_proj from a megatron-core layer (DIFF: the head-norm weight folded in)."""
+    mcore_only: Callable[[Any, torch.dtype], dict[str, torch.Tensor]] = lambda layout, dtype: {}
+    """megatron-core tensors with no HF counterpart, as an import sets them (DIFF: head norm = 1)."""
+
+
+def _diff_o_proj(layer: Mapping[str, torch.Tensor], layout: DiffLayout) -> torch.Tensor:
+    return fold_head_norm(
+        layer["self_attention.linear_proj.weight"],
+        layer["self_attention.core_attention.head_norm.weight"],
+        layout,
+    )
+
+
+def _diff_head_norm(layout: DiffLayout, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {"self_attention.core_attention.head_norm.weight": torch.ones(2 * layout.head_dim, dtype=dtype)}
+
+
+LAYER_MAPPINGS: dict[type[ModelLayout], LayerMapping] = {
+    DiffLayout: LayerMapping(
+        same=_DIFF_SAME_IN_LAYER,
+        split_qkv=split_fused_qkv,
+        fuse_qkv=fuse_qkv,
+        o_proj=_diff_o_proj,
+        mcore_only=_diff_head_norm,
+    ),
+    LlamaLayout: LayerMapping(same={}, split_qkv=split_fused_qkv_llama, fuse_qkv=fuse_qkv_llama),
+}
+
+
+def layer_mapping(layout: ModelLayout) -> LayerMapping:
+    """The mapping of `layout`'s architecture."""
+    mapping = LAYER_MAPPINGS.get(type(layout))
+    if mapping is None:
+        raise DiffmegError(f"no tensor mapping for {type(layout).__name__}")
+    return mapping
 
 
 def mcore_layer_to_hf(
     layer: Mapping[str, torch.Tensor], layout: ModelLayout, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """One megatron-core layer (keys inside `decoder.layers.N.`) -> HF keys inside `model.layers.N.`."""
-    _check_layer(layer, layout, to_hf=True)
-    out = {hf: _cast(layer[mc], dtype) for mc, hf in _SAME_IN_LAYER.items()}
-    qkv, proj = layer["self_attention.linear_qkv.weight"], layer["self_attention.linear_proj.weight"]
-    if isinstance(layout, DiffLayout):
-        out.update({hf: _cast(layer[mc], dtype) for mc, hf in _DIFF_SAME_IN_LAYER.items()})
-        q, k, v = split_fused_qkv(qkv, layout)
-        proj = fold_head_norm(proj, layer["self_attention.core_attention.head_norm.weight"], layout)
-    else:
-        q, k, v = split_fused_qkv_llama(qkv, layout)
+    check_shapes(layer, layout.mcore_layer_shapes(), "megatron-core layer")
+    mapping = layer_mapping(layout)
+    out = {hf: _cast(layer[mc], dtype) for mc, hf in {**_SAME_IN_LAYER, **mapping.same}.items()}
+    q, k, v = mapping.split_qkv(layer["self_attention.linear_qkv.weight"], layout)
     out["self_attn.q_proj.weight"] = _cast(q, dtype)
     out["self_attn.k_proj.weight"] = _cast(k, dtype)
     out["self_attn.v_proj.weight"] = _cast(v, dtype)
-    out["self_attn.o_proj.weight"] = _cast(proj, dtype)
+    out["self_attn.o_proj.weight"] = _cast(mapping.o_proj(layer, layout), dtype)
     gate, up = layer["mlp.linear_fc1.weight"].chunk(2, dim=0)  # fc1 = [gate; up]
     out["mlp.gate_proj.weight"] = _cast(gate, dtype)
     out["mlp.up_proj.weight"] = _cast(up, dtype)
@@ -171,19 +216,13 @@ def hf_layer_to_mcore(
     layer: Mapping[str, torch.Tensor], layout: ModelLayout, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """One HF layer (keys inside `model.layers.N.`) -> megatron-core keys (DIFF: head-norm weight = 1)."""
-    _check_layer(layer, layout, to_hf=False)
-    out = {mc: _cast(layer[hf], dtype) for mc, hf in _SAME_IN_LAYER.items()}
+    check_shapes(layer, layout.hf_layer_shapes(), f"{layout.hf_name} layer")
+    mapping = layer_mapping(layout)
+    out = {mc: _cast(layer[hf], dtype) for mc, hf in {**_SAME_IN_LAYER, **mapping.same}.items()}
     q, k, v = (layer[f"self_attn.{n}_proj.weight"] for n in "qkv")
     o_proj = layer["self_attn.o_proj.weight"]
-    if isinstance(layout, DiffLayout):
-        out.update({mc: _cast(layer[hf], dtype) for mc, hf in _DIFF_SAME_IN_LAYER.items()})
-        qkv = fuse_qkv(q, k, v, layout)
-        norm_dtype = dtype if dtype is not None else o_proj.dtype
-        ones = torch.ones(2 * layout.head_dim, dtype=norm_dtype)
-        out["self_attention.core_attention.head_norm.weight"] = ones
-    else:
-        qkv = fuse_qkv_llama(q, k, v, layout)
-    out["self_attention.linear_qkv.weight"] = _cast(qkv, dtype)
+    out.update(mapping.mcore_only(layout, dtype if dtype is not None else o_proj.dtype))
+    out["self_attention.linear_qkv.weight"] = _cast(mapping.fuse_qkv(q, k, v, layout), dtype)
     out["self_attention.linear_proj.weight"] = _cast(o_proj, dtype)
     gate, up = layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]
     out["mlp.linear_fc1.weight"] = _cast(torch.cat([gate, up], dim=0), dtype)  # [gate; up]
@@ -195,7 +234,7 @@ def mcore_globals_to_hf(
 ) -> dict[str, torch.Tensor]:
     """Embedding, final norm and output layer -> Hugging Face names (no layout change)."""
     check_shapes(tensors, layout.mcore_global_shapes(), "megatron-core model")
-    return {hf: _cast(tensors[mc], dtype) for mc, hf in _GLOBALS.items()}
+    return {hf: _cast(tensors[mc], dtype) for mc, hf in GLOBALS.items()}
 
 
 def hf_globals_to_mcore(
@@ -207,9 +246,20 @@ def hf_globals_to_mcore(
     """HF embedding, norm and lm_head -> megatron-core names; a tied lm_head is untied by copy."""
     tensors = dict(tensors)
     if tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # untied: a copy of its own
     check_shapes(tensors, layout.hf_global_shapes(), f"{layout.hf_name} model")
-    return {mc: _cast(tensors[hf], dtype) for mc, hf in _GLOBALS.items()}
+    return {mc: _cast(tensors[hf], dtype) for mc, hf in GLOBALS.items()}
+
+
+def hf_model_shapes(layout: ModelLayout) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor's shape, in the order the exporter writes them: the tensors outside the
+    layers, then layer by layer."""
+    globals_ = layout.hf_global_shapes()
+    shapes = {hf: globals_[hf] for hf in GLOBALS.values()}
+    for index in range(layout.num_layers):
+        prefix = HF_LAYER_PREFIX.format(index)
+        shapes.update({prefix + k: shape for k, shape in layout.hf_layer_shapes().items()})
+    return shapes
 
 
 def layer_tensors(state_dict: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -182,13 +182,26 @@ def test_mcore_to_hf_to_mcore_folds_the_head_norm():
             assert torch.equal(back[key], value), key
 
 
-def test_outputs_never_share_storage():
-    """safetensors refuses tensors that share memory (gate/up are halves of fc1)."""
+def test_views_are_exported_exactly(tmp_path):
+    """Outputs are not copied (gate/up are views of fc1's halves, unchanged tensors are the input's): the
+    shard writer stores each view's own elements, which the safetensors package reads back."""
+    from safetensors.torch import load_file
+
+    from diffmeg.conversion.safetensors_io import SafetensorsShardWriter
+
     layout = make_layout(2, 2, layers=1)
     layer = {k[len("decoder.layers.0.") :]: v for k, v in random_mcore(layout).items() if ".0." in k}
     out = mcore_layer_to_hf(layer, layout)
-    pointers = [t.untyped_storage().data_ptr() for t in out.values()]
-    assert len(set(pointers)) == len(pointers)
+    assert (
+        out["mlp.gate_proj.weight"].untyped_storage().data_ptr() == layer["mlp.linear_fc1.weight"].data_ptr()
+    )
+    writer = SafetensorsShardWriter(
+        str(tmp_path), 10**9, [(k, tuple(v.shape), v.dtype) for k, v in out.items()]
+    )
+    writer.add(out)
+    (name,) = writer.close()
+    back = load_file(str(tmp_path / name))
+    assert back.keys() == out.keys() and all(torch.equal(back[k], v) for k, v in out.items())
 
 
 def test_shape_mismatch_is_refused():

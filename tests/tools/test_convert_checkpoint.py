@@ -6,14 +6,19 @@ transformers always runs in its own process (tests/conversion/hf_helper.py); our
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import shutil
+import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import REPO_ROOT
 from tests.conversion.helpers import (
     IMPORTS,
     convert,
@@ -33,6 +38,7 @@ from tests.conversion.helpers import (
 )
 from tests.conversion.helpers import refused as refused_by
 from tests.data.helpers import find_bpe_file
+from tests.tools.helpers import tool_cmd, tool_env
 
 
 def test_export_loads_as_diffllama_with_our_logits(tmp_path_factory, single_rank_parallel_state):
@@ -113,6 +119,28 @@ def test_imported_checkpoint_continues_training(tmp_path_factory):
     assert read_losses(tmp, "plain")[1] == loss
     # Random DiffLlama weights (std 0.05, norms up to 1.5) give a loss above a fresh init's log(512).
     assert math.isfinite(loss) and abs(loss - math.log(512)) > 0.05
+
+
+@pytest.mark.slow
+def test_imported_checkpoint_loads_at_other_layouts(tmp_path_factory):
+    """The streamed import is layout-free like a training checkpoint: TP=2 and PP=2 jobs loading it start
+    from the loss the TP=1 job starts from (up to the layouts' reduction order)."""
+    from tests.distributed.runner import read_losses, run_training
+
+    _, ckpt = imported(tmp_path_factory, "mha")
+    tmp = tmp_path_factory.mktemp("layouts")
+    losses = {}
+    for name, flags in (
+        ("tp1", []),
+        ("tp2", ["--tensor-model-parallel-size", "2"]),
+        ("pp2", ["--pipeline-model-parallel-size", "2"]),
+    ):
+        nproc = 2 if flags else 1
+        proc = run_training(tmp, name, ["--load", str(ckpt), "--train-iters", "1", *flags], nproc=nproc)
+        assert f"loaded checkpoint from {ckpt}" in proc.stdout
+        losses[name] = read_losses(tmp, name)[1]
+    assert losses["tp2"] == pytest.approx(losses["tp1"], rel=1e-5), losses
+    assert losses["pp2"] == pytest.approx(losses["tp1"], rel=1e-5), losses
 
 
 # ---------------------------------------------------------------------------------- bad input
@@ -205,3 +233,159 @@ def test_existing_output_needs_overwrite(tmp_path_factory, tmp_path, capsys, sin
     tool_main("convert_checkpoint")(["mcore-to-hf", "--load", str(ckpt), "--save", str(out), "--overwrite"])
     assert not (out / "keep.txt").exists() and (out / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+
+
+# ---------------------------------------------------------------------------------- dtype, modes, full disks
+
+
+def bf16_copy(source: Path, dst: Path) -> Path:
+    """The folder with its weights in bf16 (as a bf16 model's save_pretrained writes it)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    tensors = {k: v.to(torch.bfloat16) for k, v in read_safetensors_folder(source).items()}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    assert load_file(str(dst / "model.safetensors")).keys() == tensors.keys()
+    return dst
+
+
+def test_import_keeps_the_source_dtype_unless_asked(tmp_path_factory, tmp_path, single_rank_parallel_state):
+    """A bf16 folder imports as a bf16 checkpoint (no fp32 copy) and exports back bit for bit; --dtype fp32
+    widens it exactly. Both directions print a progress line per layer."""
+    from diffmeg.conversion.checkpoint_io import McoreCheckpointReader
+
+    source, _ = imported(tmp_path_factory, "mha")
+    bf16 = bf16_copy(source, tmp_path / "bf16")
+    proc = convert_ok("hf-to-mcore", "--load", bf16, "--save", tmp_path / "ckpt")
+    assert "weights only, bfloat16" in proc.stdout
+    layers = [line for line in proc.stderr.splitlines() if line.startswith("hf-to-mcore: layer ")]
+    assert len(layers) == 4 and layers[-1].startswith("hf-to-mcore: layer 4/4, ") and "ETA 0:00" in layers[-1]
+    reader = McoreCheckpointReader(str(tmp_path / "ckpt"))
+    assert reader.dtype == torch.bfloat16
+    proc = convert_ok("mcore-to-hf", "--load", tmp_path / "ckpt", "--save", tmp_path / "back")
+    assert sum(line.startswith("mcore-to-hf: layer ") for line in proc.stderr.splitlines()) == 4
+    original, back = read_safetensors_folder(bf16), read_safetensors_folder(tmp_path / "back")
+    assert back.keys() == original.keys()
+    for key in original:
+        assert back[key].dtype == torch.bfloat16 and torch.equal(back[key], original[key]), key
+
+    convert_ok("hf-to-mcore", "--load", bf16, "--save", tmp_path / "fp32", "--dtype", "fp32")
+    wide = McoreCheckpointReader(str(tmp_path / "fp32"))
+    assert wide.dtype == torch.float32
+    layout = layout_of(wide)
+    assert torch.equal(
+        wide.read_layer(layout, 2)["mlp.linear_fc2.weight"],
+        original["model.layers.2.mlp.down_proj.weight"].float(),
+    )
+
+
+def layout_of(reader):
+    from diffmeg.conversion.hf_config import layout_from_args
+
+    return layout_from_args(reader.args)
+
+
+def modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
+
+
+def test_outputs_follow_the_umask(tmp_path_factory, tmp_path):
+    """Every file both directions write (shards, index, configs, tokenizer, checkpoint files) is created as
+    the user's other files are: 0666 and 0777 less the umask (issue 16: shards were 0600)."""
+    source, _ = imported(tmp_path_factory, "gqa")  # the cl100k vocabulary: the tokenizer is exported too
+    tokenizer_file = find_bpe_file()
+
+    def run(*args) -> None:
+        proc = subprocess.run(
+            tool_cmd("convert_checkpoint", *args),
+            cwd=REPO_ROOT, env=tool_env(), capture_output=True, text=True, timeout=300,
+            preexec_fn=lambda: os.umask(0o027),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run("hf-to-mcore", "--load", source, "--save", tmp_path / "ckpt")
+    extra = ["--tokenizer-file", tokenizer_file] if tokenizer_file else ["--no-tokenizer"]
+    run("mcore-to-hf", "--load", tmp_path / "ckpt", "--save", tmp_path / "hf", *extra)
+    for root in (tmp_path / "ckpt", tmp_path / "hf"):
+        found = modes(root)
+        expected = {name: 0o750 if (root / name).is_dir() else 0o640 for name in found}
+        assert found == expected, root
+    names = set(modes(tmp_path / "hf"))
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= names
+    assert any(n.endswith(".safetensors") for n in names)
+    if tokenizer_file:
+        assert {"tokenizer.json", "tokenizer_config.json"} <= names
+
+
+def error_after_progress(capsys, *argv) -> str:
+    """The one-line error (exit status 2) of a conversion that failed after it started (progress lines
+    before it on stderr)."""
+    with pytest.raises(SystemExit) as exit_info:
+        tool_main("convert_checkpoint")([str(a) for a in argv])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: ") and all(" layer " in line for line in lines[:-1]), lines
+    return lines[-1]
+
+
+def test_a_full_disk_mid_write_is_one_line_and_leaves_nothing(
+    tmp_path_factory, tmp_path, capsys, monkeypatch
+):
+    """ENOSPC inside either writer (DCP's for checkpoints, ours for shards): one line naming the directory
+    and its free space, the partial output removed, an existing output untouched."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    from diffmeg.conversion import safetensors_io
+
+    source, ckpt = imported(tmp_path_factory, "mha")
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def no_space(*args, **kwargs):
+        raise full
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp_filesystem, "_write_item", no_space)
+        err = refused(capsys, "hf-to-mcore", "--load", source, "--save", tmp_path / "ckpt")
+    assert err.startswith(
+        f"error: disk full writing {tmp_path / 'ckpt'}: partial output removed, {tmp_path} has "
+    )
+    assert no_leftovers(tmp_path / "ckpt")
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("mine")
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors_io._Shard, "write", no_space)
+        err = error_after_progress(
+            capsys, "mcore-to-hf", "--load", ckpt, "--save", tmp_path / "hf", "--overwrite", "--no-tokenizer"
+        )
+    assert "disk full writing" in err and "free space there or choose another --save" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (tmp_path / "hf" / "keep.txt").exists()
+
+
+def test_a_real_full_disk(tmp_path_factory, tmp_path, capsys):
+    """On a small tmpfs (needs root and mount): too small up front is refused before writing; room for the
+    weights but not for the files' headers fails mid-write, reported as a full disk, nothing left."""
+    source, _ = imported(tmp_path_factory, "mha")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    weights = 4 * sum(
+        t.numel() for t in read_safetensors_folder(source).values()
+    )  # fp32, DIFF head norms aside
+    # Room for the weights but not for the files around them (torch.save headers, metadata, args.json).
+    size = weights + 64 * 1024
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        (mount / "filler").write_bytes(b"\0" * (size - weights // 2))  # leave half the weights' size
+        err = refused(capsys, "hf-to-mcore", "--load", source, "--save", mount / "ckpt")
+        assert err.startswith(f"error: {mount} has ") and "free but the conversion writes about" in err
+        (mount / "filler").unlink()
+        err = error_after_progress(capsys, "hf-to-mcore", "--load", source, "--save", mount / "ckpt")
+        assert err.startswith(f"error: disk full writing {mount / 'ckpt'}: partial output removed"), err
+        assert sorted(p.name for p in mount.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
