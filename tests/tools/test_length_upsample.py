@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
 import numpy as np
+import pytest
 
 from diffmeg.data.gpt_datasets import parse_data_path
 from diffmeg.data.indexed import IndexedWriter
@@ -52,3 +54,23 @@ def test_outputs_follow_the_umask(tmp_path):
     assert {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in outputs} == dict.fromkeys(
         outputs, 0o664
     )
+
+
+def test_full_disk_is_one_line_and_leaves_only_the_input(tmp_path, monkeypatch):
+    from diffmeg.data import indexed, upsample
+
+    with IndexedWriter(str(tmp_path / "corpus")) as w:
+        for n in (10, 300):
+            w.add_document(np.ones(n, dtype=np.int32))
+        w.commit()
+    real = IndexedWriter.add_document
+
+    def fill(self, tokens, lengths=None):
+        if self.documents:  # the second document of a bucket no longer fits
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        real(self, tokens, lengths)
+
+    monkeypatch.setattr(indexed.IndexedWriter, "add_document", fill)
+    with pytest.raises(indexed.DiskFullError, match=rf"^disk full in {tmp_path}: "):
+        upsample.length_upsample([str(tmp_path / "corpus")], str(tmp_path / "up"), target_length=1 << 20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.bin", "corpus.idx"]

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import subprocess
 
 import numpy as np
+import pytest
 
 from diffmeg.data.indexed import IndexedWriter, read_documents
 from tests.tools.helpers import run_tool
@@ -52,3 +54,21 @@ def test_merged_dataset_follows_the_umask_and_replaces_a_killed_runs_temporaries
     assert not stale.exists()
     for suffix in (".bin", ".idx"):
         assert stat.S_IMODE((tmp_path / f"merged{suffix}").stat().st_mode) == 0o664
+
+
+def test_full_disk_while_merging_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    from diffmeg.data import indexed
+
+    make_shard(tmp_path / "a", [list(range(5000))])
+
+    class FullDisk(indexed.IndexedDatasetBuilder):
+        def add_index(self, path_prefix: str) -> None:
+            self.data_file.write(b"\0" * 4096)  # part of the copy landed, then the disk filled
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(indexed, "IndexedDatasetBuilder", FullDisk)
+    with pytest.raises(
+        indexed.DiskFullError, match=rf"^disk full in {tmp_path}: .* free after 4.0 KiB of output"
+    ):
+        indexed.merge_datasets([str(tmp_path / "a")], str(tmp_path / "merged"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.idx"]
