@@ -4,7 +4,7 @@
 # tokens. Everything trains through pretrain_diff.py. Results: OUT/results.json, OUT/plots/*.png and
 # OUT/tables.md (the tables of docs/results.md, from tools/toy_compare_results.py).
 #
-#   bash examples/toy_compare.sh                 # the full comparison (about 90 minutes on 2 idle cores)
+#   bash examples/toy_compare.sh                 # the full comparison (~80 minutes on 2 idle cores, est.)
 #   TOY_SMOKE=1 bash examples/toy_compare.sh     # a ~5-minute version of every step (what CI runs)
 #
 # MQAR (diffmeg/data/mqar.py): per setting, training documents from seed 0, a validation set (seed 1)
@@ -21,12 +21,15 @@
 # Environment (defaults in brackets; TOY_SMOKE=1 shrinks the starred ones):
 #   TOY_OUT [runs/toy_compare]     output directory, recreated (only one this script made is emptied)
 #   TOY_MODELS [auto]              diff transformer (+ diff2 when pretrain_diff.py has --diff-version)
-#   TOY_SETTINGS* [8:4:0 16:8:0 8:4:4]  MQAR settings, pairs:queries:distractors-per-pair
+#   TOY_SETTINGS* [4:4:0 8:4:0 8:4:2]  MQAR settings, pairs:queries:distractors-per-pair
 #   TOY_LRS* [1e-3 3e-3]           learning rates swept with the first seed
 #   TOY_SEEDS* [1 2 3]             seeds (the first also sweeps the learning rate)
-#   TOY_ITERS* [2000]              MQAR training steps per run, of TOY_BATCH [64] documents
-#   TOY_EVAL_EVERY* [200]          steps between held-out evaluations (checkpoints)
+#   TOY_ITERS* [3000]              MQAR training steps per run, of TOY_BATCH [64] documents
+#   TOY_EVAL_EVERY* [150]          steps between held-out evaluations (checkpoints)
 #   TOY_LAYERS [2], TOY_HIDDEN [64], TOY_VOCAB [256]
+#   TOY_INIT_STD [0.05]            MQAR --init-method-std: with the presets' 0.02, 1 of 21 pilot runs
+#                                  left the loss plateau within 2000 steps; with 0.05 DIFF V1 and the
+#                                  Transformer learned kv8-q4 by step 400-600
 #   TOY_EVAL_DOCS [512]            held-out and validation documents evaluated per checkpoint
 #   TOY_LM_ITERS* [100]            language-modelling iterations (the tiny presets' 4 x 256 tokens each)
 #   TOY_LM_EVAL_EVERY* [20]        iterations between validation losses (4 batches each)
@@ -48,10 +51,10 @@ if [ "$smoke" = 1 ]; then
     lm_eval_every=${TOY_LM_EVAL_EVERY:-3}
     eval_docs=${TOY_EVAL_DOCS:-64}
 else
-    settings=${TOY_SETTINGS:-8:4:0 16:8:0 8:4:4}
+    settings=${TOY_SETTINGS:-4:4:0 8:4:0 8:4:2}
     lrs=${TOY_LRS:-1e-3 3e-3}
-    iters=${TOY_ITERS:-2000}
-    eval_every=${TOY_EVAL_EVERY:-200}
+    iters=${TOY_ITERS:-3000}
+    eval_every=${TOY_EVAL_EVERY:-150}
     lm_iters=${TOY_LM_ITERS:-100}
     lm_eval_every=${TOY_LM_EVAL_EVERY:-20}
     eval_docs=${TOY_EVAL_DOCS:-512}
@@ -63,6 +66,7 @@ batch=${TOY_BATCH:-64}
 layers=${TOY_LAYERS:-2}
 hidden=${TOY_HIDDEN:-64}
 vocab=${TOY_VOCAB:-256}
+init_std=${TOY_INIT_STD:-0.05}
 run_lm=${TOY_LM:-1}
 jobs=${TOY_JOBS:-2}
 export OMP_NUM_THREADS=${TOY_THREADS:-1}  # one thread per run was fastest on 2 cores (two runs at once)
@@ -90,7 +94,8 @@ if [ "$run_lm" = 1 ]; then
 fi
 fresh_output_dir TOY_OUT
 mkdir -p "$out/data" "$out/mqar" "$out/lm"
-echo "models: ${models[*]}; MQAR settings (pairs:queries:distractors): ${settings[*]}; learning rates: ${lrs[*]}"
+echo "models: ${models[*]}; MQAR settings (pairs:queries:distractors): ${settings[*]};" \
+    "learning rates: ${lrs[*]}"
 
 # Each model's architecture flags: the <model>-tiny preset at this depth and width, head size kept.
 declare -A arch
@@ -113,8 +118,8 @@ json.dump({
     "arch": dict(zip(pairs[0::2], pairs[1::2])), "settings": [],
     "lrs": [float(x) for x in "${lrs[*]}".split()], "seeds": [int(x) for x in "${seeds[*]}".split()],
     "mqar_iters": $iters, "mqar_batch": $batch, "eval_every": $eval_every, "eval_docs": $eval_docs,
-    "layers": $layers, "hidden": $hidden, "vocab": $vocab, "lm_iters": $lm_iters,
-    "lm_eval_every": $lm_eval_every, "lm_tokens_per_iter": $lm_tokens, "jobs": $jobs,
+    "layers": $layers, "hidden": $hidden, "vocab": $vocab, "init_method_std": $init_std,
+    "lm_iters": $lm_iters, "lm_eval_every": $lm_eval_every, "lm_tokens_per_iter": $lm_tokens, "jobs": $jobs,
     "threads_per_run": $OMP_NUM_THREADS,
 }, open(sys.argv[1], "w"), indent=1)
 EOF
@@ -126,7 +131,9 @@ for s in "${settings[@]}"; do
     IFS=: read -r pairs queries distractors <<<"$s"
     [ -n "$distractors" ] || die "TOY_SETTINGS entries are pairs:queries:distractors, got '$s'"
     # the name MQARSetting.name gives: kv16, kv16-q8, kv8-q4-d4
-    name="kv$pairs$([ "$queries" = "$pairs" ] || echo "-q$queries")$([ "$distractors" = 0 ] || echo "-d$distractors")"
+    name="kv$pairs"
+    [ "$queries" = "$pairs" ] || name+="-q$queries"
+    [ "$distractors" = 0 ] || name+="-d$distractors"
     names+=("$name")
     # one fresh document per training sample, plus the validation and test sets
     "$py" tools/make_mqar_data.py --output-prefix "$out/data/$name" --vocab-size "$vocab" --pairs "$pairs" \
@@ -163,9 +170,10 @@ mqar_run() {  # mqar_run SETTING MODEL LR SEED TAG
     # shellcheck disable=SC2086  # arch flags are words
     if ! "$py" pretrain_diff.py ${arch[$model]} --vocab-size "$vocab" --tokenizer-type null \
         --data-path "$out/data/$name" --split 1,0,0 --seq-length "${seq_of[$name]}" \
-        --max-position-embeddings "${seq_of[$name]}" --micro-batch-size "$batch" --global-batch-size "$batch" \
-        --train-iters "$iters" --lr "$lr" --min-lr "$lr" --lr-decay-style constant \
-        --lr-warmup-iters $((iters / 6 + 1)) --adam-beta1 0.9 --adam-beta2 0.98 --weight-decay 0.1 \
+        --max-position-embeddings "${seq_of[$name]}" --micro-batch-size "$batch" \
+        --global-batch-size "$batch" --train-iters "$iters" --init-method-std "$init_std" \
+        --lr "$lr" --min-lr "$lr" --lr-decay-style constant --lr-warmup-iters $((iters / 20 + 1)) \
+        --adam-beta1 0.9 --adam-beta2 0.98 --weight-decay 0.1 \
         --seed "$seed" --eval-iters 0 --log-interval "$eval_every" --save "$dir/ckpt" \
         --save-interval "$eval_every" --metrics-file "$dir/metrics.jsonl" >"$dir/train.log" 2>&1; then
         echo "$tag FAILED: mqar $name $model lr $lr seed $seed (log: $dir/train.log)" >&2
@@ -199,7 +207,8 @@ print(f"{tag} mqar {name:8s} {model:11s} lr {float(lr):<6g} seed {seed}: held-ou
 EOF
 }
 
-step 2/5 "MQAR learning-rate sweep: ${#lrs[@]} rates x ${#models[@]} models x ${#names[@]} settings, seed ${seeds[0]}"
+what="${#lrs[@]} rates x ${#models[@]} models x ${#names[@]} settings, seed ${seeds[0]}"
+step 2/5 "MQAR learning-rate sweep: $what"
 total=$((${#names[@]} * ${#models[@]} * ${#lrs[@]})) launched=0
 for name in "${names[@]}"; do
     for model in "${models[@]}"; do
@@ -222,8 +231,9 @@ lm_run() {  # lm_run MODEL SEED TAG: the tiny preset on the embedded corpus, val
     local model=$1 seed=$2 tag=$3
     local dir="$out/lm/$model/s$seed" t0=$SECONDS
     mkdir -p "$dir"
-    if ! "$py" pretrain_diff.py --model "$model-tiny" --train-iters "$lm_iters" --eval-interval "$lm_eval_every" \
-        --eval-iters 4 --log-interval "$lm_eval_every" --seed "$seed" --data-cache-path "$dir/cache" \
+    if ! "$py" pretrain_diff.py --model "$model-tiny" --train-iters "$lm_iters" \
+        --eval-interval "$lm_eval_every" --eval-iters 4 --log-interval "$lm_eval_every" --seed "$seed" \
+        --data-cache-path "$dir/cache" \
         --metrics-file "$dir/metrics.jsonl" >"$dir/train.log" 2>&1; then
         echo "$tag FAILED: lm $model seed $seed (log: $dir/train.log)" >&2
         tail -n 20 "$dir/train.log" >&2
@@ -257,4 +267,5 @@ fi
 step 5/5 "results.json, plots and tables"
 "$py" tools/toy_compare_results.py collect "$out"
 "$py" tools/toy_compare_results.py tables "$out/results.json" | tee "$out/tables.md"
-printf '\n== done in %ds: %s/results.json, %s/plots, %s/tables.md\n' $((SECONDS - started)) "$out" "$out" "$out"
+printf '\n== done in %ds: %s/results.json, %s/plots, %s/tables.md\n' $((SECONDS - started)) \
+    "$out" "$out" "$out"
