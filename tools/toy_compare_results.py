@@ -6,11 +6,13 @@ r"""The toy comparison's results (examples/toy_compare.sh): collect them, choose
 
 results.json holds `mqar` rows {model, setting, seed, lr, step, accuracy, split} (split "test": the
 held-out test set; "valid": the validation set, whose final step chooses the learning rate; both at
-every saved step) and `lm` rows {model, seed, tokens, val_loss}, plus `meta` (how it was run). A model's
-learning rate for a setting is the one with the highest final validation accuracy of the first seed,
-which sweeps them all (ties: the smaller rate); its tables and curves use only runs at that rate.
-Steps to 90% is the first saved step whose held-out accuracy is >= 0.9 ("-" if none). The markdown
-tables are what docs/results.md shows, generated from the committed docs/results/toy_compare.json.
+every saved step), `mqar_positions` rows {model, setting, seed, lr, step, by_query, by_pair} (the final
+held-out accuracy by query index and by the queried pair's place in the context) and `lm` rows {model,
+seed, tokens, val_loss}, plus `meta` (how it was run). A model's learning rate for a setting is the one
+with the highest final validation accuracy of the first seed, which sweeps them all (ties: the smaller
+rate); its tables and curves use only runs at that rate. Steps to 90% is the first saved step whose
+held-out accuracy is >= 0.9 ("-" if none). The markdown tables are what docs/results.md shows,
+generated from the committed docs/results/toy_compare.json.
 """
 
 from __future__ import annotations
@@ -54,16 +56,22 @@ def _write_json(path: str, data: dict) -> None:
 
 def collect(out: str) -> dict:
     """results.json's content from a toy_compare.sh output directory (every finished run in it)."""
-    mqar, lm, runs = [], [], []
+    mqar, positions, lm, runs = [], [], [], []
     for path in sorted(glob.glob(os.path.join(out, "mqar", "*", "*", "*", "run.json"))):
         run = load(path)
         here = os.path.dirname(path)
         key = {k: run[k] for k in ("model", "setting", "seed", "lr")}
         summary = os.path.join(here, "eval", "mqar_summary.json")
+        final = None
         for r in load(summary)["results"] if os.path.isfile(summary) else []:
             split = r["data_prefix"].rsplit("-", 1)[-1]  # PREFIX-test / PREFIX-valid (make_mqar_data.py)
             if split in ("test", "valid"):
                 mqar.append({**key, "step": r["iteration"], "accuracy": r["accuracy"], "split": split})
+            if split == "test" and (final is None or r["iteration"] > final["iteration"]):
+                final = r
+        if final is not None:  # the final held-out accuracy by query index and by context pair
+            by = {k: final[k] for k in ("by_query", "by_pair") if k in final}
+            positions.append({**key, "step": final["iteration"], **by})
         runs.append(run)
     for path in sorted(glob.glob(os.path.join(out, "lm", "*", "*", "run.json"))):
         run = load(path)
@@ -84,7 +92,7 @@ def collect(out: str) -> dict:
         runs.append(run)
     meta_path = os.path.join(out, "meta.json")
     meta = load(meta_path) if os.path.isfile(meta_path) else {}
-    return {"meta": {**meta, "runs": runs}, "mqar": mqar, "lm": lm}
+    return {"meta": {**meta, "runs": runs}, "mqar": mqar, "mqar_positions": positions, "lm": lm}
 
 
 # ----------------------------------------------------------------------------------------------------

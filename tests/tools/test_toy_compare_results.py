@@ -73,6 +73,7 @@ def test_collect_a_run_directory(tmp_path):
     _write(run / "run.json", {"kind": "mqar", "model": "diff", "setting": "kv4", "seed": 1, "lr": 0.003})
     evals = [(10, "test", 0.25), (10, "valid", 0.5), (20, "test", 0.5), (20, "valid", 0.75)]
     evals = [{"iteration": i, "data_prefix": f"/d/kv4-{s}", "accuracy": a} for i, s, a in evals]
+    evals[2] |= {"by_query": [0.75, 0.25], "by_pair": [0.5, 0.5]}  # step 20, test
     _write(run / "eval" / "mqar_summary.json", {"results": evals})
     lm = out / "lm" / "transformer" / "s1"
     _write(lm / "run.json", {"kind": "lm", "model": "transformer", "seed": 1, "tokens_per_iter": 1024})
@@ -88,6 +89,7 @@ def test_collect_a_run_directory(tmp_path):
         {**key, "step": 20, "accuracy": 0.5, "split": "test"},
         {**key, "step": 20, "accuracy": 0.75, "split": "valid"},
     ]
+    assert results["mqar_positions"] == [{**key, "step": 20, "by_query": [0.75, 0.25], "by_pair": [0.5, 0.5]}]
     assert results["lm"] == [{"model": "transformer", "seed": 1, "tokens": 5120, "val_loss": 6.5}]
     assert results["meta"]["settings"] == ["kv4"] and len(results["meta"]["runs"]) == 2
     for png in ("mqar_accuracy.png", "lm_val_loss.png"):
