@@ -161,6 +161,7 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
         check_output_path,
         release_freed_memory,
         save_hf_tokenizer,
+        save_remote_code,
     )
     from diffmeg.conversion.hf_config import (
         generation_config_dict,
@@ -209,6 +210,7 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
             progress.layer_done(index + 1)
         shards = writer.close()
         config.save_pretrained(out)
+        save_remote_code(layout, out)
         transformers.GenerationConfig(**generation_config_dict(eod, eod)).save_pretrained(out)
         if tokenizer is not None:
             save_hf_tokenizer(tokenizer, out)

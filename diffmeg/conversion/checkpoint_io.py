@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from diffmeg.checkpoints import first_line, read_checkpoint_args
-from diffmeg.conversion.layout import DiffLayout, ModelLayout
+from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.conversion.safetensors_io import INDEX_FILE, SafetensorsFile
 from diffmeg.errors import DiffmegError
 
@@ -110,8 +110,9 @@ class McoreCheckpointReader:
 
     def check(self, layout: ModelLayout) -> None:
         """Every tensor the layout needs is stored with the shape the layout implies."""
-        diff = isinstance(layout, DiffLayout)
-        kind = "DIFF model" if diff else "Transformer baseline"
+        diff = not isinstance(layout, LlamaLayout)
+        kinds = {DiffLayout: "DIFF model", Diff2Layout: "DIFF V2 model"}
+        kind = kinds.get(type(layout), "Transformer baseline")
         if not diff and self.stored_shape(checkpoint_key("self_attention.core_attention.lambda_q1")):
             raise DiffmegError(
                 f"args.json describes the Transformer baseline (--no-diff-attention) but {self.path} holds "
@@ -383,3 +384,13 @@ def save_hf_tokenizer(tokenizer, directory: str) -> None:
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     with open(path, "w") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+def save_remote_code(layout: ModelLayout, directory: str) -> None:
+    """Copy the modeling file a layout's config.json names in `auto_map` (DIFF V2) into the folder."""
+    from diffmeg.conversion.hf_config import REMOTE_CODE_FILE
+    from diffmeg.conversion.layout import Diff2Layout
+
+    if isinstance(layout, Diff2Layout):
+        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), REMOTE_CODE_FILE)
+        shutil.copyfile(source, os.path.join(directory, REMOTE_CODE_FILE))  # mode follows the umask

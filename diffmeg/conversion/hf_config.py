@@ -1,7 +1,9 @@
 """config.json for DiffLlama / Llama from a checkpoint's arguments, and back (pure functions on plain values).
 
 A DIFF checkpoint maps to transformers' DiffLlama, the Transformer baseline (`--no-diff-attention`) to
-transformers' Llama. What they can express, checked before anything is written:
+transformers' Llama, DIFF V2 (`--diff-version 2`) to diffmeg's `Diff2ForCausalLM` (`modeling_diff2.py`,
+shipped in the folder and named in config.json's `auto_map`). What they can express, checked before
+anything is written:
 - RMSNorm with one epsilon (`rms_norm_eps`), SwiGLU (silu), no biases, non-interleaved RoPE without
   scaling, untied output layer (a tied folder is untied on import by copying the embedding).
 - DiffLlama: lambda_init only as the paper's depth schedule `0.8 - 0.6 exp(-0.3 l)` with the 0-based
@@ -18,18 +20,29 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from diffmeg.conversion.layout import DiffLayout, LlamaLayout, ModelLayout
+from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.errors import DiffmegError
 
 ARCHITECTURE = DiffLayout.architecture
 MODEL_TYPE = DiffLayout.model_type
-LAYOUTS = {layout.model_type: layout for layout in (DiffLayout, LlamaLayout)}
+LAYOUTS = {layout.model_type: layout for layout in (DiffLayout, LlamaLayout, Diff2Layout)}
 """The Hugging Face model types we convert, by `model_type`."""
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+REMOTE_CODE_FILE = "modeling_diff2.py"
+"""DIFF V2's modeling file (diffmeg/conversion/modeling_diff2.py), copied into every V2 export."""
+AUTO_MAP = {
+    "AutoConfig": "modeling_diff2.Diff2Config",
+    "AutoModelForCausalLM": "modeling_diff2.Diff2ForCausalLM",
+}
 
 
 def transformers_config_class(layout: ModelLayout | type[ModelLayout]) -> type:
-    """transformers' config class of this layout (`DiffLlamaConfig` / `LlamaConfig`; imports transformers)."""
+    """The config class of this layout (`DiffLlamaConfig` / `LlamaConfig` from transformers, DIFF V2's from
+    modeling_diff2.py; imports transformers)."""
+    if layout is Diff2Layout or isinstance(layout, Diff2Layout):
+        from diffmeg.conversion.modeling_diff2 import Diff2Config
+
+        return Diff2Config
     import transformers
 
     return getattr(transformers, layout.architecture.replace("ForCausalLM", "Config"))
@@ -69,9 +82,10 @@ def layout_from_args(args: argparse.Namespace) -> ModelLayout:
             f"Hugging Face Llama models need RoPE, this model uses {args.position_embedding_type}"
         )
     diff = bool(getattr(args, "diff_attention", True))
-    if diff:
+    v2 = diff and int(getattr(args, "diff_version", 1)) == 2
+    if diff and not v2:
         _check_diff_args(args)
-    layout = DiffLayout if diff else LlamaLayout
+    layout = Diff2Layout if v2 else DiffLayout if diff else LlamaLayout
     return layout(
         num_layers=int(args.num_layers),
         hidden_size=int(args.hidden_size),
@@ -125,6 +139,8 @@ def hf_config_dict(
         config["lambda_std_dev"] = lambda_std
     else:
         config["mlp_bias"] = False
+    if isinstance(layout, Diff2Layout):
+        config["auto_map"] = dict(AUTO_MAP)
     return config
 
 
@@ -210,7 +226,12 @@ def pretrain_flags(layout: ModelLayout) -> list[str]:
         "--rotary-base", repr(layout.rotary_base),
         "--norm-epsilon", repr(layout.norm_eps),
     ]  # fmt: skip
-    flags += ["--lambda-init", "exp"] if isinstance(layout, DiffLayout) else ["--no-diff-attention"]
+    if isinstance(layout, DiffLayout):
+        flags += ["--lambda-init", "exp"]
+    elif isinstance(layout, Diff2Layout):
+        flags += ["--diff-attention", "--diff-version", "2"]
+    else:
+        flags += ["--no-diff-attention"]
     if layout.num_kv_heads != layout.num_heads:
         flags.append("--group-query-attention")
     return flags

@@ -7,6 +7,8 @@ Two architectures, one base (`ModelLayout`: layers, widths, vocabulary, RoPE, ep
   `num_attention_heads = 2h` and `num_key_value_heads = 2g` heads of width d.
 - `LlamaLayout`: the Transformer baseline (`--no-diff-attention`) <-> transformers' Llama. n heads, g KV
   heads (query groups), head dim d, the same counts in both formats.
+- `Diff2Layout`: a DIFF V2 model <-> diffmeg's own LLaMA-layout class (`modeling_diff2.py`, loaded with
+  `trust_remote_code=True`). h output heads (2h query heads of d), g KV heads, plus `lambda_proj`.
 
 Expected tensor shapes are derived here once, so both directions refuse a mismatching input before
 converting anything.
@@ -190,3 +192,44 @@ class LlamaLayout(ModelLayout):
 
     def hf_attention_heads(self) -> tuple[int, int]:
         return self.num_heads, self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class Diff2Layout(ModelLayout):
+    """Sizes of one DIFF V2 model: h output heads (2h query heads of d) over g KV heads, lambda_proj h x H.
+
+    megatron-core's fused QKV holds, per KV group, its 2h/g query heads, one key and one value (Llama's
+    layout with 2h query heads); config.json counts `num_attention_heads = h`.
+    """
+
+    architecture = "Diff2ForCausalLM"
+    model_type = "diffmeg_diff2"
+    hf_name = "DIFF V2"
+    _head_name = "DIFF V2 heads"
+
+    @property
+    def queries_per_group(self) -> int:
+        """r: the 2h/g query heads of each KV group."""
+        return 2 * self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_width(self) -> int:
+        return self.num_heads * self.head_dim  # the h combined heads
+
+    @property
+    def qkv_rows(self) -> int:
+        return self.num_kv_heads * (self.queries_per_group + 2) * self.head_dim
+
+    def mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = self._common_mcore_layer_shapes()
+        shapes["self_attention.linear_lambda.weight"] = (self.num_heads, self.hidden_size)
+        return shapes
+
+    def hf_attention_heads(self) -> tuple[int, int]:
+        return self.num_heads, self.num_kv_heads
+
+    def hf_layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_layer_shapes()
+        shapes["self_attn.q_proj.weight"] = (2 * self.num_heads * self.head_dim, self.hidden_size)
+        shapes["self_attn.lambda_proj.weight"] = (self.num_heads, self.hidden_size)
+        return shapes

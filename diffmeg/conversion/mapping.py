@@ -19,7 +19,11 @@ DIFF head layouts (h differential heads, g differential KV heads, head dim d, r 
   query head i with head i + h (Q1 / Q2 of differential head i), key head j with j + g (K1 / K2), and
   concatenates value heads j and j + g into the 2d-wide V of KV head j.
 
-So one permutation serves Q, K and V alike: even sub-heads first, then odd ones. DiffLlama's head
+So one permutation serves Q, K and V alike: even sub-heads first, then odd ones.
+
+DIFF V2 (h heads, g KV heads): megatron-core's fused QKV is the Transformer baseline's with 2h query
+heads (query head j = row block j of q_proj, the definition's order, so heads 2i/2i+1 stay adjacent), and
+`linear_lambda` is `lambda_proj` as it is. DiffLlama's head
 RMSNorm has no weight; ours is folded into `o_proj`'s input columns (the norm output of head i is
 columns [2d i, 2d (i+1)) of `o_proj`), which is exact because only a linear map follows it. Importing
 back gives a head-norm weight of ones.
@@ -36,7 +40,7 @@ from typing import Any
 
 import torch
 
-from diffmeg.conversion.layout import DiffLayout, LlamaLayout, ModelLayout
+from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.errors import DiffmegError
 
 MCORE_LAYER_PREFIX = "decoder.layers.{}."
@@ -122,9 +126,9 @@ def fold_head_norm(linear_proj: torch.Tensor, head_norm: torch.Tensor, layout: D
 
 
 def split_fused_qkv_llama(
-    qkv: torch.Tensor, layout: LlamaLayout
+    qkv: torch.Tensor, layout: LlamaLayout | Diff2Layout
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """megatron-core fused QKV of the Transformer baseline -> Llama (q_proj, k_proj, v_proj) weights."""
+    """megatron-core fused QKV of the Transformer baseline (or DIFF V2) -> (q_proj, k_proj, v_proj)."""
     g, d, r = layout.num_kv_heads, layout.head_dim, layout.queries_per_group
     hidden = qkv.shape[-1]
     groups = qkv.view(g, r + 2, d, hidden)  # [g * (r + 2) * d, H] -> [g, r + 2, d, H]
@@ -132,7 +136,9 @@ def split_fused_qkv_llama(
     return q, groups[:, r].reshape(g * d, hidden), groups[:, r + 1].reshape(g * d, hidden)
 
 
-def fuse_qkv_llama(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: LlamaLayout) -> torch.Tensor:
+def fuse_qkv_llama(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: LlamaLayout | Diff2Layout
+) -> torch.Tensor:
     """Llama (q_proj, k_proj, v_proj) weights -> megatron-core fused QKV (inverse of the split)."""
     g, d, r = layout.num_kv_heads, layout.head_dim, layout.queries_per_group
     hidden = q.shape[-1]
@@ -183,6 +189,11 @@ LAYER_MAPPINGS: dict[type[ModelLayout], LayerMapping] = {
         mcore_only=_diff_head_norm,
     ),
     LlamaLayout: LayerMapping(same={}, split_qkv=split_fused_qkv_llama, fuse_qkv=fuse_qkv_llama),
+    Diff2Layout: LayerMapping(
+        same={"self_attention.linear_lambda.weight": "self_attn.lambda_proj.weight"},
+        split_qkv=split_fused_qkv_llama,
+        fuse_qkv=fuse_qkv_llama,
+    ),
 }
 
 

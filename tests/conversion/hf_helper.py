@@ -46,7 +46,10 @@ def make_random(out: str, config: dict, seed: int) -> None:
 def run(model_dir: str, prompts: list[torch.Tensor], generate: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # trust_remote_code: DIFF V2 folders carry their modeling file (auto_map); others ignore it
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, trust_remote_code=True
+    ).eval()
     result: dict = {"class": type(model).__name__, "logits": [], "generated": []}
     with torch.no_grad():
         for ids in prompts:
