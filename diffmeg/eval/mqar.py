@@ -6,7 +6,8 @@ over the whole vocabulary of the logits at p - 1 is token p. Reported per checkp
 accuracy over all answers, accuracy by answer index within the document (for MQAR the query's place in
 the query section), and for MQAR datasets (PREFIX.mqar.json present) by the queried pair's place in
 the context (0 = the first pair, farthest from its query on average). Documents are evaluated in
-dataset order: the first ``max_documents``, so every checkpoint sees the same ones.
+dataset order: the first ``max_documents``, so every checkpoint sees the same ones. With ``attention``
+the same forward passes also read the attention at the answers (`diffmeg.eval.mqar_attention`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.common import EvalConfig, loaded_models, start_outputs
+
+if TYPE_CHECKING:
+    from diffmeg.eval.mqar_attention import AttentionTally
 
 SUMMARY_NAME = "mqar_summary.json"
 CSV_NAME = "mqar_accuracy.csv"
@@ -63,19 +69,22 @@ class Tally:
         return out
 
 
+def query_key_positions(tokens: np.ndarray, answers: np.ndarray) -> np.ndarray:
+    """For each answer position of an MQAR document, the first occurrence of its query key (the token
+    before the answer): the key of the queried context pair, whose value follows it."""
+    return np.array([int(np.flatnonzero(tokens == tokens[pos - 1])[0]) for pos in answers], dtype=np.int64)
+
+
 def pair_indices(tokens: np.ndarray, answers: np.ndarray, vocab_size: int) -> np.ndarray:
     """For each answer position of an MQAR document, the context pair its query key belongs to.
 
     The key is the token before the answer; its pair index counts the value ids (the upper half of the
     vocabulary) before the key's first occurrence, since in the context values appear only in pairs.
     """
-    half = vocab_size // 2
-    is_value = tokens >= half
-    out = np.empty(len(answers), dtype=np.int64)
-    for k, pos in enumerate(answers):
-        first = int(np.flatnonzero(tokens == tokens[pos - 1])[0])
-        out[k] = int(is_value[:first].sum())
-    return out
+    is_value = tokens >= vocab_size // 2
+    return np.array(
+        [int(is_value[:first].sum()) for first in query_key_positions(tokens, answers)], dtype=np.int64
+    )
 
 
 def score_batch(
@@ -100,8 +109,10 @@ def evaluate_documents(
     batch_size: int,
     vocab_size: int,
     mqar_vocab: int | None,
+    attention: AttentionTally | None = None,
 ) -> Tally:
-    """Accuracy of `model` on the first `max_documents` of a `MaskedDocuments` (all when None)."""
+    """Accuracy of `model` on the first `max_documents` of a `MaskedDocuments` (all when None); with
+    `attention`, the same forward passes also add their attention at the answers to it."""
     device = next(model.parameters()).device
     count = len(documents) if max_documents is None else min(max_documents, len(documents))
     tally = Tally()
@@ -120,7 +131,8 @@ def evaluate_documents(
             inputs[row, : len(doc) - 1] = doc[:-1]
         ids = torch.from_numpy(inputs).to(device)
         positions = torch.arange(longest, device=device).unsqueeze(0).expand_as(ids)
-        with torch.no_grad():
+        reading = nullcontext() if attention is None else attention.reading(model, docs, masks)
+        with torch.no_grad(), reading:
             logits = model(input_ids=ids, position_ids=positions, attention_mask=None)  # [b, s, V]
         for doc, mask, hits in zip(docs, masks, score_batch(logits, docs, masks), strict=True):
             answers = np.flatnonzero(mask[1:]) + 1
@@ -150,6 +162,9 @@ class MQAREvalConfig(EvalConfig):
     batch_size: int = 64
     output_dir: str = "mqar_eval"
     plot: bool = False
+    """The attention analysis's figure (accuracy has none)."""
+    attention: bool = False
+    """Also the attention analysis (`diffmeg.eval.mqar_attention`) on the same documents: MQAR data only."""
 
 
 def resolve_checkpoints(cfg: MQAREvalConfig) -> list:
@@ -196,15 +211,25 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> 
             )
     infos = resolve_checkpoints(cfg)
     if cfg.output_dir:
-        start_outputs(cfg.output_dir, plot=False)
+        start_outputs(cfg.output_dir, plot=cfg.plot and cfg.attention)
     datasets = [(prefix, MaskedDocuments(prefix), read_mqar_metadata(prefix)) for prefix in prefixes]
+    if cfg.attention:
+        from diffmeg.eval.mqar_attention import AttentionTally
 
-    results = []
+        for prefix, _, meta in datasets:
+            if meta is None:
+                raise DiffmegError(
+                    f"--attention reads MQAR data, and {prefix} has no {os.path.basename(prefix)}.mqar.json "
+                    "(write it with tools/make_mqar_data.py)"
+                )
+
+    results, attention = [], []
     for info, model in loaded_models(infos, cfg.dtype, cfg.seed):
         for prefix, documents, meta in datasets:
             mqar_vocab = meta["setting"]["vocab_size"] if meta else None
+            reads = AttentionTally() if cfg.attention else None
             tally = evaluate_documents(
-                model, documents, cfg.max_documents, cfg.batch_size, info.vocab_size, mqar_vocab
+                model, documents, cfg.max_documents, cfg.batch_size, info.vocab_size, mqar_vocab, reads
             )
             results.append(
                 {
@@ -218,7 +243,12 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> 
                 }
             )
             log(f"{info.label} @ {info.iteration}: {os.path.basename(prefix)} accuracy {tally.accuracy:.4f}")
+            if reads is not None:
+                keys = ("label", "load", "iteration", "architecture", "data_prefix", "setting", "accuracy")
+                attention.append({k: results[-1][k] for k in keys} | {"layers": reads.summary()})
     summary = {"max_documents": cfg.max_documents, "results": results}
+    if cfg.attention:
+        summary["attention"] = attention
     if cfg.output_dir:
         _write_atomic(os.path.join(cfg.output_dir, SUMMARY_NAME), lambda f: json.dump(summary, f, indent=1))
         columns = ("label", "iteration", "setting", "data_prefix", "accuracy")
@@ -229,4 +259,23 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> 
             writer.writerows([r[c] for c in columns] for r in results)
 
         _write_atomic(os.path.join(cfg.output_dir, CSV_NAME), write_csv)
+        if cfg.attention:
+            _write_attention(cfg, attention)
     return summary
+
+
+def _write_attention(cfg: MQAREvalConfig, attention: list[dict]) -> None:
+    """mqar_attention.json, .csv and (with cfg.plot) .png under cfg.output_dir."""
+    from diffmeg.eval import mqar_attention as ma
+    from diffmeg.eval.common import write_json, write_rows
+
+    summary = {
+        "max_documents": cfg.max_documents,
+        "rows": ma.ROWS_NOTE,
+        "normalisation": ma.NORMALISATION_NOTE,
+        "results": attention,
+    }
+    write_json(os.path.join(cfg.output_dir, ma.SUMMARY_NAME), summary)
+    write_rows(os.path.join(cfg.output_dir, ma.CSV_NAME), ma.table_rows(attention))
+    if cfg.plot:
+        ma.plot(attention, os.path.join(cfg.output_dir, ma.PLOT_NAME))
