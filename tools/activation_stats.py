@@ -7,8 +7,9 @@ logits and hidden states over a token budget, for one or several checkpoints sid
 Attention logits are the scaled pre-softmax q.k/sqrt(d) at causally visible entries (DIFF: both maps
 together, and each map as attention_logits_1/_2); hidden states are every decoder layer's output.
 Streams: a running exact top-100 and a log-binned histogram per kind (the median is an estimate
-within 2.9% relative error, see docs/analysis.md). Mock-data checkpoints may omit --data-prefix
-(seeded random ids). Writes activation_stats.csv, activation_stats.json and activation_stats.png.
+within 2.9% relative error, see docs/analysis.md), and the kurtosis of the signed values. Mock-data
+checkpoints may omit --data-prefix (seeded random ids); --per-document makes each window one document's
+first tokens (MQAR data). Writes activation_stats.csv, activation_stats.json and activation_stats.png.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--seq-length", type=int, default=None, help="window length (default: shortest training length)"
     )
+    p.add_argument(
+        "--per-document",
+        action="store_true",
+        help="one window per document (e.g. MQAR data), none across two",
+    )
     return cli.parse(p, argv)
 
 
@@ -44,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.print_table(
         [
             {"checkpoint": c["label"], "kind": kind}
-            | {k: s[k] for k in [f"top{r}" for r in RANKS] + ["median"]}
+            | {k: s[k] for k in [f"top{r}" for r in RANKS] + ["median", "kurtosis"]}
             for c in summary["checkpoints"]
             for kind, s in c["stats"].items()
         ],

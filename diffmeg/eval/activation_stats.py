@@ -9,10 +9,14 @@ Per tensor kind, `StreamingMagnitudes` keeps
   geometric interpolation inside its bin, so its relative error is below 10**(1/bins_per_decade) - 1
   (2.9% at the default 80) for medians inside that range. Magnitudes below 1e-8 (exact zeros
   included) count in an underflow bin read as 0; above 1e8, in an overflow bin read as 1e8.
+* the count, mean and central moments of the signed values, merged batch by batch with Pebay's
+  pairwise formulas (exact up to float64 rounding), for the kurtosis E[(x - mean)^4] / Var(x)^2
+  (Pearson's: 3 for a Gaussian; heavy tails, i.e. outliers, make it large).
 
 Kinds: `attention_logits` (the scaled pre-softmax q.k/sqrt(d), causally visible entries only; for
 DIFF both maps together), for DIFF also `attention_logits_1` / `attention_logits_2` (each map), and
-`hidden_states` (every decoder layer's output).
+`hidden_states` (every decoder layer's output). With `per_document`, every window is one document's
+first tokens (e.g. an MQAR document as the model trained on it), never a window across two documents.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class StreamingMagnitudes:
         nbins = int((LOG10_HIGH - LOG10_LOW) * bins_per_decade)
         self.hist = torch.zeros(nbins + 2, dtype=torch.int64)  # [underflow, bins..., overflow]
         self.count = 0
+        self.moments = (0, 0.0, 0.0, 0.0, 0.0)  # signed values: n, mean, M2, M3, M4 (M_k = sum (x - mean)^k)
 
     @property
     def relative_median_error(self) -> float:
@@ -53,12 +58,16 @@ class StreamingMagnitudes:
         return 10 ** (1 / self.bins_per_decade) - 1
 
     def update(self, values: torch.Tensor) -> None:
-        mags = values.detach().flatten().abs().double().cpu()
+        signed = values.detach().flatten().double().cpu()
+        mags = signed.abs()
         if mags.numel() == 0:
             return
         if torch.isnan(mags).any():
             raise DiffmegError("NaN in the activations: the checkpoint or --dtype gives non-finite values")
         self.count += mags.numel()
+        centred = signed - signed.mean()
+        batch = (signed.numel(), float(signed.mean()), *(float((centred**k).sum()) for k in (2, 3, 4)))
+        self.moments = merge_moments(self.moments, batch)
         batch_top = torch.topk(mags, min(self.k, mags.numel())).values
         merged = torch.cat([self.top, batch_top])
         self.top = torch.topk(merged, min(self.k, merged.numel())).values
@@ -67,6 +76,11 @@ class StreamingMagnitudes:
         idx = torch.where(mags < 10**LOG10_LOW, torch.full_like(idx, -1), idx)
         idx = idx.clamp(-1, nbins).long() + 1
         self.hist += torch.bincount(idx, minlength=self.hist.numel())
+
+    def kurtosis(self) -> float:
+        """Pearson's kurtosis of the signed values (n M4 / M2^2), NaN when they do not vary."""
+        n, _, m2, _, m4 = self.moments
+        return n * m4 / m2**2 if n and m2 > 0 else math.nan
 
     def top_value(self, rank: int) -> float:
         """The rank-th largest magnitude (1-based), NaN when fewer values were seen."""
@@ -88,11 +102,34 @@ class StreamingMagnitudes:
         return 10 ** (LOG10_LOW + (b - 1 + frac) / self.bins_per_decade)
 
 
+def merge_moments(a: tuple, b: tuple) -> tuple:
+    """(n, mean, M2, M3, M4) of two sets of values together, from each set's own (Pebay 2008, eqs. 2.1,
+    2.3, 2.4 for two parts), M_k the sum of (x - mean)^k."""
+    na, ma, m2a, m3a, m4a = a
+    nb, mb, m2b, m3b, m4b = b
+    if na == 0 or nb == 0:
+        return b if na == 0 else a
+    n = na + nb
+    d = mb - ma
+    m2 = m2a + m2b + d**2 * na * nb / n
+    m3 = m3a + m3b + d**3 * na * nb * (na - nb) / n**2 + 3 * d * (na * m2b - nb * m2a) / n
+    m4 = (
+        m4a
+        + m4b
+        + d**4 * na * nb * (na**2 - na * nb + nb**2) / n**3
+        + 6 * d**2 * (na**2 * m2b + nb**2 * m2a) / n**2
+        + 4 * d * (na * m3b - nb * m3a) / n
+    )
+    return n, ma + d * nb / n, m2, m3, m4
+
+
 @dataclass
 class ActivationStatsConfig(common.EvalConfig):
     tokens: int = 409_600
     seq_length: int | None = None
     data_prefix: str | None = None
+    per_document: bool = False
+    """One window per document (its first seq_length tokens) instead of windows across documents."""
 
 
 def token_windows(
@@ -113,6 +150,19 @@ def token_windows(
     from diffmeg.eval.long_context import IndexedDocuments
 
     source = IndexedDocuments(cfg.data_prefix)
+    if cfg.per_document:
+        for doc in range(len(source.lengths)):
+            if remaining <= 0:
+                return
+            window = source.read(doc, min(length, int(source.lengths[doc]), remaining))
+            if window.max(initial=0) >= vocab_size:
+                raise DiffmegError(
+                    f"document {doc} of {source.description} holds token id {int(window.max())}, outside "
+                    f"the checkpoint's vocabulary of {vocab_size}"
+                )
+            remaining -= len(window)
+            yield window
+        return
     buffer = np.zeros(0, dtype=np.int64)
     for doc in range(len(source.lengths)):
         buffer = np.concatenate([buffer, source.read(doc, int(source.lengths[doc]))])
@@ -158,6 +208,8 @@ def collect_stats(model: torch.nn.Module, windows: Iterator[np.ndarray]) -> dict
 def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = common.stderr) -> dict:
     if cfg.tokens < 1:
         raise DiffmegError(f"--tokens must be >= 1, got {cfg.tokens}")
+    if cfg.per_document and cfg.data_prefix is None:
+        raise DiffmegError("--per-document reads the documents of --data-prefix; give one")
     common.start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
     length = cfg.seq_length or min(i.seq_length for i in infos)
@@ -172,6 +224,7 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = common.st
         kinds = {}
         for kind, acc in sorted(stats.items()):
             values = {f"top{r}": acc.top_value(r) for r in RANKS} | {"median": acc.median()}
+            values["kurtosis"] = acc.kurtosis()
             kinds[kind] = values | {"count": acc.count}
             rows.append({"label": info.label, "architecture": info.architecture, "kind": kind} | kinds[kind])
         checkpoints.append(
@@ -187,6 +240,7 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = common.st
         "tokens": cfg.tokens,
         "seq_length": length,
         "data": cfg.data_prefix or f"random ids (seed {cfg.seed})",
+        "per_document": cfg.per_document,
         "median": "log-histogram estimate, relative error < "
         f"{StreamingMagnitudes().relative_median_error:.4f}",
         "checkpoints": checkpoints,

@@ -74,3 +74,42 @@ def test_streaming_over_a_model_equals_brute_force_over_kept_activations(tiny_ck
             torch.testing.assert_close(acc.top, everything.topk(100).values, rtol=0, atol=0)
             exact = exact_lower_median(everything)
             assert abs(acc.median() - exact) / exact < acc.relative_median_error
+
+
+def test_streaming_kurtosis_matches_brute_force():
+    """Chunks of different sizes, means and spreads (one with an outlier): merged moments = all at once."""
+    gen = torch.Generator().manual_seed(11)
+    chunks = [
+        torch.randn(n, generator=gen) * s + m for n, s, m in ((5, 1.0, 0.0), (400, 3.0, 2.0), (1, 1, -7))
+    ]
+    chunks.append(torch.cat([torch.randn(300, generator=gen), torch.tensor([40.0])]))
+    acc = StreamingMagnitudes()
+    for c in chunks:
+        acc.update(c)
+    x = torch.cat(chunks).double()
+    c = x - x.mean()
+    expected = float(x.numel() * (c**4).sum() / (c**2).sum() ** 2)
+    assert acc.kurtosis() == pytest.approx(expected, rel=1e-12)
+    assert acc.moments[1] == pytest.approx(float(x.mean()), rel=1e-12)
+    constant = StreamingMagnitudes()
+    constant.update(torch.full((4,), 2.0))
+    assert np.isnan(constant.kurtosis()) and np.isnan(StreamingMagnitudes().kurtosis())
+
+
+def test_per_document_windows_never_cross_a_document(tmp_path):
+    from diffmeg.errors import DiffmegError
+    from diffmeg.eval.common import CheckpointSet
+    from tests.eval.helpers import write_indexed_dataset
+
+    docs = [list(range(1, 6)), list(range(10, 19)), [30, 31, 32]]
+    prefix = write_indexed_dataset(tmp_path / "docs", docs)
+
+    def windows(tokens: int) -> list[list[int]]:
+        cfg = ActivationStatsConfig(CheckpointSet([]), tokens=tokens, data_prefix=prefix, per_document=True)
+        return [w.tolist() for w in token_windows(cfg, 64, False, 6)]
+
+    assert windows(100) == [docs[0], docs[1][:6], docs[2]]  # each document's first 6 tokens at most
+    assert windows(8) == [docs[0], docs[1][:3]]  # the budget ends inside the second document
+    cfg = ActivationStatsConfig(CheckpointSet([]), tokens=10, data_prefix=prefix, per_document=True)
+    with pytest.raises(DiffmegError, match="outside the checkpoint's vocabulary of 12"):
+        list(token_windows(cfg, 12, False, 6))
