@@ -8,11 +8,17 @@ results.json holds `mqar` rows {model, setting, seed, lr, step, accuracy, split}
 held-out test set; "valid": the validation set, whose final step chooses the learning rate; both at
 every saved step), `mqar_positions` rows {model, setting, seed, lr, step, by_query, by_pair} (the final
 held-out accuracy by query index and by the queried pair's place in the context) and `lm` rows {model,
-seed, tokens, val_loss}, plus `meta` (how it was run). A model's learning rate for a setting is the one
-with the highest final validation accuracy of the first seed, which sweeps them all (ties: the smaller
-rate); its tables and curves use only runs at that rate. Steps to 90% is the first saved step whose
-held-out accuracy is >= 0.9 ("-" if none). The markdown tables are what docs/results.md shows,
-generated from the committed docs/results/toy_compare.json.
+seed, tokens, val_loss}, plus `meta` (how it was run). From the analyses of the final checkpoints
+(OUT/analysis/SETTING/, labels MODEL-sSEED): `attention` rows {model, setting, seed, step, layer,
+normalised, pair_mass, noise_mass, query_mass, ratio, lambda} (tools/eval_mqar.py --attention: mass at
+the answers on the queried pair vs the rest of the context, mean over heads; normalised: DIFF's rows
+divided by 1 - lambda) and `outliers` rows {model, setting, seed, kind, top1, top2, top3, top10, top100,
+median, kurtosis, count} (tools/activation_stats.py on the held-out documents).
+
+A model's learning rate for a setting is the one with the highest final validation accuracy of the first
+seed, which sweeps them all (ties: the smaller rate); its tables and curves use only runs at that rate.
+Steps to 90% is the first saved step whose held-out accuracy is >= 0.9 ("-" if none). The markdown
+tables are what docs/results.md shows, generated from the committed docs/results/toy_compare.json.
 """
 
 from __future__ import annotations
@@ -54,6 +60,50 @@ def _write_json(path: str, data: dict) -> None:
 # Collecting a run directory
 
 
+def _model_seed(label: str, path: str) -> tuple[str, int]:
+    """(model, seed) from an analysis label MODEL-sSEED (examples/toy_compare.sh's --label)."""
+    model, sep, seed = label.rpartition("-s")
+    if not sep or not model or not seed.isdigit():
+        raise DiffmegError(f"{path}: label {label!r} is not MODEL-sSEED, as examples/toy_compare.sh labels")
+    return model, int(seed)
+
+
+def collect_analyses(out: str) -> tuple[list[dict], list[dict]]:
+    """(attention rows, outlier rows) from OUT/analysis/SETTING/{attention,outliers}/."""
+    attention, outliers = [], []
+    pattern = os.path.join(out, "analysis", "*", "attention", "mqar_attention.json")
+    for path in sorted(glob.glob(pattern)):
+        setting = os.path.basename(os.path.dirname(os.path.dirname(path)))
+        for r in load(path)["results"]:
+            model, seed = _model_seed(r["label"], path)
+            for layer in r["layers"]:
+                for scale in ("normalised", "raw"):
+                    m = layer[scale]
+                    attention.append(
+                        {
+                            "model": model,
+                            "setting": setting,
+                            "seed": seed,
+                            "step": r["iteration"],
+                            "layer": layer["layer"],
+                            "normalised": scale == "normalised",
+                            "pair_mass": m["pair"],
+                            "noise_mass": m["noise"],
+                            "query_mass": m["query"],
+                            "ratio": m["ratio"],
+                            "lambda": layer["lambda"],
+                        }
+                    )
+    pattern = os.path.join(out, "analysis", "*", "outliers", "activation_stats.json")
+    for path in sorted(glob.glob(pattern)):
+        setting = os.path.basename(os.path.dirname(os.path.dirname(path)))
+        for ckpt in load(path)["checkpoints"]:
+            model, seed = _model_seed(ckpt["label"], path)
+            for kind, stats in sorted(ckpt["stats"].items()):
+                outliers.append({"model": model, "setting": setting, "seed": seed, "kind": kind, **stats})
+    return attention, outliers
+
+
 def collect(out: str) -> dict:
     """results.json's content from a toy_compare.sh output directory (every finished run in it)."""
     mqar, positions, lm, runs = [], [], [], []
@@ -92,7 +142,15 @@ def collect(out: str) -> dict:
         runs.append(run)
     meta_path = os.path.join(out, "meta.json")
     meta = load(meta_path) if os.path.isfile(meta_path) else {}
-    return {"meta": {**meta, "runs": runs}, "mqar": mqar, "mqar_positions": positions, "lm": lm}
+    attention, outliers = collect_analyses(out)
+    return {
+        "meta": {**meta, "runs": runs},
+        "mqar": mqar,
+        "mqar_positions": positions,
+        "lm": lm,
+        "attention": attention,
+        "outliers": outliers,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -236,6 +294,86 @@ def lm_table(results: dict, columns: int = 5) -> str:
     return "\n".join(lines)
 
 
+def _ordered_settings(results: dict, rows: list[dict]) -> list[str]:
+    """The settings of `rows`, in the run's order."""
+    found = {r["setting"] for r in rows}
+    order = _settings(results)
+    return [s for s in order if s in found] + sorted(found - set(order))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def attention_table(results: dict) -> str:
+    """Per setting, model and layer: the normalised pair and noise masses at the answers, mean (min-max)
+    over the analysed seeds; the ratio of those means ("-" where the noise cancels to <= 0); the raw
+    masses and lambda, means over seeds."""
+    groups: dict[tuple, dict[bool, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in results["attention"]:
+        groups[(r["setting"], r["model"], r["layer"])][r["normalised"]].append(r)
+    lines = [
+        "| setting | model | layer | seeds | pair | noise | pair / noise | raw pair | raw noise | lambda |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for setting in _ordered_settings(results, results["attention"]):
+        for model in _order(m for s, m, _ in groups if s == setting):
+            for layer in sorted(ly for s, m, ly in groups if (s, m) == (setting, model)):
+                scales = groups[(setting, model, layer)]
+                norm, raw = scales[True], scales[False]
+                pair, noise = _mean([r["pair_mass"] for r in norm]), _mean([r["noise_mass"] for r in norm])
+                lambdas = [r["lambda"] for r in norm if r["lambda"] is not None]
+                cells = [
+                    setting,
+                    MODEL_NAMES.get(model, model),
+                    str(layer),
+                    str(len({r["seed"] for r in norm})),
+                    _spread([r["pair_mass"] for r in norm]),
+                    _spread([r["noise_mass"] for r in norm]),
+                    f"{pair / noise:.2f}" if noise > 0 else "-",
+                    f"{_mean([r['pair_mass'] for r in raw]):.3f}" if raw else "-",
+                    f"{_mean([r['noise_mass'] for r in raw]):.3f}" if raw else "-",
+                    f"{_mean(lambdas):.3f}" if lambdas else "-",
+                ]
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+OUTLIER_KINDS = ("attention_logits", "hidden_states")
+
+
+def outliers_table(results: dict) -> str:
+    """Per setting, model and kind (attention logits, hidden states): top-1 magnitude and kurtosis, mean
+    (min-max) over seeds; top-10, median and top-1 / median, means over seeds."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results["outliers"]:
+        if r["kind"] in OUTLIER_KINDS:
+            groups[(r["setting"], r["model"], r["kind"])].append(r)
+    lines = [
+        "| setting | model | kind | seeds | top-1 | top-10 | median | top-1 / median | kurtosis |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for setting in _ordered_settings(results, results["outliers"]):
+        for model in _order(m for s, m, _ in groups if s == setting):
+            for kind in OUTLIER_KINDS:
+                rows = groups.get((setting, model, kind))
+                if not rows:
+                    continue
+                cells = [
+                    setting,
+                    MODEL_NAMES.get(model, model),
+                    kind.replace("_", " "),
+                    str(len(rows)),
+                    _spread([r["top1"] for r in rows], 2),
+                    f"{_mean([r['top10'] for r in rows]):.2f}",
+                    f"{_mean([r['median'] for r in rows]):.3f}",
+                    f"{_mean([r['top1'] / r['median'] if r['median'] > 0 else math.nan for r in rows]):.1f}",
+                    _spread([r["kurtosis"] for r in rows], 1),
+                ]
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def tables(results: dict) -> str:
     parts = []
     if results["mqar"]:
@@ -244,6 +382,11 @@ def tables(results: dict) -> str:
         parts += [title, "", lr_table(results), ""]
     if results["lm"]:
         parts += ["### Language modelling: validation loss", "", lm_table(results), ""]
+    if results.get("attention"):
+        title = "### MQAR: attention at the answers on the queried pair vs the rest of the context"
+        parts += [title, "", attention_table(results), ""]
+    if results.get("outliers"):
+        parts += ["### MQAR: activation outliers on the held-out documents", "", outliers_table(results), ""]
     return "\n".join(parts)
 
 
@@ -252,7 +395,8 @@ def tables(results: dict) -> str:
 
 
 def plot(results: dict, out_dir: str) -> list[str]:
-    """mqar_accuracy.png (held-out accuracy vs step, a panel per setting) and lm_val_loss.png."""
+    """mqar_accuracy.png (held-out accuracy vs step, a panel per setting), lm_val_loss.png and, with the
+    analyses, mqar_attention.png (normalised pair and noise masses per layer, a panel per setting)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -303,7 +447,41 @@ def plot(results: dict, out_dir: str) -> list[str]:
         written.append(os.path.join(out_dir, "lm_val_loss.png"))
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
+    if results.get("attention"):
+        written.append(os.path.join(out_dir, "mqar_attention.png"))
+        plot_attention(results, written[-1])
     return written
+
+
+def plot_attention(results: dict, path: str) -> None:
+    """Per setting, the normalised mass on the queried pair (solid) and on the rest of the context
+    (dashed) against the layer, mean over seeds, a colour per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["attention"] if r["normalised"]]
+    settings = _ordered_settings(results, rows)
+    fig, axes = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.6), squeeze=False)
+    for ax, setting in zip(axes[0], settings, strict=True):
+        here = [r for r in rows if r["setting"] == setting]
+        for model in _order(r["model"] for r in here):
+            layers = sorted({r["layer"] for r in here if r["model"] == model})
+            color = f"C{_order(MODEL_NAMES).index(model) if model in MODEL_NAMES else 9}"
+            for key, style in (("pair_mass", "-"), ("noise_mass", "--")):
+                y = [
+                    _mean([r[key] for r in here if (r["model"], r["layer"]) == (model, ly)]) for ly in layers
+                ]
+                name = f"{MODEL_NAMES.get(model, model)}: {key.split('_')[0]}"
+                ax.plot(layers, y, style, color=color, marker="o", label=name)
+        ax.set(title=setting, xlabel="layer")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("attention mass at the answers (normalised)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -367,7 +545,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_plot:
             os.makedirs(os.path.join(args.out, "plots"), exist_ok=True)
             written += plot(results, os.path.join(args.out, "plots"))
-        print(f"{len(results['mqar'])} mqar rows, {len(results['lm'])} lm rows; wrote {', '.join(written)}")
+        counts = ", ".join(f"{len(results[k])} {k} rows" for k in ("mqar", "lm", "attention", "outliers"))
+        print(f"{counts}; wrote {', '.join(written)}")
     elif args.command == "model-flags":
         try:
             dry_run = json.load(sys.stdin)

@@ -14,6 +14,10 @@ FIXTURE = Path(__file__).parent / "fixtures" / "toy_compare_results.json"
 # Transformer ties at 0.4 -> the smaller 0.001. Held-out finals at the chosen rate: DIFF 0.92, 0.95, 0.5
 # (mean 0.79), first >= 0.9 at steps 100, 50, never; Transformer 0.3, 0.35, 0.25. A DIFF run at 0.001
 # that reaches 0.99 is not at the chosen rate and must not appear. LM: DIFF seeds 5.0/5.2 and 4.0/4.2.
+# Attention (kv8, normalised): DIFF layer 0 pair 0.6 / 0.8, noise 0.2 / 0.1 -> ratio 0.7 / 0.15 = 4.67,
+# raw pair 0.3 / 0.5, raw noise 0.1 / 0.06, lambda 0.5 / 0.4; layer 1 noise -0.05 / 0.05 averages to 0:
+# no ratio. Outliers: DIFF top-1 10 / 12 over medians 0.5 / 1 -> ratios 20 / 12, mean 16; its
+# attention_logits_1 row is not one of the table's kinds.
 EXPECTED = """\
 ### MQAR: held-out accuracy at the chosen learning rate
 
@@ -37,6 +41,23 @@ EXPECTED = """\
 |---|---|---|---|
 | DIFF V1 | 2 | 5.100 (5.000-5.200) | 4.100 (4.000-4.200) |
 | Transformer | 1 | 5.100 | 4.100 |
+
+### MQAR: attention at the answers on the queried pair vs the rest of the context
+
+| setting | model | layer | seeds | pair | noise | pair / noise | raw pair | raw noise | lambda |
+|---|---|---|---|---|---|---|---|---|---|
+| kv8 | DIFF V1 | 0 | 2 | 0.700 (0.600-0.800) | 0.150 (0.100-0.200) | 4.67 | 0.400 | 0.080 | 0.450 |
+| kv8 | DIFF V1 | 1 | 2 | 0.150 (0.100-0.200) | 0.000 (-0.050-0.050) | - | 0.075 | 0.000 | 0.500 |
+| kv8 | Transformer | 0 | 1 | 0.300 | 0.600 | 0.50 | 0.300 | 0.600 | - |
+
+### MQAR: activation outliers on the held-out documents
+
+| setting | model | kind | seeds | top-1 | top-10 | median | top-1 / median | kurtosis |
+|---|---|---|---|---|---|---|---|---|
+| kv8 | DIFF V1 | attention logits | 2 | 11.00 (10.00-12.00) | 6.00 | 0.750 | 16.0 | 25.0 (20.0-30.0) |
+| kv8 | DIFF V1 | hidden states | 2 | 150.00 (100.00-200.00) | 55.00 | 1.500 | 100.0 | 600.0 (500.0-700.0) |
+| kv8 | Transformer | attention logits | 1 | 8.00 | 4.00 | 0.500 | 16.0 | 10.0 |
+| kv8 | Transformer | hidden states | 1 | 50.00 | 20.00 | 0.250 | 200.0 | 3.5 |
 """
 
 
@@ -79,6 +100,21 @@ def test_collect_a_run_directory(tmp_path):
     _write(lm / "run.json", {"kind": "lm", "model": "transformer", "seed": 1, "tokens_per_iter": 1024})
     metrics = [{"iteration": 5, "lm_loss": 7.0}, {"iteration": 5, "validation_lm_loss": 6.5}]
     _write(lm / "metrics.jsonl", "\n".join(json.dumps(m) for m in metrics) + "\n")
+    analysis = out / "analysis" / "kv4"
+    layers = [
+        {"layer": 0, "answers": 8, "lambda": 0.3}
+        | {
+            s: {"pair": p, "noise": n, "query": 0.1, "ratio": p / n}
+            for s, p, n in (("normalised", 0.6, 0.3), ("raw", 0.42, 0.21))
+        }
+    ]
+    attention = {"results": [{"label": "diff2-s1", "iteration": 20, "setting": "kv4", "layers": layers}]}
+    _write(analysis / "attention" / "mqar_attention.json", attention)
+    stats = {k: 1.0 for k in ("top1", "top2", "top3", "top10", "top100", "median", "kurtosis")} | {"count": 9}
+    _write(
+        analysis / "outliers" / "activation_stats.json",
+        {"checkpoints": [{"label": "diff2-s1", "stats": {"hidden_states": stats}}]},
+    )
     proc = run_tool("toy_compare_results", "collect", out)
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
@@ -92,8 +128,20 @@ def test_collect_a_run_directory(tmp_path):
     assert results["mqar_positions"] == [{**key, "step": 20, "by_query": [0.75, 0.25], "by_pair": [0.5, 0.5]}]
     assert results["lm"] == [{"model": "transformer", "seed": 1, "tokens": 5120, "val_loss": 6.5}]
     assert results["meta"]["settings"] == ["kv4"] and len(results["meta"]["runs"]) == 2
-    for png in ("mqar_accuracy.png", "lm_val_loss.png"):
+    where = {"model": "diff2", "setting": "kv4", "seed": 1}
+    assert results["attention"] == [
+        {**where, "step": 20, "layer": 0, "normalised": True, "pair_mass": 0.6, "noise_mass": 0.3}
+        | {"query_mass": 0.1, "ratio": 0.6 / 0.3, "lambda": 0.3},
+        {**where, "step": 20, "layer": 0, "normalised": False, "pair_mass": 0.42, "noise_mass": 0.21}
+        | {"query_mass": 0.1, "ratio": 0.42 / 0.21, "lambda": 0.3},
+    ]
+    assert results["outliers"] == [{**where, "kind": "hidden_states", **stats}]
+    for png in ("mqar_accuracy.png", "lm_val_loss.png", "mqar_attention.png"):
         assert (out / "plots" / png).stat().st_size > 0
+    attention["results"][0]["label"] = "diff2 seed 1"  # not the MODEL-sSEED examples/toy_compare.sh gives
+    _write(analysis / "attention" / "mqar_attention.json", attention)
+    proc = run_tool("toy_compare_results", "collect", out)
+    assert proc.returncode == 2 and "label 'diff2 seed 1' is not MODEL-sSEED" in proc.stderr
 
 
 def test_model_flags_keep_the_head_size_and_scale_the_heads():
