@@ -15,8 +15,12 @@
 # rate of TOY_LRS with the first seed; the one with the best final validation accuracy is the model's
 # rate for that setting, and the other seeds run at it. Held-out accuracy is measured at every
 # TOY_EVAL_EVERY steps from saved checkpoints (tools/eval_mqar.py), so steps to 90% are known to
-# that resolution. Language modelling: the tiny presets unchanged on the embedded corpus (cl100k_base
-# tokenizer needed), TOY_LM_ITERS iterations each, validation loss every TOY_LM_EVAL_EVERY.
+# that resolution. Analyses of the final checkpoints at each model's chosen rate (every seed) on the
+# held-out documents, in OUT/analysis/SETTING/: the attention at the answers on the queried key-value
+# pair vs the rest of the context per layer, DIFF's maps divided by 1 - lambda so that all models are on
+# one scale (tools/eval_mqar.py --attention), and activation outliers (tools/activation_stats.py).
+# Language modelling: the tiny presets unchanged on the embedded corpus (cl100k_base tokenizer needed),
+# TOY_LM_ITERS iterations each, validation loss every TOY_LM_EVAL_EVERY.
 #
 # Environment (defaults in brackets; TOY_SMOKE=1 shrinks the starred ones):
 #   TOY_OUT [runs/toy_compare]     output directory, recreated (only one this script made is emptied)
@@ -34,6 +38,7 @@
 #   TOY_LM_ITERS* [100]            language-modelling iterations (the tiny presets' 4 x 256 tokens each)
 #   TOY_LM_EVAL_EVERY* [20]        iterations between validation losses (4 batches each)
 #   TOY_LM=1                       0 skips language modelling (no tokenizer needed then)
+#   TOY_ANALYSIS=1                 0 skips the attention and activation-outlier analyses
 #   TOY_JOBS [2]                   runs at once, TOY_THREADS [1] threads each
 #   PYTHON=python3
 set -euo pipefail
@@ -68,6 +73,7 @@ hidden=${TOY_HIDDEN:-64}
 vocab=${TOY_VOCAB:-256}
 init_std=${TOY_INIT_STD:-0.05}
 run_lm=${TOY_LM:-1}
+run_analysis=${TOY_ANALYSIS:-1}
 jobs=${TOY_JOBS:-2}
 export OMP_NUM_THREADS=${TOY_THREADS:-1}  # one thread per run was fastest on 2 cores (two runs at once)
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, installed or not
@@ -77,7 +83,7 @@ example=toy_compare
 # shellcheck source=examples/common.sh
 source "$root/examples/common.sh"
 
-step 0/5 "checking the environment"
+step 0/6 "checking the environment"
 "$py" -c "import diffmeg, torch, matplotlib, importlib.util as u; assert u.find_spec('megatron.core')" \
     || die "diffmeg's dependencies are missing: run scripts/setup.sh"
 if [ "${TOY_MODELS:-auto}" = auto ]; then
@@ -124,7 +130,7 @@ json.dump({
 }, open(sys.argv[1], "w"), indent=1)
 EOF
 
-step 1/5 "generating MQAR data (vocabulary $vocab)"
+step 1/6 "generating MQAR data (vocabulary $vocab)"
 declare -A seq_of
 names=()
 for s in "${settings[@]}"; do
@@ -208,7 +214,7 @@ EOF
 }
 
 what="${#lrs[@]} rates x ${#models[@]} models x ${#names[@]} settings, seed ${seeds[0]}"
-step 2/5 "MQAR learning-rate sweep: $what"
+step 2/6 "MQAR learning-rate sweep: $what"
 total=$((${#names[@]} * ${#models[@]} * ${#lrs[@]})) launched=0
 for name in "${names[@]}"; do
     for model in "${models[@]}"; do
@@ -217,15 +223,71 @@ for name in "${names[@]}"; do
 done
 drain
 
-step 3/5 "MQAR: the other seeds at each model's chosen learning rate"
+step 3/6 "MQAR: the other seeds at each model's chosen learning rate"
 total=$((${#names[@]} * ${#models[@]} * (${#seeds[@]} - 1))) launched=0
+declare -A chosen_lr
 for name in "${names[@]}"; do
     for model in "${models[@]}"; do
         best=$("$py" tools/toy_compare_results.py best-lr "$out" --model "$model" --setting "$name")
+        chosen_lr[$name/$model]=$best
         for seed in "${seeds[@]:1}"; do pool mqar_run "$name" "$model" "$best" "$seed"; done
     done
 done
 drain
+
+analysis_run() {  # analysis_run SETTING KIND TAG: KIND attention or outliers, on every model's final
+    # checkpoints at its chosen rate (all seeds, labelled MODEL-sSEED), over the held-out documents
+    local name=$1 kind=$2 tag=$3
+    local dir="$out/analysis/$name" t0=$SECONDS loads=() labels=() model seed
+    mkdir -p "$dir"
+    for model in "${models[@]}"; do
+        for seed in "${seeds[@]}"; do
+            loads+=("$out/mqar/$name/$model/lr$(printf '%g' "${chosen_lr[$name/$model]}")-s$seed/ckpt")
+            labels+=("$model-s$seed")
+        done
+    done
+    local cmd=(tools/eval_mqar.py --attention --max-documents "$eval_docs")
+    if [ "$kind" = outliers ]; then
+        cmd=(tools/activation_stats.py --per-document --tokens $((eval_docs * ${seq_of[$name]})))
+    fi
+    if ! "$py" "${cmd[@]}" --load "${loads[@]}" --label "${labels[@]}" --data-prefix "$out/data/$name-test" \
+        --output-dir "$dir/$kind" >"$dir/$kind.log" 2>&1; then
+        echo "$tag FAILED: $kind analysis of $name (log: $dir/$kind.log)" >&2
+        tail -n 20 "$dir/$kind.log" >&2
+        return 1
+    fi
+    "$py" - "$dir/$kind" "$name" "$kind" $((SECONDS - t0)) "$tag" <<'EOF'
+import json, os, sys
+from collections import defaultdict
+d, name, kind, seconds, tag = sys.argv[1:]
+by_model = defaultdict(list)  # label MODEL-sSEED -> (a, b) per seed (and layer)
+if kind == "attention":
+    for r in json.load(open(os.path.join(d, "mqar_attention.json")))["results"]:
+        for layer in r["layers"]:
+            m = layer["normalised"]
+            by_model[r["label"].rpartition("-s")[0]].append((m["pair"], m["noise"]))
+    what = "normalised pair / noise at the answers (mean over layers, seeds)"
+else:
+    for c in json.load(open(os.path.join(d, "activation_stats.json")))["checkpoints"]:
+        s = c["stats"]["hidden_states"]
+        by_model[c["label"].rpartition("-s")[0]].append((s["top1"], s["kurtosis"]))
+    what = "hidden states' top-1 / kurtosis (mean over seeds)"
+cells = [f"{m} {sum(a for a, _ in v) / len(v):.3g} / {sum(b for _, b in v) / len(v):.3g}"
+         for m, v in by_model.items()]
+print(f"{tag} {kind:9s} {name:8s}: {what}: {', '.join(cells)}; {seconds}s", flush=True)
+EOF
+}
+
+if [ "$run_analysis" = 1 ]; then
+    step 4/6 "analyses of the final checkpoints: attention at the answers, activation outliers"
+    total=$((${#names[@]} * 2)) launched=0
+    for name in "${names[@]}"; do
+        for kind in attention outliers; do pool analysis_run "$name" "$kind"; done
+    done
+    drain
+else
+    step 4/6 "analyses skipped (TOY_ANALYSIS=0)"
+fi
 
 lm_run() {  # lm_run MODEL SEED TAG: the tiny preset on the embedded corpus, validation loss curve
     local model=$1 seed=$2 tag=$3
@@ -254,17 +316,17 @@ EOF
 }
 
 if [ "$run_lm" = 1 ]; then
-    step 4/5 "language modelling: ${models[*]} x ${#seeds[@]} seeds, $lm_iters iterations each"
+    step 5/6 "language modelling: ${models[*]} x ${#seeds[@]} seeds, $lm_iters iterations each"
     total=$((${#models[@]} * ${#seeds[@]})) launched=0
     for model in "${models[@]}"; do
         for seed in "${seeds[@]}"; do pool lm_run "$model" "$seed"; done
     done
     drain
 else
-    step 4/5 "language modelling skipped (TOY_LM=0)"
+    step 5/6 "language modelling skipped (TOY_LM=0)"
 fi
 
-step 5/5 "results.json, plots and tables"
+step 6/6 "results.json, plots and tables"
 "$py" tools/toy_compare_results.py collect "$out"
 "$py" tools/toy_compare_results.py tables "$out/results.json" | tee "$out/tables.md"
 printf '\n== done in %ds: %s/results.json, %s/plots, %s/tables.md\n' $((SECONDS - started)) \
