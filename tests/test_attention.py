@@ -4,31 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.builders import make_config
 from tests.reference_model import diff_heads, lambda_init, reference_logits, semantic_weights_from_mcore
-
-
-def make_config(heads=4, kv_heads=4, head_dim=8, layers=1, **kw):
-    from diffmeg.config import DiffTransformerConfig
-
-    return DiffTransformerConfig(
-        num_layers=layers,
-        hidden_size=2 * heads * head_dim,
-        num_attention_heads=2 * heads,
-        num_query_groups=2 * kv_heads,
-        kv_channels=head_dim,
-        ffn_hidden_size=32,
-        use_cpu_initialization=True,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.float64,
-        **kw,
-    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])

@@ -7,22 +7,15 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 
 from diffmeg.errors import DiffmegError
-from tests.test_attention import make_config
+from tests.builders import make_config
 
 
 def _baseline_config(heads=4, groups=2, d=8, **kw):
-    from diffmeg.config import DiffTransformerConfig
-
-    return DiffTransformerConfig(
-        num_layers=1, hidden_size=heads * d, num_attention_heads=heads, num_query_groups=groups,
-        kv_channels=d, ffn_hidden_size=32, use_cpu_initialization=True, normalization="RMSNorm",
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=torch.float64, diff_attention=False, **kw,
-    )  # fmt: skip
+    """The float64 Transformer baseline: `heads` (even) heads of d over `groups` KV groups."""
+    return make_config(heads // 2, None, d, num_query_groups=groups, diff_attention=False, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------

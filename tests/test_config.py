@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import torch.nn.functional as F
 
-from diffmeg.config import DiffTransformerConfig, lambda_init_for_layer
+from diffmeg.config import lambda_init_for_layer
 from diffmeg.errors import DiffmegError
+from tests.builders import tiny_config
 
 
 def cfg(**kw):
-    base = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=8,
-        kv_channels=8,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-    )
-    base.update(kw)
-    return DiffTransformerConfig(**base)
+    """8 sub-heads of 8 over 2 layers; megatron-core fills in the KV groups and the FFN width unless given."""
+    return tiny_config(4, None, 8, layers=2, ffn=None, **kw)
 
 
 def test_valid_config_properties():

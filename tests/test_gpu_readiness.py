@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _tiny_config(on_gpu: bool):
     """A 2-layer DIFF config (float64) built on the GPU, or on the CPU (use_cpu_initialization)."""
-    from tests.test_attention import make_config
+    from tests.builders import make_config
 
     cfg = make_config(heads=2, kv_heads=1, head_dim=16, layers=2)
     cfg.use_cpu_initialization = not on_gpu
@@ -47,7 +47,7 @@ def test_core_built_on_cpu_runs_triton_on_gpu(single_rank_parallel_state, monkey
     from megatron.core.transformer.enums import AttnMaskType
 
     from diffmeg.attention import DiffCoreAttention
-    from tests.test_attention import make_config
+    from tests.builders import make_config
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cores = {}

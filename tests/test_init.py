@@ -19,7 +19,7 @@ def _expected(seed: int, name: str, shape, std: float) -> torch.Tensor:
 
 def test_model_weights_are_the_cpu_draw(single_rank_parallel_state):
     from diffmeg.model import build_model
-    from tests.test_attention import make_config
+    from tests.builders import make_config
 
     cfg = make_config(heads=2, kv_heads=1, head_dim=8, layers=2)  # float64 weights hold fp32 draws exactly
     model = build_model(cfg, vocab_size=64, max_sequence_length=16, seed=11)

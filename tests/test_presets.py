@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from diffmeg.presets import PRESETS, count_parameters, get_preset, swiglu_ffn_size
+from tests.builders import tiny_config
 
 # The paper names its models by parameters counting the embedding matrix once (its models have no
 # separate output matrix in the count): counted that way the scaling sizes land on their names.
@@ -78,32 +79,22 @@ def test_scaling_schedule():
         assert p["ffn_hidden_size"] == swiglu_ffn_size(p["hidden_size"])
 
 
-def test_count_matches_built_model(single_rank_parallel_state):
-    import torch.nn.functional as F
-
-    from diffmeg.config import DiffTransformerConfig
+@pytest.mark.parametrize(
+    "heads,kv_heads,kind",
+    [(2, 1, {}), (4, 2, {"diff_attention": False}), (4, 4, {"diff_version": 2}), (4, 2, {"diff_version": 2})],
+    ids=["diff", "transformer", "diff2", "diff2-gqa"],
+)
+def test_count_matches_built_model(single_rank_parallel_state, heads, kv_heads, kind):
+    """Hidden 64; heads as on the command line: DIFF 2 (4 sub-heads), baseline 4, DIFF V2 4 (8 queries)."""
     from diffmeg.model import build_model
 
-    for diff in (True, False):
-        heads = 2 if diff else 4
-        cfg = DiffTransformerConfig(
-            num_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            num_query_groups=2,
-            kv_channels=16,
-            ffn_hidden_size=96,
-            normalization="RMSNorm",
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            use_cpu_initialization=True,
-            diff_attention=diff,
-        )
-        model = build_model(cfg, vocab_size=128, max_sequence_length=16)
-        built = sum(p.numel() for p in model.parameters())
-        assert built == count_parameters(2, 64, 96, 128, heads, 16, 1 if diff else 2, diff_attention=diff)
-        assert isinstance(next(model.parameters()), torch.Tensor)
+    baseline = kind.get("diff_attention") is False  # tiny_config counts it as DIFF: 2h heads of d
+    h, g = (heads // 2, kv_heads // 2) if baseline else (heads, kv_heads)
+    cfg = tiny_config(h, g, 16, layers=2, ffn=96, **kind)
+    model = build_model(cfg, vocab_size=128, max_sequence_length=16)
+    built = sum(p.numel() for p in model.parameters())
+    assert built == count_parameters(2, 64, 96, 128, heads, 16, kv_heads, **kind)
+    assert isinstance(next(model.parameters()), torch.Tensor)
 
 
 def test_diff2_presets_share_the_transformer_sizes():
@@ -125,29 +116,3 @@ def test_diff2_presets_share_the_transformer_sizes():
     assert (p["num_attention_heads"], p["kv_channels"]) == (24, 128)
     n = count_parameters(28, 3072, 8192, 100288, 24, 128, None, diff_attention=True, diff_version=2)
     assert n == 4_053_543_936  # issue 13: 48 query heads, 24 KV heads, lambda_proj, untied output
-
-
-def test_diff2_count_matches_built_model(single_rank_parallel_state):
-    import torch.nn.functional as F
-
-    from diffmeg.config import DiffTransformerConfig
-    from diffmeg.model import build_model
-
-    for kv_heads in (4, 2):
-        cfg = DiffTransformerConfig(
-            num_layers=2,
-            hidden_size=64,
-            num_attention_heads=8,  # 2h query heads
-            num_query_groups=kv_heads,
-            kv_channels=16,
-            ffn_hidden_size=96,
-            normalization="RMSNorm",
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            use_cpu_initialization=True,
-            diff_version=2,
-        )
-        model = build_model(cfg, vocab_size=128, max_sequence_length=16)
-        built = sum(p.numel() for p in model.parameters())
-        assert built == count_parameters(2, 64, 96, 128, 4, 16, kv_heads, diff_attention=True, diff_version=2)

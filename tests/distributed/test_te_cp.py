@@ -19,9 +19,9 @@ import subprocess
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from diffmeg.runtime import transformer_engine_available as te_attention_available
+from tests.builders import tiny_config
 from tests.distributed.runner import job_env, launch_cmd
 
 pytestmark = [
@@ -33,21 +33,13 @@ TE_COMMS = ("p2p", "all_gather", "a2a")
 
 
 def _config(heads: int, kv_heads: int, d: int, cp: int, comm: str):
-    from diffmeg.config import DiffTransformerConfig
-
-    return DiffTransformerConfig(
-        num_layers=1,
-        hidden_size=2 * heads * d,
-        num_attention_heads=2 * heads,
-        num_query_groups=2 * kv_heads,
-        kv_channels=d,
-        ffn_hidden_size=4 * heads * d,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
+    """bf16, built on the GPU (megatron-core's default), CP over `cp` ranks with TE's `comm`."""
+    return tiny_config(
+        heads,
+        kv_heads,
+        d,
+        ffn=4 * heads * d,
+        use_cpu_initialization=False,
         context_parallel_size=cp,
         cp_comm_type=comm,
         params_dtype=torch.bfloat16,

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from diffmeg.eval.capture import AttentionRecord, _sdpa, capture_attention, decoder_layers
-from tests.test_attention import make_config
-from tests.test_attention_v2 import make_v2_config
+from tests.builders import make_config, make_v2_config
 
 
 def _model(kind: str, layers: int = 2):

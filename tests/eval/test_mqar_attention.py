@@ -135,8 +135,7 @@ def test_a_negative_noise_has_no_ratio():
 
 def _model(kind: str):
     from diffmeg.model import build_model
-    from tests.test_attention import make_config
-    from tests.test_attention_v2 import make_v2_config
+    from tests.builders import make_config, make_v2_config
 
     if kind == "v2":
         cfg = make_v2_config(heads=2, kv_heads=1, head_dim=8, layers=2)

@@ -266,7 +266,7 @@ def test_core_attention_with_triton_backend(single_rank_parallel_state):
 
     from diffmeg.attention import DiffCoreAttention
     from diffmeg.kernels import resolve_backend
-    from tests.test_attention import make_config
+    from tests.builders import make_config
 
     try:
         resolve_backend("triton", DEVICE)

@@ -46,8 +46,8 @@ def _check_standin(rank: int) -> None:
     """The stand-in on this rank's tokens equals full causal attention's rows at their positions."""
     from megatron.core.transformer.enums import AttnMaskType
 
+    from tests.builders import make_config
     from tests.parallel.cp_stand_in import AllGatherCPAttention
-    from tests.test_attention import make_config
 
     for heads, kv_heads, dk, dv in [(4, 4, 8, 8), (4, 2, 8, 16), (3, 1, 8, 16)]:
         cfg = make_config(heads=2, kv_heads=2, head_dim=dk)  # only its TP size is read with explicit sizes
@@ -76,9 +76,9 @@ def _check_diff_composition(rank: int) -> None:
 
     from diffmeg.attention import DiffCoreAttention, DiffCoreAttentionSubmodules
     from diffmeg.parallel import DiffMapsWithCP
+    from tests.builders import make_config
     from tests.parallel.cp_stand_in import AllGatherCPAttention
     from tests.reference_model import diff_heads, lambda_init
-    from tests.test_attention import make_config
 
     cases = [
         (4, 4, "p2p"),
@@ -205,7 +205,7 @@ def test_cp_comm_type_flag(monkeypatch):
 
 def test_config_cp_comm_type_validation():
     from diffmeg.errors import DiffmegError
-    from tests.test_attention import make_config
+    from tests.builders import make_config
 
     assert make_config(heads=3, kv_heads=1, context_parallel_size=2, cp_comm_type="p2p").cp_comm_type == "p2p"
     with pytest.raises(DiffmegError, match="shards whole differential heads"):
@@ -222,7 +222,7 @@ def test_without_te_the_maps_refuse_to_build(single_rank_parallel_state, monkeyp
 
     import diffmeg.parallel.te_attention as te_attention
     from diffmeg.errors import DiffmegError
-    from tests.test_attention import make_config
+    from tests.builders import make_config
 
     monkeypatch.setattr(te_attention, "transformer_engine_available", lambda: False)
     cfg = make_config(context_parallel_size=2, cp_comm_type="p2p")

@@ -27,9 +27,11 @@ pytest.importorskip(
 
 from deepspeed.profiling.flops_profiler import get_model_profile  # noqa: E402
 
+from benchmarks.attention import core_flops  # noqa: E402
 from diffmeg.kernels.reference import diff_attention_reference  # noqa: E402
 from diffmeg.kernels.sdpa import diff_attention_sdpa  # noqa: E402
 from diffmeg.training.flops import forward_flops_per_token  # noqa: E402
+from tests.builders import tiny_config  # noqa: E402
 
 
 class _Fn(torch.nn.Module):
@@ -46,22 +48,6 @@ class _Fn(torch.nn.Module):
 def profiled_macs(fn, *args) -> int:
     _, macs, _ = get_model_profile(_Fn(fn), args=list(args), print_profile=False, as_string=False, warm_up=0)
     return int(macs)
-
-
-def core_formula(h: int, g: int, d: int, s: int, diff: bool) -> float:
-    """Attention-core forward FLOPs of one layer for one sequence (formula x tokens)."""
-    f = forward_flops_per_token(
-        num_layers=1,
-        hidden_size=2 * h * d,
-        ffn_hidden_size=0,
-        num_attention_heads=h if diff else 2 * h,
-        num_query_groups=g if diff else 2 * g,
-        kv_channels=d,
-        seq_length=s,
-        vocab_size=0,
-        diff_attention=diff,
-    )
-    return f.attention_core * s
 
 
 @pytest.mark.parametrize("h,g", [(4, 4), (4, 2)])
@@ -93,8 +79,8 @@ def test_attention_core_flops_match_formula(h, g):
     )
 
     # Causal half: the profiler counts the full square, the formula half of it.
-    assert base == 2 * core_formula(h, g, d, s, diff=False) * b
-    assert two_call == 2 * core_formula(h, g, d, s, diff=True) * b
+    assert base == 2 * core_flops(b, h, g, s, d, diff=False)
+    assert two_call == 2 * core_flops(b, h, g, s, d, diff=True)
     assert two_call == 1.5 * base  # DIFF core = 1.5x baseline, as flops.py states
     assert 3 * split_v == 4 * two_call  # split-V redoes QK^T per half of V
     assert 3 * reference == 2 * two_call  # explicit map: one PV product for (A1 - lam A2)
@@ -103,29 +89,12 @@ def test_attention_core_flops_match_formula(h, g):
 @pytest.mark.parametrize("diff", [True, False], ids=["diff", "transformer"])
 def test_whole_model_flops_match_formula(single_rank_parallel_state, diff):
     """megatron-core GPTModel (tiny): linears + logits exactly, attention core with the causal factor 2."""
-    from diffmeg.config import DiffTransformerConfig
     from diffmeg.model import build_model
 
     layers, heads, kv_heads, d, ffn, vocab, b, s = 2, 2, 1, 16, 96, 128, 2, 32
     sub = 2 if diff else 1  # megatron-core counts sub-heads; DIFF heads are pairs of them
-    cfg = DiffTransformerConfig(
-        num_layers=layers,
-        hidden_size=2 * heads * d,  # the baseline has 2h heads of d: same width, same linears
-        num_attention_heads=2 * heads,
-        num_query_groups=2 * kv_heads,
-        kv_channels=d,
-        ffn_hidden_size=ffn,
-        use_cpu_initialization=True,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.float32,
-        diff_attention=diff,
-        attention_backend_diff="sdpa",
-    )
+    # the baseline has 2h heads of d: same width, same linears
+    cfg = tiny_config(heads, kv_heads, d, layers, ffn=ffn, diff_attention=diff, attention_backend_diff="sdpa")
     model = build_model(cfg, vocab_size=vocab, max_sequence_length=s)
     tokens = torch.randint(0, vocab, (b, s))
     kwargs = {"input_ids": tokens, "position_ids": torch.arange(s)[None].expand(b, s), "attention_mask": None}
