@@ -8,9 +8,6 @@ tests/conversion/test_hf_import.py.
 
 from __future__ import annotations
 
-import argparse
-import math
-
 import pytest
 import torch
 
@@ -21,71 +18,35 @@ from diffmeg.conversion.hf_config import (
     pretrain_flags,
 )
 from diffmeg.conversion.layout import LlamaLayout
-from diffmeg.conversion.mapping import (
-    fuse_qkv_llama,
-    hf_to_mcore,
-    mcore_to_hf,
-    split_fused_qkv_llama,
-)
+from diffmeg.conversion.mapping import fuse_qkv_llama, hf_to_mcore, mcore_to_hf, split_fused_qkv_llama
 from diffmeg.errors import DiffmegError
-from tests.conversion.test_mapping import flatten
-from tests.reference_model import rmsnorm, rope
+from tests.conversion.layouts import (
+    causal_maps,
+    flatten,
+    hf_config,
+    layout_args,
+    llama_family_logits,
+    pretrain_args,
+    random_mcore,
+    tiny_layout,
+)
 
 LAYOUTS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1), "gqa-r3": (6, 2)}  # (n heads, g KV heads)
 
 
 def make_layout(n: int, g: int, layers: int = 2, eps: float = 1e-6) -> LlamaLayout:
-    return LlamaLayout(
-        num_layers=layers,
-        hidden_size=32,
-        ffn_hidden_size=48,
-        num_heads=n,
-        num_kv_heads=g,
-        head_dim=8,
-        vocab_size=50,
-        max_position_embeddings=32,
-        rotary_base=500.0,
-        norm_eps=eps,
+    return tiny_layout(
+        LlamaLayout, n, g, layers, hidden_size=32, ffn_hidden_size=48, head_dim=8, norm_eps=eps
     )
-
-
-def random_mcore(layout: LlamaLayout, seed: int = 0, dtype=torch.float64) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    shapes = dict(layout.mcore_global_shapes())
-    for i in range(layout.num_layers):
-        shapes.update({f"decoder.layers.{i}.{k}": s for k, s in layout.mcore_layer_shapes().items()})
-    sd = {}
-    for name, shape in shapes.items():
-        if "norm" in name:
-            sd[name] = torch.empty(shape, dtype=dtype).uniform_(0.5, 1.5, generator=gen)
-        else:
-            sd[name] = torch.randn(shape, generator=gen, dtype=dtype) * 0.2
-    return sd
 
 
 def llama_logits(tokens: torch.Tensor, sd: dict, config: dict) -> torch.Tensor:
     """float64 logits of a Llama state dict, following transformers' LlamaAttention step by step."""
-    n_heads, n_kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    eps, theta = config["rms_norm_eps"], config["rope_parameters"]["rope_theta"]
-    s = tokens.numel()
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
-    x = sd["model.embed_tokens.weight"][tokens]
-    for li in range(config["num_hidden_layers"]):
-        p = f"model.layers.{li}."
-        hn = rmsnorm(x, sd[p + "input_layernorm.weight"], eps)
-        q = rope((hn @ sd[p + "self_attn.q_proj.weight"].T).view(s, n_heads, d), theta)
-        k = rope((hn @ sd[p + "self_attn.k_proj.weight"].T).view(s, n_kv, d), theta)
-        v = (hn @ sd[p + "self_attn.v_proj.weight"].T).view(s, n_kv, d)
-        outs = []
-        for m in range(n_heads):
-            kv = m // (n_heads // n_kv)  # repeat_kv
-            a = torch.softmax((q[:, m] @ k[:, kv].T / math.sqrt(d)).masked_fill(~causal, -math.inf), -1)
-            outs.append(a @ v[:, kv])
-        x = x + torch.cat(outs, -1) @ sd[p + "self_attn.o_proj.weight"].T
-        hn = rmsnorm(x, sd[p + "post_attention_layernorm.weight"], eps)
-        gate, up = hn @ sd[p + "mlp.gate_proj.weight"].T, hn @ sd[p + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
-    return rmsnorm(x, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T
+
+    def attention(q, k, v, p, li):  # q [s, n, d], k and v [s, g, d]
+        return torch.cat([a @ v[:, kv] for a, kv in causal_maps(q, k)], -1)
+
+    return llama_family_logits(tokens, sd, config, attention)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -146,48 +107,21 @@ def test_megatron_core_baseline_computes_llama_logits(single_rank_parallel_state
     assert err < 1e-5, err  # fp32 rounding only (measured ~2e-7); a wrong head order or RoPE is O(1)
 
 
-def baseline_args(**overrides) -> argparse.Namespace:
-    values = dict(
-        num_layers=2,
-        hidden_size=32,
-        ffn_hidden_size=48,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=8,
-        vocab_size=50,
-        max_position_embeddings=32,
-        rotary_base=500.0,
-        norm_epsilon=1e-6,
-        lambda_init=0.5,  # ignored: no lambda in the baseline
-        diff_attention=False,
-    )
-    values.update(overrides)
-    return argparse.Namespace(**values)
-
-
 def test_baseline_args_give_a_llama_layout_that_round_trips_through_pretrain_flags():
-    from diffmeg.training.arguments import resolve_args
-
-    layout = layout_from_args(baseline_args())
-    assert layout == make_layout(4, 2)
+    layout = make_layout(4, 2)
+    assert layout_from_args(layout_args(layout, lambda_init=0.5)) == layout  # no lambda in the baseline
     flags = pretrain_flags(layout)
     assert "--no-diff-attention" in flags and "--lambda-init" not in flags
-    argv = [*flags, "--seq-length", "32", "--lr", "1e-4", "--train-iters", "1", "--mock-data"]
-    assert layout_from_args(resolve_args(argv)) == layout
-
-
-def llama_config(**overrides) -> dict:
-    config = hf_config_dict(make_layout(4, 2), dtype="float32", bos_token_id=None, eos_token_id=None)
-    config["model_type"] = "llama"
-    config.update(overrides)
-    return config
+    assert layout_from_args(pretrain_args(layout)) == layout
 
 
 def test_layout_from_llama_config_inverts_hf_config_dict():
-    config = llama_config()
+    config = hf_config(make_layout(4, 2))
     assert config["architectures"] == ["LlamaForCausalLM"] and "lambda_std_dev" not in config
     assert layout_from_hf_config(config) == (make_layout(4, 2), False)
-    legacy = llama_config(rope_parameters=None, rope_theta=500.0, tie_word_embeddings=True, head_dim=None)
+    legacy = hf_config(
+        make_layout(4, 2), rope_parameters=None, rope_theta=500.0, tie_word_embeddings=True, head_dim=None
+    )
     assert layout_from_hf_config(legacy) == (make_layout(4, 2), True)  # head_dim = hidden / heads
 
 
@@ -204,4 +138,4 @@ def test_layout_from_llama_config_inverts_hf_config_dict():
 )
 def test_llama_configs_our_model_cannot_express_are_refused(overrides, message):
     with pytest.raises(DiffmegError, match=message):
-        layout_from_hf_config(llama_config(**overrides))
+        layout_from_hf_config(hf_config(make_layout(4, 2), **overrides))

@@ -8,28 +8,26 @@ norm). The real transformers model is compared in tests/tools/test_convert_check
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
 import torch
 
-from diffmeg.conversion.hf_config import (
-    hf_config_dict,
-    layout_from_args,
-    layout_from_hf_config,
-    pretrain_flags,
-)
+from diffmeg.conversion.hf_config import hf_config_dict, layout_from_args, layout_from_hf_config
 from diffmeg.conversion.layout import DiffLayout
-from diffmeg.conversion.mapping import (
-    fuse_qkv,
-    hf_to_mcore,
-    mcore_layer_to_hf,
-    mcore_to_hf,
-    split_fused_qkv,
-)
+from diffmeg.conversion.mapping import fuse_qkv, hf_to_mcore, mcore_layer_to_hf, mcore_to_hf, split_fused_qkv
 from diffmeg.errors import DiffmegError
-from tests.reference_model import reference_logits, rmsnorm, rope, semantic_weights_from_mcore
+from tests.conversion.layouts import (
+    causal_maps,
+    flatten,
+    hf_config,
+    layout_args,
+    llama_family_logits,
+    pretrain_args,
+    random_mcore,
+    tiny_layout,
+)
+from tests.reference_model import reference_logits, rmsnorm, semantic_weights_from_mcore
 
 LAYOUTS = {  # (h DIFF heads, g DIFF KV heads): MHA, GQA r=2, MQA, odd r (pairs straddle query groups)
     "mha": (4, 4),
@@ -40,78 +38,30 @@ LAYOUTS = {  # (h DIFF heads, g DIFF KV heads): MHA, GQA r=2, MQA, odd r (pairs 
 
 
 def make_layout(h: int, g: int, layers: int = 2) -> DiffLayout:
-    return DiffLayout(
-        num_layers=layers,
-        hidden_size=24,
-        ffn_hidden_size=40,
-        num_heads=h,
-        num_kv_heads=g,
-        head_dim=6,
-        vocab_size=50,
-        max_position_embeddings=32,
-        rotary_base=500.0,
-        norm_eps=1e-5,
+    return tiny_layout(
+        DiffLayout, h, g, layers, hidden_size=24, ffn_hidden_size=40, head_dim=6, norm_eps=1e-5
     )
-
-
-def random_mcore(layout: DiffLayout, seed: int = 0, dtype=torch.float64) -> dict[str, torch.Tensor]:
-    """A TP=1 megatron-core state dict with every tensor away from its init (head norm and lambdas too)."""
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    shapes = dict(layout.mcore_global_shapes())
-    for i in range(layout.num_layers):
-        shapes.update({f"decoder.layers.{i}.{k}": s for k, s in layout.mcore_layer_shapes().items()})
-    for name, shape in shapes.items():
-        if "norm" in name:
-            sd[name] = torch.empty(shape, dtype=dtype).uniform_(0.5, 1.5, generator=gen)
-        elif "lambda" in name:
-            sd[name] = torch.randn(shape, generator=gen, dtype=dtype) * 0.4
-        else:
-            sd[name] = torch.randn(shape, generator=gen, dtype=dtype) * 0.2
-    return sd
-
-
-def flatten(blocks) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for block in blocks:
-        out.update(block)
-    return out
 
 
 def diffllama_logits(tokens: torch.Tensor, sd: dict, config: dict) -> torch.Tensor:
     """float64 logits of a DiffLlama state dict, following transformers' DiffLlamaAttention step by step."""
-    n_heads, n_kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    eps, theta = config["rms_norm_eps"], config["rope_parameters"]["rope_theta"]
-    s = tokens.numel()
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
-    x = sd["model.embed_tokens.weight"][tokens]  # [s, H]
-    for li in range(config["num_hidden_layers"]):
-        p = f"model.layers.{li}."
-        hn = rmsnorm(x, sd[p + "input_layernorm.weight"], eps)
-        q = rope((hn @ sd[p + "self_attn.q_proj.weight"].T).view(s, n_heads, d), theta)  # [s, 2h, d]
-        k = rope((hn @ sd[p + "self_attn.k_proj.weight"].T).view(s, n_kv, d), theta)  # [s, 2g, d]
-        v = (hn @ sd[p + "self_attn.v_proj.weight"].T).view(s, n_kv, d)
+    eps, d = config["rms_norm_eps"], config["head_dim"]
+
+    def attention(q, k, v, p, li):  # q [s, 2h, d], k and v [s, 2g, d]
         v1, v2 = v.chunk(2, dim=1)  # value heads [0, g) and [g, 2g), each repeated over both halves
         v1, v2 = torch.cat([v1, v1], 1), torch.cat([v2, v2], 1)
-        outs = []
-        for m in range(n_heads):
-            kv = m // (n_heads // n_kv)  # repeat_kv
-            a = torch.softmax((q[:, m] @ k[:, kv].T / math.sqrt(d)).masked_fill(~causal, -math.inf), -1)
-            outs.append(torch.cat([a @ v1[:, kv], a @ v2[:, kv]], -1))  # [s, 2d]
-        o = torch.stack(outs, 1)  # [s, 2h, 2d]
-        o1, o2 = o.chunk(2, dim=1)  # heads [0, h) and [h, 2h)
+        o = torch.stack([torch.cat([a @ v1[:, kv], a @ v2[:, kv]], -1) for a, kv in causal_maps(q, k)], 1)
+        o1, o2 = o.chunk(2, dim=1)  # heads [0, h) and [h, 2h) of o [s, 2h, 2d]
         lam_init = 0.8 - 0.6 * math.exp(-0.3 * li)
         lam = (
             torch.exp((sd[p + "self_attn.lambda_q1"] * sd[p + "self_attn.lambda_k1"]).sum())
             - torch.exp((sd[p + "self_attn.lambda_q2"] * sd[p + "self_attn.lambda_k2"]).sum())
             + lam_init
         )
-        o = (1 - lam_init) * rmsnorm(o1 - lam * o2, torch.ones(2 * d, dtype=x.dtype), eps)  # [s, h, 2d]
-        x = x + o.reshape(s, -1) @ sd[p + "self_attn.o_proj.weight"].T
-        hn = rmsnorm(x, sd[p + "post_attention_layernorm.weight"], eps)
-        gate, up = hn @ sd[p + "mlp.gate_proj.weight"].T, hn @ sd[p + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
-    return rmsnorm(x, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T
+        o = (1 - lam_init) * rmsnorm(o1 - lam * o2, torch.ones(2 * d, dtype=o.dtype), eps)  # [s, h, 2d]
+        return o.reshape(q.shape[0], -1)
+
+    return llama_family_logits(tokens, sd, config, attention)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -215,41 +165,10 @@ def test_shape_mismatch_is_refused():
         flatten(mcore_to_hf(sd, layout))
 
 
-def ckpt_args(**overrides) -> argparse.Namespace:
-    values = dict(
-        num_layers=2,
-        hidden_size=24,
-        ffn_hidden_size=40,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=6,
-        vocab_size=50,
-        max_position_embeddings=32,
-        rotary_base=500.0,
-        norm_epsilon=1e-5,
-        lambda_init="exp",
-        diff_attention=True,
-    )
-    values.update(overrides)
-    return argparse.Namespace(**values)
-
-
 def test_layout_from_args_round_trips_through_pretrain_flags():
-    from diffmeg.training.arguments import resolve_args
-
-    layout = layout_from_args(ckpt_args())
-    assert layout == make_layout(4, 2)
-    argv = [
-        *pretrain_flags(layout),
-        "--seq-length",
-        "32",
-        "--lr",
-        "1e-4",
-        "--train-iters",
-        "1",
-        "--mock-data",
-    ]
-    assert layout_from_args(resolve_args(argv)) == layout
+    layout = make_layout(4, 2)
+    assert layout_from_args(layout_args(layout)) == layout
+    assert layout_from_args(pretrain_args(layout)) == layout
 
 
 @pytest.mark.parametrize(
@@ -263,19 +182,12 @@ def test_layout_from_args_round_trips_through_pretrain_flags():
 )
 def test_layouts_diffllama_cannot_express_are_refused(overrides, message):
     with pytest.raises(DiffmegError, match=message):
-        layout_from_args(ckpt_args(**overrides))
-
-
-def hf_config(**overrides) -> dict:
-    config = hf_config_dict(make_layout(4, 2), dtype="float32", bos_token_id=None, eos_token_id=None)
-    config["model_type"] = "diffllama"
-    config.update(overrides)
-    return config
+        layout_from_args(layout_args(make_layout(4, 2), **overrides))
 
 
 def test_layout_from_hf_config_inverts_hf_config_dict():
-    assert layout_from_hf_config(hf_config()) == (make_layout(4, 2), False)
-    legacy = hf_config(rope_parameters=None, rope_theta=500.0, tie_word_embeddings=True)
+    assert layout_from_hf_config(hf_config(make_layout(4, 2))) == (make_layout(4, 2), False)
+    legacy = hf_config(make_layout(4, 2), rope_parameters=None, rope_theta=500.0, tie_word_embeddings=True)
     assert layout_from_hf_config(legacy) == (make_layout(4, 2), True)
 
 
@@ -294,7 +206,7 @@ def test_layout_from_hf_config_inverts_hf_config_dict():
 )
 def test_hf_configs_our_model_cannot_express_are_refused(overrides, message):
     with pytest.raises(DiffmegError, match=message):
-        layout_from_hf_config(hf_config(**overrides))
+        layout_from_hf_config(hf_config(make_layout(4, 2), **overrides))
 
 
 def test_checkpoint_keys_match_megatron_core(single_rank_parallel_state):
@@ -303,20 +215,9 @@ def test_checkpoint_keys_match_megatron_core(single_rank_parallel_state):
 
     from diffmeg.checkpoints import build_single_rank_model
     from diffmeg.conversion.checkpoint_io import checkpoint_key
-    from diffmeg.training.arguments import resolve_args
 
     layout = make_layout(4, 2)
-    argv = [
-        *pretrain_flags(layout),
-        "--seq-length",
-        "32",
-        "--lr",
-        "1e-4",
-        "--train-iters",
-        "1",
-        "--mock-data",
-    ]
-    model = build_single_rank_model(resolve_args(argv))
+    model = build_single_rank_model(pretrain_args(layout))
     sharded = model.sharded_state_dict()
     for local, shape in layout.mcore_layer_shapes().items():
         entry = sharded[f"decoder.layers.1.{local}"]
