@@ -44,3 +44,19 @@ def make_config(heads: int = 4, kv_heads: int = 4, head_dim: int = 8, layers: in
 def make_v2_config(heads: int = 4, kv_heads: int = 4, head_dim: int = 8, layers: int = 1, **fields):
     """The float64 DIFF V2 model of the golden tests: h output heads, 2h query heads over g KV heads."""
     return make_config(heads, kv_heads, head_dim, layers, diff_version=2, **fields)
+
+
+def perturbed_model(cfg: DiffTransformerConfig, gen: torch.Generator, lambda_std: float, vocab: int = 64):
+    """The float64 GPTModel of `cfg` (RoPE base 500, seed 3) with its lambda parameters redrawn from `gen`
+    (std `lambda_std`: far from their init) and its norm weights moved off one, so that a wrong lambda or
+    norm weight shows in the logits."""
+    from diffmeg.model import build_model
+
+    model = build_model(cfg, vocab_size=vocab, max_sequence_length=16, rotary_base=500.0, seed=3).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lambda" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * lambda_std)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.builders import make_config
+from tests.builders import make_config, perturbed_model
 from tests.reference_model import diff_heads, lambda_init, reference_logits, semantic_weights_from_mcore
 
 
@@ -80,18 +80,10 @@ def test_kv_cache_step_is_causal_at_the_end(single_rank_parallel_state):
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_full_model_matches_reference(single_rank_parallel_state, kv_heads):
     """Whole GPTModel (embedding, RoPE, fused QKV layout, SwiGLU, norms) vs the float64 equations."""
-    from diffmeg.model import build_model
-
     heads, d, layers = 2, 8, 3
     cfg = make_config(heads, kv_heads, d, layers=layers)
-    model = build_model(cfg, vocab_size=64, max_sequence_length=16, rotary_base=500.0, seed=3).double()
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(5)
-        for name, p in model.named_parameters():
-            if "lambda" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.4)
-            elif "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    gen = torch.Generator().manual_seed(5)
+    model = perturbed_model(cfg, gen, lambda_std=0.4)
     tokens = torch.randint(0, 64, (1, 13), generator=gen)
     logits = model(input_ids=tokens, position_ids=torch.arange(13)[None], attention_mask=None)  # [b, s, V]
     w = semantic_weights_from_mcore(

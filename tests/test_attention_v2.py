@@ -5,23 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.builders import make_v2_config
+from tests.builders import make_v2_config, perturbed_model
 from tests.reference_model import reference_logits_v2, semantic_weights_v2_from_mcore
 
 
-def _v2_model(heads, kv_heads, d, layers, vocab=64):
-    from diffmeg.model import build_model
-
-    cfg = make_v2_config(heads, kv_heads, d, layers=layers)
-    model = build_model(cfg, vocab_size=vocab, max_sequence_length=16, rotary_base=500.0, seed=3).double()
-    with torch.no_grad():  # lambda far from sigmoid's midpoint, norms away from one
-        gen = torch.Generator().manual_seed(5)
-        for name, p in model.named_parameters():
-            if "linear_lambda" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
-            elif "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return model
+def _v2_model(heads, kv_heads, d, layers):
+    """lambda far from sigmoid's midpoint, norms away from one."""
+    return perturbed_model(make_v2_config(heads, kv_heads, d, layers), torch.Generator().manual_seed(5), 0.5)
 
 
 @pytest.mark.parametrize("heads,kv_heads,layers", [(2, 2, 1), (4, 2, 3), (4, 1, 2)])
