@@ -20,22 +20,14 @@ from diffmeg.conversion.hf_config import (
 from diffmeg.conversion.layout import LlamaLayout
 from diffmeg.conversion.mapping import fuse_qkv_llama, hf_to_mcore, mcore_to_hf, split_fused_qkv_llama
 from diffmeg.errors import DiffmegError
-from tests.conversion.layouts import (
-    causal_maps,
-    flatten,
-    hf_config,
-    layout_args,
-    llama_family_logits,
-    pretrain_args,
-    random_mcore,
-    tiny_layout,
-)
+from tests.conversion import layouts
+from tests.conversion.layouts import flatten, hf_config, random_mcore
 
 LAYOUTS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1), "gqa-r3": (6, 2)}  # (n heads, g KV heads)
 
 
 def make_layout(n: int, g: int, layers: int = 2, eps: float = 1e-6) -> LlamaLayout:
-    return tiny_layout(
+    return layouts.tiny_layout(
         LlamaLayout, n, g, layers, hidden_size=32, ffn_hidden_size=48, head_dim=8, norm_eps=eps
     )
 
@@ -44,9 +36,9 @@ def llama_logits(tokens: torch.Tensor, sd: dict, config: dict) -> torch.Tensor:
     """float64 logits of a Llama state dict, following transformers' LlamaAttention step by step."""
 
     def attention(q, k, v, p, li):  # q [s, n, d], k and v [s, g, d]
-        return torch.cat([a @ v[:, kv] for a, kv in causal_maps(q, k)], -1)
+        return torch.cat([a @ v[:, kv] for a, kv in layouts.causal_maps(q, k)], -1)
 
-    return llama_family_logits(tokens, sd, config, attention)
+    return layouts.llama_family_logits(tokens, sd, config, attention)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -109,10 +101,11 @@ def test_megatron_core_baseline_computes_llama_logits(single_rank_parallel_state
 
 def test_baseline_args_give_a_llama_layout_that_round_trips_through_pretrain_flags():
     layout = make_layout(4, 2)
-    assert layout_from_args(layout_args(layout, lambda_init=0.5)) == layout  # no lambda in the baseline
+    args = layouts.layout_args(layout, lambda_init=0.5)  # ignored: no lambda in the baseline
+    assert layout_from_args(args) == layout
     flags = pretrain_flags(layout)
     assert "--no-diff-attention" in flags and "--lambda-init" not in flags
-    assert layout_from_args(pretrain_args(layout)) == layout
+    assert layout_from_args(layouts.pretrain_args(layout)) == layout
 
 
 def test_layout_from_llama_config_inverts_hf_config_dict():

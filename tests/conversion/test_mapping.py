@@ -17,16 +17,8 @@ from diffmeg.conversion.hf_config import hf_config_dict, layout_from_args, layou
 from diffmeg.conversion.layout import DiffLayout
 from diffmeg.conversion.mapping import fuse_qkv, hf_to_mcore, mcore_layer_to_hf, mcore_to_hf, split_fused_qkv
 from diffmeg.errors import DiffmegError
-from tests.conversion.layouts import (
-    causal_maps,
-    flatten,
-    hf_config,
-    layout_args,
-    llama_family_logits,
-    pretrain_args,
-    random_mcore,
-    tiny_layout,
-)
+from tests.conversion import layouts
+from tests.conversion.layouts import flatten, hf_config, random_mcore
 from tests.reference_model import reference_logits, rmsnorm, semantic_weights_from_mcore
 
 LAYOUTS = {  # (h DIFF heads, g DIFF KV heads): MHA, GQA r=2, MQA, odd r (pairs straddle query groups)
@@ -38,7 +30,7 @@ LAYOUTS = {  # (h DIFF heads, g DIFF KV heads): MHA, GQA r=2, MQA, odd r (pairs 
 
 
 def make_layout(h: int, g: int, layers: int = 2) -> DiffLayout:
-    return tiny_layout(
+    return layouts.tiny_layout(
         DiffLayout, h, g, layers, hidden_size=24, ffn_hidden_size=40, head_dim=6, norm_eps=1e-5
     )
 
@@ -50,7 +42,9 @@ def diffllama_logits(tokens: torch.Tensor, sd: dict, config: dict) -> torch.Tens
     def attention(q, k, v, p, li):  # q [s, 2h, d], k and v [s, 2g, d]
         v1, v2 = v.chunk(2, dim=1)  # value heads [0, g) and [g, 2g), each repeated over both halves
         v1, v2 = torch.cat([v1, v1], 1), torch.cat([v2, v2], 1)
-        o = torch.stack([torch.cat([a @ v1[:, kv], a @ v2[:, kv]], -1) for a, kv in causal_maps(q, k)], 1)
+        o = torch.stack(
+            [torch.cat([a @ v1[:, kv], a @ v2[:, kv]], -1) for a, kv in layouts.causal_maps(q, k)], 1
+        )
         o1, o2 = o.chunk(2, dim=1)  # heads [0, h) and [h, 2h) of o [s, 2h, 2d]
         lam_init = 0.8 - 0.6 * math.exp(-0.3 * li)
         lam = (
@@ -61,7 +55,7 @@ def diffllama_logits(tokens: torch.Tensor, sd: dict, config: dict) -> torch.Tens
         o = (1 - lam_init) * rmsnorm(o1 - lam * o2, torch.ones(2 * d, dtype=o.dtype), eps)  # [s, h, 2d]
         return o.reshape(q.shape[0], -1)
 
-    return llama_family_logits(tokens, sd, config, attention)
+    return layouts.llama_family_logits(tokens, sd, config, attention)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -167,8 +161,8 @@ def test_shape_mismatch_is_refused():
 
 def test_layout_from_args_round_trips_through_pretrain_flags():
     layout = make_layout(4, 2)
-    assert layout_from_args(layout_args(layout)) == layout
-    assert layout_from_args(pretrain_args(layout)) == layout
+    assert layout_from_args(layouts.layout_args(layout)) == layout
+    assert layout_from_args(layouts.pretrain_args(layout)) == layout
 
 
 @pytest.mark.parametrize(
@@ -182,7 +176,7 @@ def test_layout_from_args_round_trips_through_pretrain_flags():
 )
 def test_layouts_diffllama_cannot_express_are_refused(overrides, message):
     with pytest.raises(DiffmegError, match=message):
-        layout_from_args(layout_args(make_layout(4, 2), **overrides))
+        layout_from_args(layouts.layout_args(make_layout(4, 2), **overrides))
 
 
 def test_layout_from_hf_config_inverts_hf_config_dict():
@@ -217,7 +211,7 @@ def test_checkpoint_keys_match_megatron_core(single_rank_parallel_state):
     from diffmeg.conversion.checkpoint_io import checkpoint_key
 
     layout = make_layout(4, 2)
-    model = build_single_rank_model(pretrain_args(layout))
+    model = build_single_rank_model(layouts.pretrain_args(layout))
     sharded = model.sharded_state_dict()
     for local, shape in layout.mcore_layer_shapes().items():
         entry = sharded[f"decoder.layers.1.{local}"]
