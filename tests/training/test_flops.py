@@ -7,19 +7,18 @@ import pytest
 from diffmeg.presets import get_preset
 from diffmeg.training.flops import forward_flops_per_token
 
+SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "vocab_size")
+
 
 def _flops(name: str, seq: int):
+    """Per-token forward FLOPs of preset `name` at sequence length `seq`."""
     p = get_preset(name)
     return forward_flops_per_token(
-        num_layers=p["num_layers"],
-        hidden_size=p["hidden_size"],
-        ffn_hidden_size=p["ffn_hidden_size"],
-        num_attention_heads=p["num_attention_heads"],
-        num_query_groups=p["num_attention_heads"],
-        kv_channels=p["kv_channels"],
+        **{k: p[k] for k in SIZES},
+        num_query_groups=p["num_attention_heads"],  # the presets are MHA
         seq_length=seq,
-        vocab_size=p["vocab_size"],
         diff_attention=p["diff_attention"],
+        diff_version=p.get("diff_version", 1),
     )
 
 
@@ -38,16 +37,9 @@ def test_equal_efficiency_throughput_bound_for_3b():
 
 
 def test_hand_count_tiny():
+    sizes = dict(num_layers=1, hidden_size=8, ffn_hidden_size=16, kv_channels=2, vocab_size=10)
     f = forward_flops_per_token(
-        num_layers=1,
-        hidden_size=8,
-        ffn_hidden_size=16,
-        num_attention_heads=2,
-        num_query_groups=2,
-        kv_channels=2,
-        seq_length=4,
-        vocab_size=10,
-        diff_attention=True,
+        **sizes, num_attention_heads=2, num_query_groups=2, seq_length=4, diff_attention=True
     )
     # 4 sub-heads of 2: QKV 2*8*(8 q + 8 k + 8 v)=384, proj 2*8*8=128, mlp 2*3*8*16=768;
     # scores 2*(4/2)*8=32, context 2*(4/2)*(2 heads * 2 maps * V width 4)=64
@@ -60,18 +52,7 @@ def test_diff2_counts_and_throughput_bound_for_3b():
     from diffmeg.training.flops import train_flops_per_iteration
 
     for seq in (2048, 4096):
-        v2 = forward_flops_per_token(
-            num_layers=28,
-            hidden_size=3072,
-            ffn_hidden_size=8192,
-            num_attention_heads=24,
-            num_query_groups=24,
-            kv_channels=128,
-            seq_length=seq,
-            vocab_size=100288,
-            diff_attention=True,
-            diff_version=2,
-        )
+        v2 = _flops("diff2-3b", seq)
         base = _flops("transformer-3b", seq)
         assert v2.attention_core == pytest.approx(2 * base.attention_core)
         h, d, H, layers = 24, 128, 3072, 28
