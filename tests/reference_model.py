@@ -79,32 +79,21 @@ def semantic_weights_from_mcore(sd: dict, cfg: dict) -> dict:
     h, g, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     r = h // g  # query sub-heads per sub-group = 2h / 2g
     f64 = {k: v.detach().to(torch.float64) for k, v in sd.items() if v is not None and hasattr(v, "dtype")}
-    out = {
-        "embed": f64["embedding.word_embeddings.weight"],
-        "final_norm": f64["decoder.final_layernorm.weight"],
-        "output": f64["output_layer.weight"],
-        "layers": [],
-    }
+    out = _global_weights(f64)
     for li in range(cfg["layers"]):
         p = f"decoder.layers.{li}."
         qkv = f64[p + "self_attention.linear_qkv.weight"].view(2 * g, r + 2, d, -1)
         q_sub = qkv[:, :r].reshape(2 * h, d, -1)  # sub-head order
         k_sub, v_sub = qkv[:, r], qkv[:, r + 1]  # [2g, d, H]
-        fc1 = f64[p + "mlp.linear_fc1.weight"]
         ca = p + "self_attention.core_attention."
         out["layers"].append(
             {
-                "input_norm": f64[p + "input_layernorm.weight"],
-                "mlp_norm": f64[p + "pre_mlp_layernorm.weight"],
+                **_dense_weights(f64, p),
                 "wq1": q_sub[0::2],
                 "wq2": q_sub[1::2],
                 "wk1": k_sub[0::2],
                 "wk2": k_sub[1::2],
                 "wv": torch.cat([v_sub[0::2], v_sub[1::2]], dim=1),  # [g, 2d, H]
-                "wo": f64[p + "self_attention.linear_proj.weight"],
-                "gate": fc1[: fc1.shape[0] // 2],
-                "up": fc1[fc1.shape[0] // 2 :],
-                "down": f64[p + "mlp.linear_fc2.weight"],
                 "lq1": f64[ca + "lambda_q1"],
                 "lk1": f64[ca + "lambda_k1"],
                 "lq2": f64[ca + "lambda_q2"],
@@ -113,6 +102,29 @@ def semantic_weights_from_mcore(sd: dict, cfg: dict) -> dict:
             }
         )
     return out
+
+
+def _global_weights(f64: dict) -> dict:
+    """The embedding, final norm and output matrix of a megatron-core state dict; no layers yet."""
+    return {
+        "embed": f64["embedding.word_embeddings.weight"],
+        "final_norm": f64["decoder.final_layernorm.weight"],
+        "output": f64["output_layer.weight"],
+        "layers": [],
+    }
+
+
+def _dense_weights(f64: dict, p: str) -> dict:
+    """Layer `p`'s norms, output projection and SwiGLU MLP (fc1 = [gate; up]), the same in V1 and V2."""
+    fc1 = f64[p + "mlp.linear_fc1.weight"]
+    return {
+        "input_norm": f64[p + "input_layernorm.weight"],
+        "mlp_norm": f64[p + "pre_mlp_layernorm.weight"],
+        "wo": f64[p + "self_attention.linear_proj.weight"],
+        "gate": fc1[: fc1.shape[0] // 2],
+        "up": fc1[fc1.shape[0] // 2 :],
+        "down": f64[p + "mlp.linear_fc2.weight"],
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -159,28 +171,17 @@ def semantic_weights_v2_from_mcore(sd: dict, cfg: dict) -> dict:
     r = 2 * h // g
     # no detach: a test may differentiate the reference with respect to leaf copies of the state dict
     f64 = {k: v.to(torch.float64) for k, v in sd.items() if v is not None and hasattr(v, "dtype")}
-    out = {
-        "embed": f64["embedding.word_embeddings.weight"],
-        "final_norm": f64["decoder.final_layernorm.weight"],
-        "output": f64["output_layer.weight"],
-        "layers": [],
-    }
+    out = _global_weights(f64)
     for li in range(cfg["layers"]):
         p = f"decoder.layers.{li}."
         qkv = f64[p + "self_attention.linear_qkv.weight"].view(g, r + 2, d, -1)
-        fc1 = f64[p + "mlp.linear_fc1.weight"]
         out["layers"].append(
             {
-                "input_norm": f64[p + "input_layernorm.weight"],
-                "mlp_norm": f64[p + "pre_mlp_layernorm.weight"],
+                **_dense_weights(f64, p),
                 "wq": qkv[:, :r].reshape(2 * h, d, -1),
                 "wk": qkv[:, r],
                 "wv": qkv[:, r + 1],
                 "wlambda": f64[p + "self_attention.linear_lambda.weight"],
-                "wo": f64[p + "self_attention.linear_proj.weight"],
-                "gate": fc1[: fc1.shape[0] // 2],
-                "up": fc1[fc1.shape[0] // 2 :],
-                "down": f64[p + "mlp.linear_fc2.weight"],
             }
         )
     return out
