@@ -28,18 +28,17 @@ probabilities twice, so without Transformer Engine the baseline would pay memory
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 
 from diffmeg.config import DiffTransformerConfig
+from diffmeg.core_attention import CoreAttention
 from diffmeg.errors import DiffmegError
 from diffmeg.kernels import DiffAttentionFn, backend_name, resolve_backend
 from diffmeg.kernels.reference import causal_keep_mask, diff_attention_reference
@@ -74,8 +73,10 @@ class DiffCoreAttentionSubmodules:
     TEDotProductAttention's constructor and call signature); None: TEDotProductAttention where TE runs."""
 
 
-class DiffCoreAttention(MegatronModule):
+class DiffCoreAttention(CoreAttention):
     """Differential attention core: q/k/v per partition in, `[sq, b, h_p * 2d]` out."""
+
+    name = "differential attention"
 
     override: DiffAttentionFn | None = None
     """When set, every call of this layer uses it instead of the configured backend (see
@@ -93,12 +94,12 @@ class DiffCoreAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
         submodules: DiffCoreAttentionSubmodules | None = None,
     ) -> None:
-        super().__init__(config=config)
-        submodules = submodules or DiffCoreAttentionSubmodules()
         if not isinstance(config, DiffTransformerConfig) or not config.diff_attention:
             raise DiffmegError("DiffCoreAttention needs a DiffTransformerConfig with diff_attention=True")
-        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
-            raise DiffmegError(f"differential attention is causal-only, got mask type {attn_mask_type}")
+        super().__init__(
+            config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale
+        )
+        submodules = submodules or DiffCoreAttentionSubmodules()
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.tp_group = pg_collection.tp
@@ -109,12 +110,9 @@ class DiffCoreAttention(MegatronModule):
         # Ulysses all-to-all here, or megatron-core's TE attention doing its own CP (p2p, all_gather, a2a).
         self.cp_comm_type = cp_comm_type or config.cp_comm_type or "ulysses"
         tp = self.tp_group.size()
-        self.layer_number = layer_number
         self.head_dim = config.kv_channels
         self.heads_per_partition = config.num_diff_heads // tp
         self.kv_heads_per_partition = config.num_diff_kv_heads // tp
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.lambda_init = config.lambda_init_at(layer_number)
         # Checked here (a name this installation can never run fails at build); resolved per call from the
         # tensors' device, so a core built on the CPU runs the GPU kernels once its inputs are on the GPU.
@@ -160,18 +158,14 @@ class DiffCoreAttention(MegatronModule):
         lam2 = torch.exp(torch.dot(self.lambda_q2.to(dtype), self.lambda_k2.to(dtype)))
         return lam1 - lam2 + self.lambda_init
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        attn_mask_type: AttnMaskType | None = None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params=None,
+        attn_mask_type: AttnMaskType,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise DiffmegError("differential attention does not support packed sequences or attention bias")
         if self.cp_maps is not None:
             # megatron-core's CP inside TE attention: this rank's load-balanced tokens in and out.
             if attention_mask is not None or (self.training and self.dropout_p > 0.0):
@@ -204,25 +198,12 @@ class DiffCoreAttention(MegatronModule):
             backend = diff_attention_reference
         else:
             backend = self.backend_for(query.device.type)
-        lam = self.lambda_full()
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = backend(
-                    q[0],
-                    q[1],
-                    k[0],
-                    k[1],
-                    v,
-                    lam,
-                    scale=self.softmax_scale,
-                    dropout_p=dropout_p,
-                    attention_mask=mask,
-                )
-        else:
-            kwargs = {"attention_mask": mask} if mask is not None else {}
+        kwargs = {"attention_mask": mask} if mask is not None else {}
+        with self.dropout_rng():
             out = backend(
-                q[0], q[1], k[0], k[1], v, lam, scale=self.softmax_scale, dropout_p=dropout_p, **kwargs
-            )
+                q[0], q[1], k[0], k[1], v, self.lambda_full(), scale=self.softmax_scale, dropout_p=dropout_p,
+                **kwargs,
+            )  # fmt: skip
         # out: [b, h, sq, 2d]
         out = self.head_norm(out) * (1.0 - self.lambda_init)
         out = out.permute(2, 0, 1, 3)  # [b, h, sq, 2d] -> [sq, b, h, 2d]
@@ -262,7 +243,7 @@ def override_attention_backend(
             core.override = previous
 
 
-class SDPACoreAttention(MegatronModule):
+class SDPACoreAttention(CoreAttention):
     """megatron-core's `core_attention` for ordinary heads through torch's fused SDPA (flash / cuDNN /
     memory-efficient kernels on a GPU, the flash kernel on a CPU): q/k/v `[s, b, heads, d]` per partition
     in, `[sq, b, heads * d]` out, as `DotProductAttention` but without the score matrix.
@@ -273,49 +254,30 @@ class SDPACoreAttention(MegatronModule):
     grouping. Context parallelism needs TE's attention (the TE spec).
     """
 
+    name = "the SDPA core attention"
     override: SDPAFn | None = None
     """When set, called in place of torch's SDPA, same arguments (see `override_attention_backend`)."""
 
-    def __init__(
-        self,
-        config,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection: ProcessGroupCollection | None = None,
-    ) -> None:
-        super().__init__(config=config)
+    def __init__(self, config, *args, **kwargs) -> None:
         if config.context_parallel_size > 1:
             raise DiffmegError(
                 "the local spec's SDPA core attention has no context parallelism: use the Transformer Engine "
                 "spec (--transformer-impl transformer_engine) or --context-parallel-size 1"
             )
-        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
-            raise DiffmegError(f"the SDPA core attention supports causal masks only, got {attn_mask_type}")
-        self.layer_number = layer_number
-        self.attn_mask_type = attn_mask_type
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+        super().__init__(config, *args, **kwargs)
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        attn_mask_type: AttnMaskType | None = None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params=None,
+        attn_mask_type: AttnMaskType,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise DiffmegError("the SDPA core attention does not support packed sequences or attention bias")
         sq, b, heads, _ = query.shape
         sk, groups = key.shape[0], key.shape[2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
-        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        causal = attn_mask_type == AttnMaskType.causal
         mask = None
         if attention_mask is not None:
             mask = ~attention_mask.bool()  # megatron-core: True = masked out; SDPA: True = attend
@@ -330,10 +292,7 @@ class SDPACoreAttention(MegatronModule):
                 scale=self.softmax_scale, enable_gqa=groups != heads,
             )  # fmt: skip
 
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = attend()
-        else:
+        with self.dropout_rng():
             out = attend()
         # [b, n, sq, d] -> [sq, b, n * d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -11,7 +11,6 @@ readers here build the single-rank (TP=PP=1) model a checkpoint's arguments desc
 from __future__ import annotations
 
 import argparse
-import errno
 import io
 import json
 import os
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import directory_bytes, format_bytes, free_bytes, is_disk_full
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 ARGS_FILE = "args.json"
@@ -81,61 +81,6 @@ def iteration_dirs(root: str) -> list[int]:
 
 def _json_args(args: argparse.Namespace | dict) -> dict:
     return dict(args) if isinstance(args, dict) else vars(args)
-
-
-def format_bytes(n: float) -> str:
-    """`n` bytes for a message: 512 B, 20.1 MiB, 3.2 GiB."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def directory_bytes(path: str) -> int:
-    """Bytes of the files under `path` (0 if it does not exist)."""
-    total = 0
-    for directory, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.path.getsize(os.path.join(directory, name))
-            except OSError:
-                pass
-    return total
-
-
-def free_bytes(path: str) -> int:
-    """Free bytes for this user on the file system holding `path` (or its nearest existing parent)."""
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return shutil.disk_usage(path).free
-
-
-_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _exception_chain(exc: BaseException):
-    """`exc`, its causes and contexts, and the per-rank failures a torch.distributed.checkpoint
-    CheckpointException carries (values are exceptions or (exception, traceback) tuples)."""
-    seen, todo = set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        todo += [e.__cause__, e.__context__]
-        for failure in getattr(e, "failures", {}).values():
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """An ENOSPC/EDQUOT anywhere in `exc`'s chain (torch's zip writer reports a full disk as "unexpected
-    pos", without errno: callers also compare the free space with what they meant to write)."""
-    return any(
-        isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS or "No space left on device" in str(e)
-        for e in _exception_chain(exc)
-        if isinstance(e, BaseException)
-    )
 
 
 def write_checkpoint(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import functools
 import json
 import os
@@ -32,6 +31,7 @@ from diffmeg.checkpoints import first_line, read_checkpoint_args
 from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.conversion.safetensors_io import INDEX_FILE, SafetensorsFile
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import is_disk_full
 
 # megatron-core stores the local spec's layer norms under the names of Transformer Engine's fused
 # layers (so checkpoints move between the local and TE specs); every other key is the state-dict key.
@@ -317,18 +317,8 @@ def _disk_full(exc: BaseException, free: int) -> bool:
     as "unexpected pos"; so besides ENOSPC / EDQUOT anywhere in the chain, a write failure with less
     than 16 MB left on the filesystem counts as a full disk.
     """
-    seen: set[int] = set()
-    todo: list = [exc]
-    while todo:
-        e = todo.pop()
-        if not isinstance(e, BaseException) or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        for failure in (getattr(e, "failures", None) or {}).values():
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-        todo += [e.__cause__, e.__context__]
+    if is_disk_full(exc):
+        return True
     interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit))
     return not interrupted and free < 16 * 2**20
 

@@ -14,7 +14,6 @@ name is checked on this host only: never write one output prefix from two nodes 
 
 from __future__ import annotations
 
-import errno
 import glob
 import os
 import re
@@ -31,6 +30,7 @@ from megatron.core.datasets.indexed_dataset import (
 )
 
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import format_bytes, free_bytes, is_disk_full
 
 TOKEN_DTYPE = np.int32
 """cl100k ids exceed uint16; megatron-core picks int32 for vocabularies over 65536 too."""
@@ -38,7 +38,6 @@ TOKEN_DTYPE = np.int32
 _SHARD_RE = re.compile(r"-rank(\d+)-of-(\d+)(?=_|$)")
 _TMP_RE = re.compile(r"\.tmp-(\d+)(?:-[^/]*)?$")
 """A temporary's owner: ``<name>.tmp-<pid>`` (files) or ``<name>.tmp-<pid>-<random>`` (scratch dirs)."""
-DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class DiskFullError(DiffmegError):
@@ -52,26 +51,6 @@ class DiskFullError(DiffmegError):
             f"{format_bytes(written)} of output were written; the partial output was removed. Free space "
             "(or raise the quota) and rerun, or write elsewhere"
         )
-
-
-def free_bytes(directory: str) -> int:
-    """Free bytes for unprivileged users on the file system of ``directory`` (-1: unknown)."""
-    try:
-        return shutil.disk_usage(directory).free
-    except OSError:
-        return -1
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
 
 
 def abort_writers(

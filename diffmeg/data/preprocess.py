@@ -50,6 +50,7 @@ from diffmeg.data.indexed import (
 )
 from diffmeg.data.tokenizer import EOD_ID, load_tokenizer
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import directory_bytes
 
 SUPPORTED = ".jsonl, .json (one object per line), .txt (one document per file), each optionally .gz/.zst"
 _KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text"}
@@ -301,18 +302,6 @@ def preprocess(
 def tag_for(rank: int, world_size: int) -> str:
     """The prefix of this rank's log lines (none in a single process)."""
     return f"[rank {rank}/{world_size}] " if world_size > 1 else ""
-
-
-def _tree_bytes(path: str) -> int:
-    """Bytes of the files under ``path`` (what a run wrote to its scratch directory)."""
-    total = 0
-    for parent, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(parent, name))
-            except OSError:
-                pass
-    return total
 
 
 def _result(prefixes: dict[str, str], skipped: int, nbytes: int, seconds: float) -> PreprocessResult:
@@ -618,12 +607,12 @@ def _run_partitions(
                 pending.discard(message[1])
                 skipped += message[2]
             elif message[0] == "diskfull":  # the bytes it removed, plus what the others hold now
-                raise DiskFullError(out_dir, message[2] + _tree_bytes(scratch))
+                raise DiskFullError(out_dir, message[2] + directory_bytes(scratch))
             else:
                 raise DiffmegError(message[2])
         for proc in procs:
             proc.join()
-        with _Writers(prefixes, extra_written=lambda: _tree_bytes(scratch)) as writers:
+        with _Writers(prefixes, extra_written=lambda: directory_bytes(scratch)) as writers:
             for key, writer in writers.by_key.items():
                 for part in part_prefixes:
                     writer.add_dataset(part[key])

@@ -37,11 +37,10 @@ from diffmeg.data.indexed import (
     abort_writers,
     check_can_write,
     exists,
-    free_bytes,
-    is_disk_full,
     remove_stale_temporaries,
 )
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import free_bytes, is_disk_full
 
 
 @dataclass

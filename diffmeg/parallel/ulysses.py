@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import all_to_all
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from diffmeg.core_attention import CoreAttention, context_parallel_group
 
 
 def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -79,7 +80,7 @@ class UlyssesAttentionSubmodules:
     attention: ModuleSpec | type = None
 
 
-class UlyssesAttention(MegatronModule):
+class UlyssesAttention(CoreAttention):
     """Any megatron-core core attention under context parallelism, through the all-to-all above.
 
     Built where megatron-core builds its core attention (same constructor keywords); the wrapped core is
@@ -88,64 +89,50 @@ class UlyssesAttention(MegatronModule):
     Used by DIFF V2, whose core is megatron-core's own attention (V1's core does the same exchange itself).
     """
 
+    name = "Ulysses context parallelism"
+
     def __init__(
         self,
         config,
-        layer_number: int,
-        attn_mask_type,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection=None,
+        *args,
         submodules: UlyssesAttentionSubmodules | None = None,
+        pg_collection=None,
+        **kwargs,
     ) -> None:
-        super().__init__(config=config)
+        """megatron-core's core-attention keywords (`CoreAttention`), plus the core to wrap."""
         if submodules is None or submodules.attention is None:
             raise ValueError("UlyssesAttention needs the core attention to wrap (submodules.attention)")
-        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-        self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+        super().__init__(config, *args, **kwargs)
+        self.cp_group = context_parallel_group(pg_collection)
         cp = self.cp_group.size()
         inner = copy.copy(config)
         inner.context_parallel_size = 1
         inner.cp_comm_type = None
         inner.num_attention_heads = config.num_attention_heads // cp
         inner.num_query_groups = config.num_query_groups // cp
-        kwargs = dict(
+        self.attention = build_module(
+            submodules.attention,
             config=inner,
-            layer_number=layer_number,
-            attn_mask_type=attn_mask_type,
-            attention_type=attention_type,
-            softmax_scale=softmax_scale,
+            layer_number=self.layer_number,
+            attn_mask_type=self.attn_mask_type,
+            attention_type=self.attention_type,
+            attention_dropout=self.dropout_p,
+            softmax_scale=self.softmax_scale,
             pg_collection=pg_collection,
         )
-        if attention_dropout is not None:
-            kwargs["attention_dropout"] = attention_dropout
-        self.attention = build_module(submodules.attention, **kwargs)
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        attn_mask_type=None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params=None,
+        attn_mask_type,
     ) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise ValueError("Ulysses context parallelism does not support packed sequences")
         # [s/cp, b, n, d] -> [s, b, n/cp, d] for q, k and v (whole sequences, this rank's heads)
         query, key, value = (sequence_to_head_shards(t, self.cp_group) for t in (query, key, value))
-        out = self.attention(
-            query,
-            key,
-            value,
-            attention_mask,
-            attn_mask_type=attn_mask_type,
-            attention_bias=attention_bias,
-            packed_seq_params=None,
-        )  # [s, b, n/cp * dv]
+        out = self.attention(query, key, value, attention_mask, attn_mask_type=attn_mask_type)
+        # out: [s, b, n/cp * dv]
         s, b, n_local = query.shape[0], query.shape[1], query.shape[2]
         out = out.reshape(s, b, n_local, -1)  # [s, b, n/cp * dv] -> [s, b, n/cp, dv]
         out = head_to_sequence_shards(out.contiguous(), self.cp_group)  # [s/cp, b, n, dv]

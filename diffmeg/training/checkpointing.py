@@ -27,15 +27,13 @@ from diffmeg.checkpoints import (
     TRACKER_FILE,
     WEIGHTS_ONLY_KEY,
     checkpoint_path,
-    directory_bytes,
-    format_bytes,
-    free_bytes,
     iteration_dirs,
     load_sharded,
     read_tracker,
     write_checkpoint,
 )
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import directory_bytes, format_bytes, free_bytes
 from diffmeg.training import collectives
 from diffmeg.training.run_config import RunConfig, TrainingConfig
 

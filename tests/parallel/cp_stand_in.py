@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 
+from diffmeg.core_attention import CoreAttention, context_parallel_group
 from diffmeg.errors import DiffmegError
 from diffmeg.parallel.ulysses import cp_chunk_ids, natural_order
 
@@ -38,7 +38,7 @@ class _GatherSequence(torch.autograd.Function):
         return grad.chunk(group.size(), dim=0)[group.rank()].contiguous(), None
 
 
-class AllGatherCPAttention(torch.nn.Module):
+class AllGatherCPAttention(CoreAttention):
     """Plain-torch stand-in for megatron-core's `TEDotProductAttention` under context parallelism.
 
     Same constructor keywords and `forward(query, key, value, attention_mask, attn_mask_type)`; sbhd
@@ -48,48 +48,39 @@ class AllGatherCPAttention(torch.nn.Module):
     tests and CPU debugging, not for speed. It also checks the head counts and channels TE would use.
     """
 
+    name = "AllGatherCPAttention"
+
     def __init__(
         self,
         config,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
+        *args,
         k_channels: int | None = None,
         v_channels: int | None = None,
         num_splits: int | None = None,
-        cp_comm_type: str | None = "p2p",
         pg_collection: ProcessGroupCollection | None = None,
+        **kwargs,
     ) -> None:
-        super().__init__()
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
+        super().__init__(config, *args, **kwargs)
+        if self.dropout_p:
             raise DiffmegError("AllGatherCPAttention has no attention dropout")
         tp = config.tensor_model_parallel_size
         self.heads = config.num_attention_heads // tp
         self.kv_heads = config.num_query_groups // tp
         self.k_channels = k_channels if k_channels is not None else config.kv_channels
         self.v_channels = v_channels if v_channels is not None else config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
-        self.attn_mask_type = attn_mask_type
-        self.cp_comm_type = cp_comm_type
-        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-        self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+        self.softmax_scale = kwargs.get("softmax_scale") or 1.0 / math.sqrt(self.k_channels)
+        self.cp_group = context_parallel_group(pg_collection)
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        attn_mask_type: AttnMaskType | None = None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params=None,
+        mask_type: AttnMaskType,
     ) -> torch.Tensor:
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+        if attention_mask is not None:
             raise DiffmegError("AllGatherCPAttention supports causal / no-mask attention only")
-        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         s_local, b, n, dk = query.shape
         expected = [(n, dk), (key.shape[2], key.shape[3]), (value.shape[2], value.shape[3])]
         wanted = [
