@@ -8,35 +8,18 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.distributed.runner import TINY, job_env, launch_cmd, read_losses, run_training
-
-
-def _run(argv, tmp_path, env_extra=None):
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
-    env.pop("WORLD_SIZE", None)
-    env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "pretrain_diff.py"), *argv],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+from tests.distributed.runner import TINY, job_env, launch_cmd, read_losses, run_pretrain, run_training
 
 
 def test_dry_run_resolves_the_3b_recipe(tmp_path):
-    proc = _run(
-        ["--model", "diff-3b", "--tensor-model-parallel-size", "2", "--dry-run"],
-        tmp_path,
-        {"WORLD_SIZE": "256"},
-    )
+    argv = ["--model", "diff-3b", "--tensor-model-parallel-size", "2", "--dry-run"]
+    proc = run_pretrain(argv, tmp_path, WORLD_SIZE="256")
     assert proc.returncode == 0, proc.stderr
     cfg = json.loads(proc.stdout)
     assert cfg["model"]["num_attention_heads"] == 12 and cfg["model"]["head_dim"] == 128
@@ -49,11 +32,8 @@ def test_dry_run_resolves_the_3b_recipe(tmp_path):
 
 
 def test_impossible_layout_is_one_line(tmp_path):
-    proc = _run(
-        ["--model", "diff-tiny", "--tensor-model-parallel-size", "3", "--dry-run"],
-        tmp_path,
-        {"WORLD_SIZE": "3"},
-    )
+    argv = ["--model", "diff-tiny", "--tensor-model-parallel-size", "3", "--dry-run"]
+    proc = run_pretrain(argv, tmp_path, WORLD_SIZE="3")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ")
 
@@ -195,14 +175,21 @@ def _read_until(proc: subprocess.Popen, pattern: str, seen: list[str], timeout: 
         timer.cancel()
 
 
-def test_ctrl_c_saves_and_exits_with_one_line(tmp_path):
-    """Issue 16, item 5: SIGINT as SIGTERM: a checkpoint at the current step, one line, no traceback."""
+def _interrupt_after_first_step(tmp_path, until: str) -> tuple[subprocess.Popen, list[str], Path]:
+    """A 1000-step run saving to tmp_path/ckpt, sent SIGINT once it logs its first step: the process, its
+    output up to the line matching `until`, the checkpoint folder."""
     ckpt = tmp_path / "ckpt"
     proc = _start(tmp_path, ["--train-iters", "1000", "--save", str(ckpt)])
     seen: list[str] = []
     _read_until(proc, r"iteration +1/", seen)
     proc.send_signal(signal.SIGINT)
-    _read_until(proc, r"exiting at iteration \d+ \(SIGINT\)", seen)
+    _read_until(proc, until, seen)
+    return proc, seen, ckpt
+
+
+def test_ctrl_c_saves_and_exits_with_one_line(tmp_path):
+    """Issue 16, item 5: SIGINT as SIGTERM: a checkpoint at the current step, one line, no traceback."""
+    proc, seen, ckpt = _interrupt_after_first_step(tmp_path, r"exiting at iteration \d+ \(SIGINT\)")
     seen += proc.stdout.readlines()
     assert proc.wait(timeout=300) == 130
     out = "".join(seen)
@@ -213,12 +200,7 @@ def test_ctrl_c_saves_and_exits_with_one_line(tmp_path):
 
 
 def test_a_second_ctrl_c_exits_at_once(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    proc = _start(tmp_path, ["--train-iters", "1000", "--save", str(ckpt)])
-    seen: list[str] = []
-    _read_until(proc, r"iteration +1/", seen)
-    proc.send_signal(signal.SIGINT)
-    _read_until(proc, r"Ctrl-C again exits now", seen)
+    proc, seen, ckpt = _interrupt_after_first_step(tmp_path, r"Ctrl-C again exits now")
     proc.send_signal(signal.SIGINT)
     seen += proc.stdout.readlines()
     assert proc.wait(timeout=120) == 130

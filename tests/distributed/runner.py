@@ -84,6 +84,16 @@ def run_training(
     return proc
 
 
+def run_pretrain(argv: list[str], cwd: Path, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    """`python pretrain_diff.py ARGV` as one plain process in `cwd`, output captured, never raising on
+    failure: no WORLD_SIZE (a dry run plans for one GPU) unless `env` gives it, or other variables."""
+    environ = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    environ.pop("WORLD_SIZE", None)
+    environ.update(env)
+    cmd = [sys.executable, str(REPO_ROOT / "pretrain_diff.py"), *argv]
+    return subprocess.run(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout)
+
+
 def read_metric(tmp: Path, name: str, key: str) -> dict[int, float]:
     lines = (tmp / f"{name}.jsonl").read_text().splitlines()
     return {r["iteration"]: r[key] for r in map(json.loads, lines) if key in r}

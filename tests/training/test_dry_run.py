@@ -4,9 +4,6 @@ missing datasets, and flags the resolved run ignores (issue 16, item 8)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +12,7 @@ from diffmeg.data.indexed import IndexedWriter
 from diffmeg.errors import DiffmegError
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.dry_run import dry_run
-from tests.conftest import REPO_ROOT
+from tests.distributed.runner import run_pretrain
 
 
 @pytest.fixture(autouse=True)
@@ -138,22 +135,9 @@ def test_flags_that_take_effect_get_no_note(capsys):
     assert summary["checks"]["notes"] == [] and not [x for x in err if x.startswith("note:")]
 
 
-def test_pretrain_diff_dry_run_prints_json_then_its_warnings():
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WORLD_SIZE="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "pretrain_diff.py"),
-            "--model",
-            "diff-3b",
-            "--sequence-parallel",
-            "--dry-run",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_pretrain_diff_dry_run_prints_json_then_its_warnings(tmp_path):
+    argv = ["--model", "diff-3b", "--sequence-parallel", "--dry-run"]
+    proc = run_pretrain(argv, tmp_path, WORLD_SIZE="1")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["checks"]["memory_fits"] is False
     ours = [line for line in proc.stderr.splitlines() if line.startswith(("note:", "warning:"))]

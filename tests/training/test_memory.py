@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.distributed.runner import run_pretrain
 
 
 def _saved_bytes(model, tokens):
@@ -126,31 +123,9 @@ def test_diff2_bf16_terms_match_autograd(single_rank_parallel_state):
 def test_estimate_within_15_percent_of_measured_peak(tmp_path, extra):
     # glibc raises its mmap threshold after frees, so freed activations would stay in the heap and RSS
     # would overstate live memory; pinning the threshold makes peak RSS track live tensors.
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", MALLOC_MMAP_THRESHOLD_="65536")
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "pretrain_diff.py"),
-            "--model",
-            "diff-tiny",
-            "--mock-data",
-            "--train-iters",
-            "3",
-            "--eval-iters",
-            "0",
-            "--lr-warmup-iters",
-            "1",
-            "--ffn-hidden-size",
-            "1344",
-            *extra,
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    argv = ["--model", "diff-tiny", "--mock-data", "--train-iters", "3", "--eval-iters", "0"]
+    argv += ["--lr-warmup-iters", "1", "--ffn-hidden-size", "1344", *extra]
+    proc = run_pretrain(argv, tmp_path, timeout=600, MALLOC_MMAP_THRESHOLD_="65536")
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = re.search(r"memory \(MiB\) \| measured peak: ([\d.]+) \| estimated: ([\d.]+)", proc.stdout)
     assert m, proc.stdout[-2000:]
@@ -159,30 +134,10 @@ def test_estimate_within_15_percent_of_measured_peak(tmp_path, extra):
 
 
 def test_64k_recipe_layout_fits_an_80gb_h100(tmp_path):
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WORLD_SIZE="64")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "pretrain_diff.py"),
-            "--model",
-            "diff-3b-64k",
-            "--bf16",
-            "--use-distributed-optimizer",
-            "--sequence-parallel",
-            "--tensor-model-parallel-size",
-            "2",
-            "--context-parallel-size",
-            "2",
-            "--recompute-granularity",
-            "full",
-            "--dry-run",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    argv = ["--model", "diff-3b-64k", "--bf16", "--use-distributed-optimizer", "--sequence-parallel"]
+    argv += ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
+    argv += ["--recompute-granularity", "full", "--dry-run"]
+    proc = run_pretrain(argv, tmp_path, timeout=120, WORLD_SIZE="64")
     assert proc.returncode == 0, proc.stderr
     cfg = json.loads(proc.stdout)
     assert cfg["model"]["seq_length"] == 65536 and cfg["model"]["rotary_base"] == 640000
