@@ -20,7 +20,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffmeg.errors import cli_errors  # noqa: E402
 from diffmeg.eval import cli  # noqa: E402
 
 
@@ -41,12 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    from diffmeg.eval.activation_stats import RANKS, ActivationStatsConfig, run_activation_stats
+def measure(args: argparse.Namespace) -> dict:
+    from diffmeg.eval.activation_stats import ActivationStatsConfig, run_activation_stats
 
-    summary = run_activation_stats(cli.config(ActivationStatsConfig, args))
+    return run_activation_stats(cli.config(ActivationStatsConfig, args))
+
+
+def report(summary: dict, args: argparse.Namespace) -> None:
+    from diffmeg.eval.activation_stats import RANKS
+
     cli.print_table(
         [
             {"checkpoint": c["label"], "kind": kind}
@@ -56,7 +58,9 @@ def main(argv: list[str] | None = None) -> None:
         ],
         digits=3,
     )
-    print(f"wrote {args.output_dir}")
+
+
+main = cli.measurement_main(parse_args, measure, report)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffmeg.errors import cli_errors  # noqa: E402
 from diffmeg.eval import cli  # noqa: E402
 
 
@@ -35,19 +34,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> dict:
     from diffmeg.eval.attention_scores import AttentionScoresConfig, run_attention_scores
 
-    summary = run_attention_scores(cli.config(AttentionScoresConfig, args))
+    return run_attention_scores(cli.config(AttentionScoresConfig, args))
+
+
+def report(summary: dict, args: argparse.Namespace) -> None:
     cli.print_table(
         [
             {"checkpoint": c["label"], "answer": c["answer_mass"], "noise": c["noise_mass"]}
             for c in summary["checkpoints"]
         ]
     )
-    print(f"wrote {args.output_dir}")
+
+
+main = cli.measurement_main(parse_args, measure, report)
 
 
 if __name__ == "__main__":

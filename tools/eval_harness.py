@@ -21,7 +21,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffmeg.errors import cli_errors  # noqa: E402
 from diffmeg.eval import cli  # noqa: E402
 
 
@@ -38,12 +37,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> dict:
     from diffmeg.eval.harness import HarnessConfig, run_harness
 
-    summary = run_harness(cli.config(HarnessConfig, args))
+    return run_harness(cli.config(HarnessConfig, args))
+
+
+def report(summary: dict, args: argparse.Namespace) -> None:
+    """One row per metric; the standard errors and sample lengths stay in harness_results.json."""
     cli.print_table(
         [
             {"checkpoint": label, "task": task, "metric": metric, "value": value}
@@ -53,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
             if not metric.endswith("_stderr") and metric != "sample_len"
         ]
     )
-    print(f"wrote {args.output_dir}")
+
+
+main = cli.measurement_main(parse_args, measure, report)
 
 
 if __name__ == "__main__":

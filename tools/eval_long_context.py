@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-@cli_errors
+@cli_errors(interrupted="nothing was written (outputs are written at the end)")
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from diffmeg.eval.long_context import (
@@ -88,8 +88,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written (outputs are written at the end)", file=sys.stderr)
-        sys.exit(130)
+    main()

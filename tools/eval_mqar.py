@@ -24,7 +24,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffmeg.errors import cli_errors  # noqa: E402
 from diffmeg.eval import cli  # noqa: E402
 
 
@@ -45,31 +44,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> dict:
     from diffmeg.eval.mqar import MQAREvalConfig, run_mqar_eval
 
-    summary = run_mqar_eval(cli.config(MQAREvalConfig, args))
-    cli.print_table(
-        [
-            {
-                "checkpoint": r["label"],
-                "iteration": r["iteration"],
-                "dataset": os.path.basename(r["data_prefix"]),
-            }
-            | {"accuracy": r["accuracy"]}
-            for r in summary["results"]
-        ]
-    )
+    return run_mqar_eval(cli.config(MQAREvalConfig, args))
+
+
+def report(summary: dict, args: argparse.Namespace) -> None:
+    def where(r: dict) -> dict:
+        return {
+            "checkpoint": r["label"],
+            "iteration": r["iteration"],
+            "dataset": os.path.basename(r["data_prefix"]),
+        }
+
+    cli.print_table([where(r) | {"accuracy": r["accuracy"]} for r in summary["results"]])
     if args.attention:
         print("\nattention at the answers, per layer (mean over heads; normalised: rows sum to 1)")
         cli.print_table(
             [
-                {
-                    "checkpoint": r["label"],
-                    "iteration": r["iteration"],
-                    "dataset": os.path.basename(r["data_prefix"]),
+                where(r)
+                | {
                     "layer": layer["layer"],
                     "pair": layer["normalised"]["pair"],
                     "noise": layer["normalised"]["noise"],
@@ -84,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
                 for layer in r["layers"]
             ]
         )
-    print(f"wrote {args.output_dir}")
+
+
+main = cli.measurement_main(parse_args, measure, report)
 
 
 if __name__ == "__main__":

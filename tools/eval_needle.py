@@ -21,7 +21,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffmeg.errors import cli_errors  # noqa: E402
 from diffmeg.eval import cli  # noqa: E402
 
 
@@ -41,14 +40,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> dict:
     from diffmeg.eval.needle_eval import NeedleEvalConfig, run_needle_eval
 
-    summary = run_needle_eval(cli.config(NeedleEvalConfig, args))
+    return run_needle_eval(cli.config(NeedleEvalConfig, args))
+
+
+def report(summary: dict, args: argparse.Namespace) -> None:
     cli.print_table([{"checkpoint": c["label"]} | c["table"] for c in summary["checkpoints"]], digits=3)
-    print(f"wrote {args.output_dir}")
+
+
+main = cli.measurement_main(parse_args, measure, report)
 
 
 if __name__ == "__main__":

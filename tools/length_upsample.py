@@ -15,22 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron-core compiles fusions at import; not needed here
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
-from diffmeg.data.indexed import resolve_prefixes  # noqa: E402
-from diffmeg.data.preprocess import exit_cleanly_on_sigterm  # noqa: E402
-from diffmeg.data.upsample import length_upsample  # noqa: E402
-from diffmeg.errors import DiffmegError, cli_errors  # noqa: E402
+from diffmeg.errors import DiffmegError  # noqa: E402
+from diffmeg.eval import cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help="indexed dataset prefixes (or globs)")
-    p.add_argument("--output-prefix", required=True, help="writes {prefix}_short, {prefix}_long, ...")
+    p = cli.dataset_parser(
+        __doc__, "indexed dataset prefixes (or globs)", "writes {prefix}_short, {prefix}_long, ..."
+    )
     p.add_argument(
         "--target-length", type=int, default=65536, help="target context in tokens (default 65536)"
     )
@@ -43,13 +38,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--train-tokens", type=float, default=None, help="report epochs per bucket for this budget"
     )
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    exit_cleanly_on_sigterm()
+def write(args: argparse.Namespace) -> None:
+    from diffmeg.data.indexed import resolve_prefixes
+    from diffmeg.data.upsample import length_upsample
+
     if args.train_tokens is not None and args.train_tokens <= 0:
         raise DiffmegError("--train-tokens must be > 0")
     result = length_upsample(
@@ -76,9 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     print(result.data_path_string)
 
 
+main = cli.dataset_main(parse_args, write)
+
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("error: interrupted; incomplete outputs were removed", file=sys.stderr)
-        sys.exit(130)
+    main()

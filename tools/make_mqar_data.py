@@ -23,14 +23,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffmeg.errors import cli_errors  # noqa: E402
+from diffmeg.eval import cli  # noqa: E402
 
 HELDOUT_SPLITS = (("valid", 1), ("test", 2))
 """Held-out datasets: name suffix and seed offset from --seed."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.tool_parser(__doc__)
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx (+ .loss_mask, .mqar.json)")
     p.add_argument("--vocab-size", type=int, default=256, help="the model's --vocab-size")
     p.add_argument("--pairs", type=int, required=True, help="key-value pairs per document")
@@ -43,9 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def write(args: argparse.Namespace) -> None:
     from diffmeg.data.indexed import check_can_write
     from diffmeg.data.loss_mask import loss_mask_prefix
     from diffmeg.data.mqar import MQARSetting, write_mqar_dataset
@@ -66,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{setting.doc_length} tokens, seed {seed}; train with --seq-length {setting.seq_length}"
         )
 
+
+main = cli.tool_main(parse_args, write)
 
 if __name__ == "__main__":
     main()

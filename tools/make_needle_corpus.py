@@ -20,11 +20,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffmeg.errors import cli_errors  # noqa: E402
+from diffmeg.eval import cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.tool_parser(__doc__)
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--vocab-size", type=int, default=512, help="the model's --vocab-size")
     p.add_argument("--seq-length", type=int, default=256, help="the model's --seq-length")
@@ -36,15 +36,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    from diffmeg.eval.cli import config
+def write(args: argparse.Namespace) -> None:
     from diffmeg.eval.needle_corpus import NeedleCorpusConfig, write_needle_corpus
 
-    documents, tokens = write_needle_corpus(config(NeedleCorpusConfig, args))
+    documents, tokens = write_needle_corpus(cli.config(NeedleCorpusConfig, args))
     print(f"wrote {args.output_prefix}.bin/.idx: {documents} documents, {tokens} tokens")
 
+
+main = cli.tool_main(parse_args, write)
 
 if __name__ == "__main__":
     main()

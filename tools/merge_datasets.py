@@ -14,29 +14,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron-core compiles fusions at import; not needed here
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
-from diffmeg.data.indexed import merge_datasets, order_shards, resolve_prefixes  # noqa: E402
-from diffmeg.data.preprocess import exit_cleanly_on_sigterm  # noqa: E402
-from diffmeg.errors import cli_errors  # noqa: E402
+from diffmeg.eval import cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help="dataset prefixes, globs or directories")
-    p.add_argument("--output-prefix", required=True, help="writes {prefix}.bin and {prefix}.idx")
+    p = cli.dataset_parser(
+        __doc__, "dataset prefixes, globs or directories", "writes {prefix}.bin and {prefix}.idx"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    exit_cleanly_on_sigterm()
+def write(args: argparse.Namespace) -> None:
+    from diffmeg.data.indexed import merge_datasets, order_shards, resolve_prefixes
+
     prefixes = order_shards(resolve_prefixes(args.input))
     writer = merge_datasets(prefixes, args.output_prefix, overwrite=args.overwrite)
     print(
@@ -46,9 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
+main = cli.dataset_main(parse_args, write)
+
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("error: interrupted; incomplete outputs were removed", file=sys.stderr)
-        sys.exit(130)
+    main()

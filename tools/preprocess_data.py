@@ -14,27 +14,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron-core compiles fusions at import; not needed here
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
-from diffmeg.data.preprocess import (  # noqa: E402
-    SUPPORTED,
-    PreprocessConfig,
-    detect_rank,
-    exit_cleanly_on_sigterm,
-    preprocess,
-)
+# --help names the input formats and the tokenizer's variable, so these come before the flags
+from diffmeg.data.preprocess import SUPPORTED, PreprocessConfig, detect_rank, preprocess  # noqa: E402
 from diffmeg.data.tokenizer import TOKENIZER_FILE_ENV  # noqa: E402
-from diffmeg.errors import cli_errors  # noqa: E402
+from diffmeg.eval import cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help=f"files or globs ({SUPPORTED})")
-    p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    p = cli.dataset_parser(
+        __doc__, f"files or globs ({SUPPORTED})", "writes {prefix}_{key}_document.bin/.idx"
+    )
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize (default: text)")
     p.add_argument(
         "--append-eod", action="store_true", help="append <|endoftext|> (100257) to every document"
@@ -47,26 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed lines")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    exit_cleanly_on_sigterm()
+def write(args: argparse.Namespace) -> None:
     rank, world_size, source = detect_rank()
-    cfg = PreprocessConfig(
-        inputs=args.input,
-        output_prefix=args.output_prefix,
-        json_keys=args.json_keys,
-        append_eod=args.append_eod,
-        workers=args.workers,
-        partitions=args.partitions,
-        log_interval=args.log_interval,
-        tokenizer_file=args.tokenizer_file,
-        skip_bad_lines=args.skip_bad_lines,
-        overwrite=args.overwrite,
-    )
+    flags = dict(vars(args))  # a field per flag (one without a field is a TypeError); --input: inputs
+    cfg = PreprocessConfig(inputs=flags.pop("input"), **flags)
     if world_size > 1:
         print(f"[rank {rank}/{world_size}] ranks from {source}", file=sys.stderr, flush=True)
     preprocess(cfg, rank=rank, world_size=world_size)
@@ -81,9 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             )
 
 
+main = cli.dataset_main(parse_args, write)
+
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("error: interrupted; incomplete outputs were removed", file=sys.stderr)
-        sys.exit(130)
+    main()

@@ -20,7 +20,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffmeg.errors import cli_errors  # noqa: E402
 from diffmeg.eval import cli  # noqa: E402
 
 
@@ -36,12 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> dict:
     from diffmeg.eval.quantize import QuantizeEvalConfig, run_quantize_eval
 
-    summary = run_quantize_eval(cli.config(QuantizeEvalConfig, args))
+    return run_quantize_eval(cli.config(QuantizeEvalConfig, args))
+
+
+def report(summary: dict, args: argparse.Namespace) -> None:
     cli.print_table(
         [
             {"checkpoint": c["label"], "bits": int(bits)} | r
@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> None:
             for bits, r in c["bits"].items()
         ]
     )
-    print(f"wrote {args.output_dir}")
+
+
+main = cli.measurement_main(parse_args, measure, report)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The command-line side every evaluation tool shares, so a tool in tools/ holds its measurement only.
+"""The command-line side the tools share, so a tool in tools/ holds its measurement (or its writing) only.
 
     parser = cli.parser(__doc__, output_dir="attention_scores", tokenizer=True)
     parser.add_argument("--samples", type=int, default=4)          # the tool's own flags
@@ -9,8 +9,10 @@
 The shared flags: --load (checkpoint directories or Hugging Face folders, several side by side),
 --label, --iteration, --seed, --dtype, --output-dir, --no-plot and, for tools that read text,
 --tokenizer-file. `config` fills a tool's config dataclass (a `diffmeg.eval.common.EvalConfig`) from
-the parsed flags by name, so a flag and its field cannot drift apart silently. Importing this module
-is cheap (no torch, no megatron-core): `--help` and bad flags answer at once.
+the parsed flags by name, so a flag and its field cannot drift apart silently. `measurement_main`,
+`dataset_main` and `tool_main` make a tool's `main(argv)`: flags first, then the work, with
+`diffmeg.errors.cli_errors` around it. Importing this module is cheap (no torch, no megatron-core):
+`--help` and bad flags answer at once, and a tool imports torch and megatron-core in its work function.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import argparse
 import dataclasses
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from diffmeg.errors import cli_errors
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
 
@@ -33,7 +37,7 @@ def parser(
     tokenizer: bool = False,
 ) -> argparse.ArgumentParser:
     """An ArgumentParser holding the shared flags; the tool adds its own."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser(doc)
     p.add_argument(
         "--load",
         action="extend",
@@ -70,6 +74,20 @@ def parser(
     return p
 
 
+def tool_parser(doc: str | None) -> argparse.ArgumentParser:
+    """An ArgumentParser whose --help shows the tool's docstring as written (examples keep line breaks)."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def dataset_parser(doc: str | None, input_help: str, output_help: str) -> argparse.ArgumentParser:
+    """`tool_parser` with the flags of the tools that turn datasets into datasets: --input (several,
+    required) and --output-prefix (required)."""
+    p = tool_parser(doc)
+    p.add_argument("--input", nargs="+", required=True, help=input_help)
+    p.add_argument("--output-prefix", required=True, help=output_help)
+    return p
+
+
 def add_needle_arguments(p: argparse.ArgumentParser, *, samples: int, samples_help: str) -> None:
     """--depths, --samples, --text-files: the flags of the tools that read needle prompts
     (`diffmeg.eval.needle_eval.NeedlePromptsConfig`)."""
@@ -88,6 +106,53 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argp
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's ShardedTensor deprecations on load
     warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron-core config default
     return args
+
+
+def tool_main(
+    parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+    work: Callable[[argparse.Namespace], object],
+    *,
+    interrupted: str | None = None,
+) -> Callable[[Sequence[str] | None], None]:
+    """A tool's `main(argv)`: `work(parse_args(argv))` under `cli_errors` (a DiffmegError is one line on
+    stderr and exit 2; with `interrupted`, Ctrl-C is `error: interrupted; <interrupted>` and exit 130)."""
+
+    @cli_errors(interrupted=interrupted)
+    def main(argv: Sequence[str] | None = None) -> None:
+        work(parse_args(argv))
+
+    return main
+
+
+def measurement_main(
+    parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+    measure: Callable[[argparse.Namespace], dict],
+    report: Callable[[dict, argparse.Namespace], None],
+) -> Callable[[Sequence[str] | None], None]:
+    """The `main(argv)` of an evaluation tool: `measure(args)` (it writes the outputs and returns their
+    summary), `report(summary, args)` on stdout, then `wrote <--output-dir>`."""
+
+    def work(args: argparse.Namespace) -> None:
+        report(measure(args), args)
+        print(f"wrote {args.output_dir}")
+
+    return tool_main(parse_args, work)
+
+
+def dataset_main(
+    parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+    write: Callable[[argparse.Namespace], None],
+) -> Callable[[Sequence[str] | None], None]:
+    """The `main(argv)` of a tool that writes datasets under temporary names: SIGTERM (Slurm's time
+    limit, kill) and Ctrl-C end it through the writers' cleanup, so nothing incomplete is left."""
+
+    def work(args: argparse.Namespace) -> None:
+        from diffmeg.data.preprocess import exit_cleanly_on_sigterm
+
+        exit_cleanly_on_sigterm()
+        write(args)
+
+    return tool_main(parse_args, work, interrupted="incomplete outputs were removed")
 
 
 def config(cls: type, args: argparse.Namespace, **fields):
