@@ -38,6 +38,8 @@ from diffmeg.errors import DiffmegError, cli_errors  # noqa: E402
 TARGET = 0.9
 """The accuracy a run must reach to count as having learned the task (the issue's 90%)."""
 MODEL_NAMES = {"diff": "DIFF V1", "diff2": "DIFF V2", "transformer": "Transformer"}
+SOURCE_COLUMNS = ("label", "iteration", "setting")
+"""`diffmeg.eval.mqar_attention.table_rows` columns that become model, seed, step and the run's setting."""
 
 
 def load(path: str) -> dict:
@@ -74,26 +76,13 @@ def collect_analyses(out: str) -> tuple[list[dict], list[dict]]:
     pattern = os.path.join(out, "analysis", "*", "attention", "mqar_attention.json")
     for path in sorted(glob.glob(pattern)):
         setting = os.path.basename(os.path.dirname(os.path.dirname(path)))
+        from diffmeg.eval.mqar_attention import table_rows  # torch: only where there are analyses
+
         for r in load(path)["results"]:
             model, seed = _model_seed(r["label"], path)
-            for layer in r["layers"]:
-                for scale in ("normalised", "raw"):
-                    m = layer[scale]
-                    attention.append(
-                        {
-                            "model": model,
-                            "setting": setting,
-                            "seed": seed,
-                            "step": r["iteration"],
-                            "layer": layer["layer"],
-                            "normalised": scale == "normalised",
-                            "pair_mass": m["pair"],
-                            "noise_mass": m["noise"],
-                            "query_mass": m["query"],
-                            "ratio": m["ratio"],
-                            "lambda": layer["lambda"],
-                        }
-                    )
+            for row in table_rows([r]):  # label, iteration, setting, layer, normalised, the masses, ...
+                where = {"model": model, "setting": setting, "seed": seed, "step": row["iteration"]}
+                attention.append(where | {k: v for k, v in row.items() if k not in SOURCE_COLUMNS})
     pattern = os.path.join(out, "analysis", "*", "outliers", "activation_stats.json")
     for path in sorted(glob.glob(pattern)):
         setting = os.path.basename(os.path.dirname(os.path.dirname(path)))
@@ -217,6 +206,16 @@ def curves(results: dict) -> dict[tuple[str, str], dict[int, list[dict]]]:
 
 def _order(names, known=tuple(MODEL_NAMES)) -> list[str]:
     return sorted(set(names), key=lambda n: (known.index(n) if n in known else len(known), n))
+
+
+def _color(model: str) -> str:
+    """One colour per model in every plot; models without a name share the last."""
+    return f"C{_order(MODEL_NAMES).index(model) if model in MODEL_NAMES else 9}"
+
+
+def _seed_line(model: str, first: bool) -> dict:
+    """matplotlib keywords of one seed's curve: the model's colour, its name on the first seed only."""
+    return {"color": _color(model), "alpha": 0.8, "label": MODEL_NAMES.get(model, model) if first else None}
 
 
 def _settings(results: dict) -> list[str]:
@@ -413,9 +412,7 @@ def plot(results: dict, out_dir: str) -> list[str]:
                     ax.plot(
                         [r["step"] for r in rows],
                         [r["accuracy"] for r in rows],
-                        color=f"C{_order(MODEL_NAMES).index(model) if model in MODEL_NAMES else 9}",
-                        alpha=0.8,
-                        label=MODEL_NAMES.get(model, model) if k == 0 else None,
+                        **_seed_line(model, first=k == 0),
                     )
             ax.axhline(TARGET, color="grey", linewidth=0.5, linestyle="--")
             ax.set(title=setting, xlabel="step", ylim=(0, 1.02))
@@ -437,9 +434,7 @@ def plot(results: dict, out_dir: str) -> list[str]:
                 ax.plot(
                     [r["tokens"] for r in rows],
                     [r["val_loss"] for r in rows],
-                    color=f"C{_order(MODEL_NAMES).index(model) if model in MODEL_NAMES else 9}",
-                    alpha=0.8,
-                    label=MODEL_NAMES.get(model, model) if k == 0 else None,
+                    **_seed_line(model, first=k == 0),
                 )
         ax.set(xlabel="training tokens", ylabel="validation loss (one line per seed)")
         ax.legend(fontsize=8)
@@ -468,7 +463,7 @@ def plot_attention(results: dict, path: str) -> None:
         here = [r for r in rows if r["setting"] == setting]
         for model in _order(r["model"] for r in here):
             layers = sorted({r["layer"] for r in here if r["model"] == model})
-            color = f"C{_order(MODEL_NAMES).index(model) if model in MODEL_NAMES else 9}"
+            color = _color(model)
             for key, style in (("pair_mass", "-"), ("noise_mass", "--")):
                 y = [
                     _mean([r[key] for r in here if (r["model"], r["layer"]) == (model, ly)]) for ly in layers
