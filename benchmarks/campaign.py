@@ -488,20 +488,23 @@ def phase_kernels(a: argparse.Namespace, part: Part, deadline: float, plan: Plan
     def log_and_keep(line: str) -> None:
         print(line, flush=True)
 
+    timing = {  # every run_rows call below times the same way
+        "dtype": dtype,
+        "device": device,
+        "warmup": plan.attn_warmup,
+        "iters": plan.attn_iters,
+        "deadline": deadline,
+        "log": log_and_keep,
+    }
     for s in plan.attn_seqs:
         rows = bench.run_rows(
             [s],
             heads=plan.attn_heads,
             kv_heads=plan.attn_kv_heads,
             head_dim=plan.attn_head_dim,
-            dtype=dtype,
-            device=device,
             backends=backends,
-            warmup=plan.attn_warmup,
-            iters=plan.attn_iters,
             reference_max_seq=plan.attn_reference_max_seq,
-            deadline=deadline,
-            log=log_and_keep,
+            **timing,
         )
         for row in rows:
             keep(row)
@@ -519,17 +522,7 @@ def phase_kernels(a: argparse.Namespace, part: Part, deadline: float, plan: Plan
             extra[bench.TRITON] = bench.diff_attention_triton
             checks[bench.TRITON] = check(bench.diff_attention_triton, d)
         for row in bench.run_rows(
-            list(seqs),
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=d,
-            dtype=dtype,
-            device=device,
-            backends=extra,
-            warmup=plan.attn_warmup,
-            iters=plan.attn_iters,
-            deadline=deadline,
-            log=log_and_keep,
+            list(seqs), heads=heads, kv_heads=kv_heads, head_dim=d, backends=extra, **timing
         ):
             keep(row)
     if any(r["error"] == "skipped: time budget" for r in part.data.get("attention", [])):

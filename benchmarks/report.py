@@ -78,77 +78,45 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _headline(gpu: list[tuple[str, dict]]) -> list[str]:
     rows = []
+
+    def add(found: tuple[str, dict], figure: str, value: str, goal: str) -> None:
+        rows.append([figure, value, goal, _source(*found)])
+
     found = _newest(gpu, "bf16_matmul_tflops")
     if found:
-        rows.append(
-            [
-                "bf16 matmul TFLOP/s (the MFU roof)",
-                _num(found[1]["bf16_matmul_tflops"], "{:.0f}"),
-                "–",
-                _source(*found),
-            ]
-        )
+        add(found, "bf16 matmul TFLOP/s (the MFU roof)", _num(found[1]["bf16_matmul_tflops"], "{:.0f}"), "–")
     found = _newest(gpu, "fused_speedup_vs_best_unfused_4k")
     if found:
         v = found[1]["fused_speedup_vs_best_unfused_4k"]
-        rows.append(
-            [
-                "fused Triton / best unfused DIFF, fwd+bwd at 4K, d=128",
-                f"{v:.2f}x",
-                f">= {GOALS['fused_speedup']}x",
-                _source(*found),
-            ]
-        )
+        figure = "fused Triton / best unfused DIFF, fwd+bwd at 4K, d=128"
+        add(found, figure, f"{v:.2f}x", f">= {GOALS['fused_speedup']}x")
     for key in ("4k", "2k"):
         found = _newest(gpu, f"diff_vs_transformer_ratio_{key}")
         if found:
             r = found[1]
             ratio, bound = r[f"diff_vs_transformer_ratio_{key}"], r[f"flop_bound_{key}"]
-            rows.append(
-                [
-                    f"DIFF / Transformer tokens/s at {key.upper()} (3B-wide)",
-                    f"{ratio:.3f} (bound {_num(bound, '{:.3f}')})",
-                    f">= bound - {GOALS['ratio_slack']}",
-                    _source(*found),
-                ]
-            )
+            figure = f"DIFF / Transformer tokens/s at {key.upper()} (3B-wide)"
+            value = f"{ratio:.3f} (bound {_num(bound, '{:.3f}')})"
+            add(found, figure, value, f">= bound - {GOALS['ratio_slack']}")
     found = _newest(gpu, "train")
     if found:
         for arch in ("transformer", "diff"):
             mfus = [t for t in found[1]["train"] if t.get("arch") == arch and t["seq"] == 4096 and t["mfu"]]
             if mfus:
                 best = max(mfus, key=lambda t: t["mfu"])
-                rows.append(
-                    [
-                        f"MFU {arch} at 4K ({best['impl']})",
-                        f"{best['mfu']:.1%}",
-                        f">= {GOALS['mfu']:.0%}",
-                        _source(*found),
-                    ]
-                )
+                figure = f"MFU {arch} at 4K ({best['impl']})"
+                add(found, figure, f"{best['mfu']:.1%}", f">= {GOALS['mfu']:.0%}")
     found = _newest(gpu, "tests")
     if found:
         t = found[1]["tests"]
-        rows.append(
-            [
-                "`pytest -m gpu`",
-                f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped",
-                "all pass",
-                _source(*found),
-            ]
-        )
+        value = f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
+        add(found, "`pytest -m gpu`", value, "all pass")
     found = _newest(gpu, "gpu_train_run")
     if found:
         runs = found[1]["gpu_train_run"]
         ok = sum(1 for r in runs if r["resume_exact"] and r["generation_ok"] and r.get("loss_falls"))
-        rows.append(
-            [
-                "50-iteration bf16 runs: loss falls, exact resume, generation",
-                f"{ok} of {len(runs)} ok",
-                "all",
-                _source(*found),
-            ]
-        )
+        figure = "50-iteration bf16 runs: loss falls, exact resume, generation"
+        add(found, figure, f"{ok} of {len(runs)} ok", "all")
     return _table(["figure", "value", "goal", "source"], rows) if rows else []
 
 

@@ -109,22 +109,6 @@ def _mock_batches(n: int, mbs: int, seq: int, vocab: int, device: str):
         }
 
 
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    out = model(
-        input_ids=batch["tokens"],
-        position_ids=batch["position_ids"],
-        attention_mask=None,
-        labels=batch["labels"],
-    )
-
-    def loss_func(per_token_loss: torch.Tensor):
-        loss = (per_token_loss.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return out, loss_func
-
-
 def resolve_run_args(preset: str, seq: int, opts: StepOptions, device: str) -> argparse.Namespace:
     """pretrain_diff.py's resolved arguments for this benchmark run."""
     from diffmeg.training.arguments import resolve_args
@@ -178,6 +162,7 @@ def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> tup
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from diffmeg.training.builders import build_training_objects
+    from diffmeg.training.trainer import forward_step  # what pretrain_diff.py runs per micro-batch
 
     _, model, optimizer, _ = build_training_objects(args)
     backend = attention_impl(model)
@@ -188,7 +173,7 @@ def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> tup
         model.zero_grad_buffer()
         optimizer.zero_grad()
         fwd_bwd(
-            forward_step_func=_forward_step,
+            forward_step_func=forward_step,
             data_iterator=_mock_batches(opts.microbatches, mbs, seq, args.vocab_size, device),
             model=[model],
             num_microbatches=opts.microbatches,
