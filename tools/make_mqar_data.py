@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffmeg.eval import cli  # noqa: E402
+from diffmeg import cli  # noqa: E402
 
 HELDOUT_SPLITS = (("valid", 1), ("test", 2))
 """Held-out datasets: name suffix and seed offset from --seed."""

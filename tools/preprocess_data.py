@@ -19,9 +19,9 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron-core compiles fusi
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # --help names the input formats and the tokenizer's variable, so these come before the flags
+from diffmeg import cli  # noqa: E402
 from diffmeg.data.preprocess import SUPPORTED, PreprocessConfig, detect_rank, preprocess  # noqa: E402
 from diffmeg.data.tokenizer import TOKENIZER_FILE_ENV  # noqa: E402
-from diffmeg.eval import cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,7 +4,7 @@ Checkpoint reading and building are `diffmeg.checkpoints`', the one-process grou
 this module strings them together for the tools: a `CheckpointSet` (the --load/--label/--iteration
 values) resolved and checked before any weights are read, the models loaded one at a time, and the
 output directory proven writable before the work starts. `EvalConfig` holds the fields every tool's
-config has (the flags of `diffmeg.eval.cli`).
+config has (the flags of `diffmeg.cli`).
 """
 
 from __future__ import annotations

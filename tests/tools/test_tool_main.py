@@ -1,4 +1,4 @@
-"""The `main(argv)` every tool gets from diffmeg.eval.cli: flags first, then the work; a DiffmegError is
+"""The `main(argv)` every tool gets from diffmeg.cli: flags first, then the work; a DiffmegError is
 one line and exit 2, Ctrl-C one line and exit 130 where the tool says what an interruption leaves."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
+from diffmeg import cli
 from diffmeg.errors import DiffmegError, cli_errors
-from diffmeg.eval import cli
 
 
 def _parse(argv):

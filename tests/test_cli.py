@@ -1,4 +1,4 @@
-"""diffmeg.eval.cli: the shared flags, flags to config fields by name (every tool's flag reaches its
+"""diffmeg.cli: the shared flags, flags to config fields by name (every tool's flag reaches its
 config), and the printed table."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from diffmeg.eval import cli
+from diffmeg import cli
 from diffmeg.eval.common import CheckpointSet, EvalConfig
 from tests.data.helpers import REPO_ROOT
 
