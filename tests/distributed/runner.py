@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO_ROOT, free_port
 
 TINY = [
@@ -82,6 +84,27 @@ def run_training(
             f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
     return proc
+
+
+def run_saved(
+    tmp: Path, name: str, extra: list[str], nproc: int = 1, target: list[str] | None = None
+) -> subprocess.CompletedProcess:
+    """`run_training` with its checkpoint saved to tmp/name (what `assert_same_run` compares)."""
+    return run_training(tmp, name, [*extra, "--save", str(tmp / name)], nproc=nproc, target=target)
+
+
+def single_rank_runs(folder: str, **runs: list[str]):
+    """A module-scoped fixture `single_rank`: a fresh folder holding the single-rank reference run NAME
+    (saved) of each NAME=extra flags in `runs`, for a module's parallel layouts to be compared with."""
+
+    @pytest.fixture(scope="module")
+    def single_rank(tmp_path_factory) -> Path:
+        tmp = tmp_path_factory.mktemp(folder)
+        for name, extra in runs.items():
+            run_saved(tmp, name, extra)
+        return tmp
+
+    return single_rank
 
 
 def run_pretrain(argv: list[str], cwd: Path, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:

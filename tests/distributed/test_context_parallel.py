@@ -13,16 +13,12 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
-from tests.distributed.runner import assert_same_run, run_training
+from tests.distributed.runner import assert_same_run, run_saved, single_rank_runs
 
 SEQ256 = ["--seq-length", "256", "--train-iters", "10", "--micro-batch-size", "1", "--global-batch-size", "4"]
 
 
-@pytest.fixture(scope="module")
-def single_rank(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cp")
-    run_training(tmp, "single", [*SEQ256, "--save", str(tmp / "single")])
-    return tmp
+single_rank = single_rank_runs("cp", single=SEQ256)
 
 
 @pytest.mark.slow
@@ -34,7 +30,7 @@ def single_rank(tmp_path_factory):
     ],
 )
 def test_context_parallel_matches_single_rank(single_rank, single_rank_parallel_state, name, nproc, extra):
-    run_training(single_rank, name, [*SEQ256, *extra, "--save", str(single_rank / name)], nproc=nproc)
+    run_saved(single_rank, name, [*SEQ256, *extra], nproc=nproc)
     assert_same_run(single_rank, "single", name, iterations=10)
 
 
@@ -43,17 +39,9 @@ def test_context_parallel_matches_single_rank(single_rank, single_rank_parallel_
 def test_te_style_context_parallel_matches_single_rank(single_rank, single_rank_parallel_state, comm):
     """CP=2 with both maps run by the TE stand-in: losses, grad norms, final weights (lambda, head norm)."""
     name = f"cp2_te_{comm}"
-    extra = [
-        *SEQ256,
-        "--context-parallel-size",
-        "2",
-        "--cp-comm-type",
-        comm,
-        "--save",
-        str(single_rank / name),
-    ]
+    extra = [*SEQ256, "--context-parallel-size", "2", "--cp-comm-type", comm]
     # This module's entry point installs the TE stand-in, then runs pretrain_diff.py's main.
-    run_training(single_rank, name, extra, nproc=2, target=["-m", "tests.distributed.test_context_parallel"])
+    run_saved(single_rank, name, extra, nproc=2, target=["-m", "tests.distributed.test_context_parallel"])
     assert_same_run(single_rank, "single", name, iterations=10)
 
 

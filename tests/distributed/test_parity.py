@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.runner import assert_same_run, load_weights, run_training
+from tests.distributed.runner import assert_same_run, load_weights, run_saved, single_rank_runs
 
 ITERS = ["--train-iters", "10"]
 LAYOUTS = {
@@ -21,18 +21,14 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def single_rank(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("parity")
-    run_training(tmp, "single", [*ITERS, "--save", str(tmp / "single")])
-    return tmp
+single_rank = single_rank_runs("parity", single=ITERS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_rank(single_rank, single_rank_parallel_state, layout):
     tmp = single_rank
-    run_training(tmp, layout, [*ITERS, *LAYOUTS[layout], "--save", str(tmp / layout)], nproc=2)
+    run_saved(tmp, layout, [*ITERS, *LAYOUTS[layout]], nproc=2)
     assert_same_run(tmp, "single", layout, iterations=10)
     # The head-norm weights moved away from their init (so their TP gradient reduction was exercised).
     weights = load_weights(tmp / layout)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.runner import assert_same_run, load_weights, run_training
+from tests.distributed.runner import assert_same_run, load_weights, run_saved, single_rank_runs
 
 V2 = ["--model", "diff2-tiny", "--train-iters", "10"]
 LAYOUTS = {
@@ -19,12 +19,7 @@ LAYOUTS = {
 GQA = ["--num-query-groups", "2"]  # 8 heads over 2 KV heads: query heads 0-7 share KV head 0
 
 
-@pytest.fixture(scope="module")
-def single_rank(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("parity_v2")
-    run_training(tmp, "single", [*V2, "--save", str(tmp / "single")])
-    run_training(tmp, "single_gqa", [*V2, *GQA, "--save", str(tmp / "single_gqa")])
-    return tmp
+single_rank = single_rank_runs("parity_v2", single=V2, single_gqa=[*V2, *GQA])
 
 
 @pytest.mark.slow
@@ -32,8 +27,7 @@ def single_rank(tmp_path_factory):
 def test_v2_layout_matches_single_rank(single_rank, single_rank_parallel_state, layout):
     tmp = single_rank
     gqa = layout.endswith("gqa")
-    extra = [*V2, *(GQA if gqa else []), *LAYOUTS[layout], "--save", str(tmp / layout)]
-    run_training(tmp, layout, extra, nproc=2)
+    run_saved(tmp, layout, [*V2, *(GQA if gqa else []), *LAYOUTS[layout]], nproc=2)
     assert_same_run(tmp, "single_gqa" if gqa else "single", layout, iterations=10, expect=("linear_lambda",))
     weights = load_weights(tmp / layout)
     assert not any("head_norm" in k or "lambda_q" in k for k in weights)  # no V1 parameters
