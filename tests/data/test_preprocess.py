@@ -45,10 +45,10 @@ def expected(tokenizer, records, key, append_eod):
     return [tokenizer.tokenize(r[key]) + ([EOD_ID] if append_eod else []) for r in records]
 
 
-def run(tmp_path, inputs, name="out", **kwargs):
+def run(tmp_path, inputs, name="out", rank=0, world_size=1, **kwargs):
     kwargs.setdefault("log_interval", 0)
     cfg = PreprocessConfig(inputs=[str(p) for p in inputs], output_prefix=str(tmp_path / name), **kwargs)
-    return preprocess(cfg, log=lambda line: None)
+    return preprocess(cfg, rank=rank, world_size=world_size, log=lambda line: None)
 
 
 def docs(prefix):
@@ -98,16 +98,10 @@ def test_ranks_split_the_input_and_merge_to_the_single_process_result(tmp_path, 
     monkeypatch.setattr(pp, "BATCH_BYTES", 2048)
     files = [write_jsonl(tmp_path / f"f{i}.jsonl", RECORDS[4 + 60 * i : 64 + 60 * i]) for i in range(4)]
     single = run(tmp_path, files, name="single", tokenizer_file=bpe_file, append_eod=True)
-    shards = []
-    for rank in range(3):
-        cfg = PreprocessConfig(
-            inputs=[str(f) for f in files],
-            output_prefix=str(tmp_path / "multi"),
-            append_eod=True,
-            tokenizer_file=bpe_file,
-            log_interval=0,
-        )
-        shards.append(preprocess(cfg, rank=rank, world_size=3, log=lambda line: None).outputs["text"])
+    shards = [
+        run(tmp_path, files, "multi", rank, 3, tokenizer_file=bpe_file, append_eod=True).outputs["text"]
+        for rank in range(3)
+    ]
     assert shards[1] == str(tmp_path / "multi-rank00001-of-00003_text_document")
     merge_datasets(shards, str(tmp_path / "merged"))
     assert docs(str(tmp_path / "merged")) == docs(single.outputs["text"])
