@@ -23,6 +23,13 @@ ARG_OF_FIELD = {  # pretrain_diff.py's names of the layout fields that it names 
 }
 
 
+REFUSED_BY_EVERY_LAYOUT = [  # config.json overrides no Llama-family layout can express, and the error's words
+    ({"model_type": "mistral"}, "model_type 'mistral'"),
+    ({"attention_bias": True}, "biases are not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+]
+
+
 def tiny_layout(cls: type[ModelLayout], heads: int, kv_heads: int, layers: int = 2, **sizes) -> ModelLayout:
     """`cls` with `sizes` (hidden_size, ffn_hidden_size, head_dim, norm_eps) over a vocabulary of 50,
     32 positions and RoPE base 500: small enough for float64 references."""

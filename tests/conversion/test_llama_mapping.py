@@ -121,11 +121,9 @@ def test_layout_from_llama_config_inverts_hf_config_dict():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"model_type": "mistral"}, "model_type 'mistral'"),
+        *layouts.REFUSED_BY_EVERY_LAYOUT,
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "scaled RoPE"),
-        ({"attention_bias": True}, "biases are not supported"),
         ({"mlp_bias": True}, "biases are not supported"),
-        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"num_key_value_heads": 3}, "do not divide"),
     ],
 )

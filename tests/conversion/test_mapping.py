@@ -188,13 +188,11 @@ def test_layout_from_hf_config_inverts_hf_config_dict():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"model_type": "mistral"}, "model_type 'mistral'"),
+        *layouts.REFUSED_BY_EVERY_LAYOUT,
         ({"num_attention_heads": 7}, "must be even"),
         ({"num_key_value_heads": 3}, "must be even"),
         ({"rms_norm_eps": 1e-6}, "head-norm epsilon"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "scaled RoPE"),
-        ({"attention_bias": True}, "biases are not supported"),
-        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"num_key_value_heads": 6}, "do not divide"),
     ],
 )
