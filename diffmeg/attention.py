@@ -85,20 +85,15 @@ class DiffCoreAttention(CoreAttention):
     def __init__(
         self,
         config: DiffTransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
+        *args,
         pg_collection: ProcessGroupCollection | None = None,
         submodules: DiffCoreAttentionSubmodules | None = None,
+        **kwargs,
     ) -> None:
+        """megatron-core's core-attention keywords (`CoreAttention`), plus the CP attention to use."""
         if not isinstance(config, DiffTransformerConfig) or not config.diff_attention:
             raise DiffmegError("DiffCoreAttention needs a DiffTransformerConfig with diff_attention=True")
-        super().__init__(
-            config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale
-        )
+        super().__init__(config, *args, **kwargs)
         submodules = submodules or DiffCoreAttentionSubmodules()
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
@@ -108,12 +103,12 @@ class DiffCoreAttention(CoreAttention):
             cp_group = parallel_state.get_context_parallel_group()
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         # Ulysses all-to-all here, or megatron-core's TE attention doing its own CP (p2p, all_gather, a2a).
-        self.cp_comm_type = cp_comm_type or config.cp_comm_type or "ulysses"
+        self.cp_comm_type = self.cp_comm_type or config.cp_comm_type or "ulysses"
         tp = self.tp_group.size()
         self.head_dim = config.kv_channels
         self.heads_per_partition = config.num_diff_heads // tp
         self.kv_heads_per_partition = config.num_diff_kv_heads // tp
-        self.lambda_init = config.lambda_init_at(layer_number)
+        self.lambda_init = config.lambda_init_at(self.layer_number)
         # Checked here (a name this installation can never run fails at build); resolved per call from the
         # tensors' device, so a core built on the CPU runs the GPU kernels once its inputs are on the GPU.
         self.backend_name = backend_name(config.attention_backend_diff)
@@ -134,9 +129,9 @@ class DiffCoreAttention(CoreAttention):
             pgs = pg_collection if getattr(pg_collection, "cp", None) is not None else None
             self.cp_maps = DiffMapsWithCP(
                 config,
-                layer_number,
-                attn_mask_type,
-                attention_type,
+                self.layer_number,
+                self.attn_mask_type,
+                self.attention_type,
                 self.softmax_scale,
                 self.cp_comm_type,
                 pgs,
@@ -158,14 +153,7 @@ class DiffCoreAttention(CoreAttention):
         lam2 = torch.exp(torch.dot(self.lambda_q2.to(dtype), self.lambda_k2.to(dtype)))
         return lam1 - lam2 + self.lambda_init
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: AttnMaskType,
-    ) -> torch.Tensor:
+    def attend(self, query, key, value, attention_mask, attn_mask_type) -> torch.Tensor:  # CoreAttention's
         if self.cp_maps is not None:
             # megatron-core's CP inside TE attention: this rank's load-balanced tokens in and out.
             if attention_mask is not None or (self.training and self.dropout_p > 0.0):
@@ -266,14 +254,7 @@ class SDPACoreAttention(CoreAttention):
             )
         super().__init__(config, *args, **kwargs)
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: AttnMaskType,
-    ) -> torch.Tensor:
+    def attend(self, query, key, value, attention_mask, attn_mask_type) -> torch.Tensor:  # CoreAttention's
         sq, b, heads, _ = query.shape
         sk, groups = key.shape[0], key.shape[2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]

@@ -92,14 +92,17 @@ class DiffTransformerConfig(TransformerConfig):
             )
         super().__post_init__()
 
+    def _paired_heads(self, needs: str) -> int:
+        """h: megatron-core's `num_attention_heads` counts 2h query (sub-)heads in both DIFF versions."""
+        if self.num_attention_heads % 2:
+            raise DiffmegError(f"{needs}, got num_attention_heads={self.num_attention_heads}")
+        return self.num_attention_heads // 2
+
     def _validate_diff(self) -> None:
         tp = self.tensor_model_parallel_size
-        if self.num_attention_heads % 2:
-            raise DiffmegError(
-                f"differential attention needs an even number of sub-heads (2 x DIFF heads), got "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
-        heads = self.num_attention_heads // 2
+        heads = self._paired_heads(
+            "differential attention needs an even number of sub-heads (2 x DIFF heads)"
+        )
         if heads % tp:
             raise DiffmegError(
                 f"{heads} differential heads cannot be split over tensor-model-parallel-size {tp}: "
@@ -147,12 +150,7 @@ class DiffTransformerConfig(TransformerConfig):
 
     def _validate_diff_v2(self) -> None:
         tp = self.tensor_model_parallel_size
-        if self.num_attention_heads % 2:
-            raise DiffmegError(
-                f"DIFF V2 needs an even number of query heads (2 x output heads), got "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
-        heads = self.num_attention_heads // 2
+        heads = self._paired_heads("DIFF V2 needs an even number of query heads (2 x output heads)")
         groups = self.num_query_groups if self.num_query_groups is not None else heads
         if groups < 1 or heads % groups:
             raise DiffmegError(f"{groups} KV heads must divide the {heads} DIFF V2 heads")

@@ -76,6 +76,9 @@ class CoreAttention(MegatronModule):
         attention_mask: torch.Tensor | None,
         attn_mask_type: AttnMaskType,
     ) -> torch.Tensor:
+        """q/k/v `[s, b, heads, d]` of this partition; `attention_mask` megatron-core's (True = masked out)
+        or None; `attn_mask_type` the call's, else the layer's. Subclasses override it with the same
+        (unannotated) signature."""
         raise NotImplementedError
 
     def dropout_rng(self) -> contextlib.AbstractContextManager:

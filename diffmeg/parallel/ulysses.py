@@ -121,14 +121,7 @@ class UlyssesAttention(CoreAttention):
             pg_collection=pg_collection,
         )
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type,
-    ) -> torch.Tensor:
+    def attend(self, query, key, value, attention_mask, attn_mask_type) -> torch.Tensor:  # CoreAttention's
         # [s/cp, b, n, d] -> [s, b, n/cp, d] for q, k and v (whole sequences, this rank's heads)
         query, key, value = (sequence_to_head_shards(t, self.cp_group) for t in (query, key, value))
         out = self.attention(query, key, value, attention_mask, attn_mask_type=attn_mask_type)

@@ -71,14 +71,7 @@ class AllGatherCPAttention(CoreAttention):
         self.softmax_scale = kwargs.get("softmax_scale") or 1.0 / math.sqrt(self.k_channels)
         self.cp_group = context_parallel_group(pg_collection)
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        mask_type: AttnMaskType,
-    ) -> torch.Tensor:
+    def attend(self, query, key, value, attention_mask, mask_type) -> torch.Tensor:  # CoreAttention's
         if attention_mask is not None:
             raise DiffmegError("AllGatherCPAttention supports causal / no-mask attention only")
         s_local, b, n, dk = query.shape

@@ -79,17 +79,27 @@ def test_missing_tokenizer_file_is_one_line_not_a_traceback(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_sigterm_leaves_nothing_that_looks_complete(tmp_path, bpe_file):
+def _start_mid_run(
+    tmp_path, bpe_file, documents: int, partitions: int, log_interval: int
+) -> tuple[subprocess.Popen, str]:
+    """preprocess_data on a big generated corpus, returned once it has reported progress (mid-run), with
+    its arguments (for a second run)."""
     big = tmp_path / "big.jsonl"
     with open(big, "w") as f:
-        for i in range(20_000):
+        for i in range(documents):
             f.write(json.dumps({"text": f"document {i} " + "lorem ipsum dolor sit amet " * 80}) + "\n")
-    args = f"--input {big} --output-prefix {tmp_path}/out --workers 2 --partitions 2 --log-interval 500"
+    args = f"--input {big} --output-prefix {tmp_path / 'out'} --workers 2 --partitions {partitions}"
+    args += f" --log-interval {log_interval}"
     cmd = tool_cmd("preprocess_data", *args.split(), "--tokenizer-file", bpe_file)
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=tool_env(), stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         if line.startswith("processed"):
             break
+    return proc, args
+
+
+def test_sigterm_leaves_nothing_that_looks_complete(tmp_path, bpe_file):
+    proc, _ = _start_mid_run(tmp_path, bpe_file, 20_000, partitions=2, log_interval=500)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode != 0
@@ -142,17 +152,8 @@ def _processes_mentioning(text: str) -> list[int]:
 
 @pytest.mark.parametrize("partitions", [1, 2])
 def test_sigkill_leaves_temporaries_that_the_next_run_removes(tmp_path, bpe_file, partitions):
-    big = tmp_path / "big.jsonl"
-    with open(big, "w") as f:
-        for i in range(8_000):
-            f.write(json.dumps({"text": f"document {i} " + "lorem ipsum dolor sit amet " * 80}) + "\n")
+    proc, args = _start_mid_run(tmp_path, bpe_file, 8_000, partitions=partitions, log_interval=200)
     out = tmp_path / "out"
-    args = f"--input {big} --output-prefix {out} --workers 2 --partitions {partitions} --log-interval 200"
-    cmd = tool_cmd("preprocess_data", *args.split(), "--tokenizer-file", bpe_file)
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=tool_env(), stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        if line.startswith("processed"):
-            break
     proc.kill()  # SIGKILL: no handler runs, nothing is cleaned up
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
