@@ -20,19 +20,13 @@
 #   QUICKSTART_PROMPT="The list type"  prompt for step 5
 #   PYTHON=python3
 set -euo pipefail
-cd "$(dirname "$0")/.."
-root=$PWD
-py=${PYTHON:-python3}
+example=quickstart
+# shellcheck source=examples/common.sh
+source "$(dirname "$0")/common.sh"  # in the checkout, running its code: root, py
 out=${QUICKSTART_OUT:-runs/quickstart}
 iters=${QUICKSTART_ITERS:-200}
 docs=${QUICKSTART_DOCS:-0}
 prompt=${QUICKSTART_PROMPT:-The list type}
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, installed or not
-export PYTHONUNBUFFERED=1  # progress lines as they come, through the filter below
-
-example=quickstart
-# shellcheck source=examples/common.sh
-source "$root/examples/common.sh"
 
 step 0/5 "checking the environment"
 if ! "$py" -c "import diffmeg, tiktoken, torch, importlib.util as u; assert u.find_spec('megatron.core')" \

@@ -22,9 +22,9 @@
 #   TOY_SEED=1234                training and evaluation seed
 #   PYTHON=python3
 set -euo pipefail
-cd "$(dirname "$0")/.."
-root=$PWD
-py=${PYTHON:-python3}
+example=toy_retrieval
+# shellcheck source=examples/common.sh
+source "$(dirname "$0")/common.sh"  # in the checkout, running its code: root, py
 out=${TOY_OUT:-runs/toy_retrieval}
 iters=${TOY_ITERS:-1000}
 samples=${TOY_SAMPLES:-20}
@@ -33,12 +33,6 @@ seed=${TOY_SEED:-1234}
 vocab=512
 seq=${TOY_SEQ:-128}
 batch=${TOY_BATCH:-32}
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, installed or not
-export PYTHONUNBUFFERED=1
-
-example=toy_retrieval
-# shellcheck source=examples/common.sh
-source "$root/examples/common.sh"
 
 step 0/5 "checking the environment"
 "$py" -c "import diffmeg, torch, matplotlib, importlib.util as u; assert u.find_spec('megatron.core')" \

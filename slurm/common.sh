@@ -1,21 +1,32 @@
 # shellcheck shell=bash
 # Launch logic shared by the slurm/ recipes. Sourced by them, never run or submitted on its own.
 #
-# A recipe sets RECIPE_NAME, its layout defaults (`: "${TP:=1}"` ...) and calls
-#     diffmeg_launch <pretrain_diff.py arguments carrying the paper's values>
+# A recipe is its #SBATCH header, then (after sourcing this file) its run name, layout defaults and
+#     RECIPE_NAME=<run name>
+#     : "${TP:=1}" ...
+#     diffmeg_launch <pretrain_diff.py arguments carrying the paper's values: a --model preset>
 # which either prints the command and the resolved configuration (DRY_RUN=1, outside Slurm) or, inside
 # the job, records the run and starts one task per GPU with srun.
 #
-# Environment knobs of every recipe (each recipe's header lists its own defaults):
+# Finding this file: sbatch runs a copy of the recipe from Slurm's spool directory, so a recipe cannot
+# look beside itself inside a job. It sources "$DIFFMEG_ROOT/slurm/common.sh" when DIFFMEG_ROOT is set,
+# else the checkout of the script the job was submitted as (`scontrol show job`: Command=<path>/slurm/
+# <recipe>.sh), else (outside Slurm) its own checkout. This file then sets DIFFMEG_ROOT from its own path.
+#
+# Every recipe resumes: each start --load's the newest complete checkpoint of CKPT_DIR, and #SBATCH
+# --signal=USR1@<seconds> makes training save and exit before the time limit, after which the job requeues
+# itself (AUTO_REQUEUE). docs/recipes.md explains the run directory, resume and requeue.
+#
+# Environment knobs of every recipe, with their defaults (a recipe's header names the ones it changes):
 #   DRY_RUN=1          print the srun command line and the resolved configuration JSON
 #                      (`pretrain_diff.py --dry-run` with WORLD_SIZE = NODES x GPUS_PER_NODE), start nothing;
 #                      then its checks: the datasets of DATA_PATH (missing ones are an error), flags the run
 #                      ignores (note:), a per-GPU memory plan that does not fit GPU_MEMORY_GIB (warning:)
 #   NODES, GPUS_PER_NODE   the cluster for DRY_RUN (default: the recipe's #SBATCH --nodes and
 #                      --ntasks-per-node). Inside a job the allocation decides: sbatch --nodes=N ...
-#   TP, PP, CP         tensor / pipeline / context parallel sizes
+#   TP=1, PP=1, CP=1   tensor / pipeline / context parallel sizes
 #   DP                 optional check: fail unless NODES x GPUS_PER_NODE / (TP x PP x CP) equals it
-#   MICRO_BATCH        micro-batch size (the global batch is the paper's; see each recipe)
+#   MICRO_BATCH=1      micro-batch size (the global batch is the paper's; see each recipe)
 #   SEQUENCE_PARALLEL=1 (passed only at TP > 1: it splits activations over tensor-parallel ranks),
 #   DIST_OPTIMIZER=1, PRECISION=bf16 (bf16|fp16|fp32), RECOMPUTE= (|selective|full)
 #   GPU_MEMORY_GIB=80  the GPU memory the memory plan must fit (--gpu-memory-gib), e.g. 141 on H200
@@ -41,8 +52,10 @@
 #                      progress saved, requeue this job; it resumes from the checkpoint. MAX_RESTARTS=100
 #   EXTRA_ARGS         appended last to pretrain_diff.py's arguments, so they override the recipe's
 #                      (flags only; split on whitespace)
-#   DIFFMEG_ROOT       the checkout (found automatically: this file's directory, the submitted script's
-#                      path, or the submit directory)
+#   DIFFMEG_ROOT       the checkout (found automatically, see above)
+
+DIFFMEG_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RECIPE_FILE=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # its #SBATCH lines are the DRY_RUN defaults
 
 _dm_log() { echo "diffmeg-slurm: $*" >&2; }
 _dm_die() {
@@ -99,9 +112,7 @@ _dm_has_flag() {  # is one of the flags among the words of EXTRA_ARGS?
 }
 
 diffmeg_launch() {
-    local recipe_args=("$@")
-    local root
-    root=$(cd "$DIFFMEG_ROOT" && pwd)
+    local recipe_args=("$@") root=$DIFFMEG_ROOT
     _DM_START_DIR=$PWD  # relative paths in the knobs mean this directory (the submit directory in a job)
     cd "$root"
     export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # run this checkout's code (its SHA is recorded)

@@ -29,14 +29,9 @@
 # ~33 GiB per GPU by the dry-run memory plan ("memory_per_gpu_gib"; ~102 GiB with selective recompute).
 # The plan is an estimate; measure on the cluster before the full run (docs/recipes.md).
 #
-# Environment (this recipe's defaults; slurm/common.sh describes every knob):
-#   ARCH=diff  NODES=8 GPUS_PER_NODE=8 (for DRY_RUN; in a job the allocation decides)  TP=2 PP=1 CP=2
-#   MICRO_BATCH=1  RECOMPUTE=full  DP= (derived; set it to have it checked)
-#   DATA_PATH= (required: the length-upsampled blend)  INIT_CKPT=$RUNS_ROOT/<arch>-3b-1T/checkpoints
-#   RUN_DIR=runs/<arch>-3b-64k  CKPT_DIR=$RUN_DIR/checkpoints  TB_DIR=$RUN_DIR/tensorboard
-#   CONTAINER_IMAGE=  CONTAINER_MOUNTS=  EXTRA_ARGS= (pretrain_diff.py flags appended last: they override)
-#   PRECISION=bf16 DIST_OPTIMIZER=1 SEQUENCE_PARALLEL=1 SAVE_INTERVAL=50 LOG_INTERVAL=1
-#   EVAL_INTERVAL=50 EVAL_ITERS=10 AUTO_REQUEUE=1 MAX_RESTARTS=100 PYTHON=python3 SRUN_ARGS= DRY_RUN=
+# Knobs (slurm/common.sh) this recipe sets: ARCH=diff (or transformer), NODES=8, TP=2 CP=2 RECOMPUTE=full,
+# SAVE_INTERVAL=50 LOG_INTERVAL=1 EVAL_INTERVAL=50, INIT_CKPT=$RUNS_ROOT/<arch>-3b-1T/checkpoints;
+# DATA_PATH (the length-upsampled blend) is required; run directory runs/<arch>-3b-64k.
 #
 #SBATCH --job-name=diff-3b-64k
 #SBATCH --nodes=8
@@ -49,27 +44,16 @@
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
-
-# sbatch runs a copy of this file from Slurm's spool directory: find the checkout.
-for DIFFMEG_ROOT in "${DIFFMEG_ROOT:-}" "$(dirname "${BASH_SOURCE[0]}")/.." \
-    "$(scontrol show job "${SLURM_JOB_ID:-0}" 2>/dev/null | sed -n 's|^ *Command=\(.*\)/slurm/[^/]*$|\1|p')" \
-    "${SLURM_SUBMIT_DIR:-.}"; do
-    [ -f "$DIFFMEG_ROOT/slurm/common.sh" ] && break
-done
-[ -f "$DIFFMEG_ROOT/slurm/common.sh" ] || {
-    echo "cannot find the diffmeg checkout (slurm/common.sh): set DIFFMEG_ROOT" >&2
-    exit 2
-}
+# sbatch runs a copy of this file from Slurm's spool: the job's script path names the checkout (common.sh).
 # shellcheck source=slurm/common.sh
-source "$DIFFMEG_ROOT/slurm/common.sh"
+source "${DIFFMEG_ROOT:-$(scontrol show job "${SLURM_JOB_ID:-0}" 2>/dev/null |
+    sed -n 's|^ *Command=\(.*/slurm\)/[^/]*$|\1|p' | grep . || dirname "$0")/..}/slurm/common.sh"
 
 arch=${ARCH:-diff}
 case $arch in diff | transformer) ;; *) _dm_die "ARCH must be diff or transformer, not '$arch'" ;; esac
 RECIPE_NAME=$arch-3b-64k
-RECIPE_FILE=${BASH_SOURCE[0]}
-: "${TP:=2}" "${PP:=1}" "${CP:=2}" "${MICRO_BATCH:=1}" "${RECOMPUTE=full}"
-: "${SAVE_INTERVAL:=50}" "${LOG_INTERVAL:=1}" "${EVAL_INTERVAL:=50}"
-: "${INIT_CKPT:=${RUNS_ROOT:-$(cd "$DIFFMEG_ROOT" && pwd)/runs}/$arch-3b-1T/checkpoints}"
+: "${TP:=2}" "${CP:=2}" "${RECOMPUTE=full}" "${SAVE_INTERVAL:=50}" "${LOG_INTERVAL:=1}" "${EVAL_INTERVAL:=50}"
+: "${INIT_CKPT:=${RUNS_ROOT:-$DIFFMEG_ROOT/runs}/$arch-3b-1T/checkpoints}"
 impl=()  # the baseline's context parallelism is megatron-core's ring attention, in Transformer Engine only
 [ "$arch" = diff ] || impl=(--transformer-impl transformer_engine)
 diffmeg_launch --model "$arch-3b-64k" "${impl[@]}"

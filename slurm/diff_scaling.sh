@@ -21,14 +21,8 @@
 #   6.8b   32     4096   16 / 32                  10880 7.5e-5
 #   13.1b  40     5120   20 / 40                  13632 7.5e-5
 #
-# Environment (this recipe's defaults; slurm/common.sh describes every knob):
-#   ARCH=diff  NODES=1 GPUS_PER_NODE=8 (for DRY_RUN; in a job the allocation decides)  PP=1 CP=1
-#   TP / MICRO_BATCH per size: 830m 1/4, 1.4b 1/4, 2.8b 1/2, 6.8b 2/2, 13.1b 4/2
-#   DP= (derived; set it to have it checked)  DATA_PATH= (required)  RUN_DIR=runs/<arch>-<size>
-#   CKPT_DIR=$RUN_DIR/checkpoints  TB_DIR=$RUN_DIR/tensorboard  CONTAINER_IMAGE=  CONTAINER_MOUNTS=
-#   EXTRA_ARGS= (pretrain_diff.py flags appended last: they override the recipe's)
-#   PRECISION=bf16 DIST_OPTIMIZER=1 SEQUENCE_PARALLEL=1 RECOMPUTE= SAVE_INTERVAL=1000 LOG_INTERVAL=10
-#   EVAL_INTERVAL=1000 EVAL_ITERS=10 AUTO_REQUEUE=1 MAX_RESTARTS=100 PYTHON=python3 SRUN_ARGS= DRY_RUN=
+# Knobs (slurm/common.sh) this recipe sets: ARCH=diff, NODES=1, and TP / MICRO_BATCH per size (830m 1/4,
+# 1.4b 1/4, 2.8b 1/2, 6.8b 2/2, 13.1b 4/2); DATA_PATH is required; run directory runs/<arch>-<size>.
 #
 #SBATCH --job-name=diff-scaling
 #SBATCH --nodes=1
@@ -41,19 +35,10 @@
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
-
-# sbatch runs a copy of this file from Slurm's spool directory: find the checkout.
-for DIFFMEG_ROOT in "${DIFFMEG_ROOT:-}" "$(dirname "${BASH_SOURCE[0]}")/.." \
-    "$(scontrol show job "${SLURM_JOB_ID:-0}" 2>/dev/null | sed -n 's|^ *Command=\(.*\)/slurm/[^/]*$|\1|p')" \
-    "${SLURM_SUBMIT_DIR:-.}"; do
-    [ -f "$DIFFMEG_ROOT/slurm/common.sh" ] && break
-done
-[ -f "$DIFFMEG_ROOT/slurm/common.sh" ] || {
-    echo "cannot find the diffmeg checkout (slurm/common.sh): set DIFFMEG_ROOT" >&2
-    exit 2
-}
+# sbatch runs a copy of this file from Slurm's spool: the job's script path names the checkout (common.sh).
 # shellcheck source=slurm/common.sh
-source "$DIFFMEG_ROOT/slurm/common.sh"
+source "${DIFFMEG_ROOT:-$(scontrol show job "${SLURM_JOB_ID:-0}" 2>/dev/null |
+    sed -n 's|^ *Command=\(.*/slurm\)/[^/]*$|\1|p' | grep . || dirname "$0")/..}/slurm/common.sh"
 
 size=${1:-}
 arch=${ARCH:-diff}
@@ -74,7 +59,5 @@ case $size in
     *) _dm_die "usage: diff_scaling.sh SIZE with SIZE one of 830m 1.4b 2.8b 6.8b 13.1b (optionally" \
         "diff2-SIZE or transformer-SIZE), got '${1:-}'" ;;
 esac
-: "${PP:=1}" "${CP:=1}"
 RECIPE_NAME=$arch-$size
-RECIPE_FILE=${RECIPE_FILE:-${BASH_SOURCE[0]}}
 diffmeg_launch --model "$arch-$size"

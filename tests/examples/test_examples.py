@@ -183,6 +183,14 @@ def test_torchrun_64k(tmp_path, corpus):
     assert c["memory_per_gpu_gib"]["total"] < 64
 
 
+def test_torchrun_dry_run_names_a_missing_dataset(tmp_path):
+    """The dry run's checks reach the terminal: a missing dataset is one error line and exit 2."""
+    proc = run_example("torchrun_scaling.sh", "830m", DRY_RUN="1", DATA_PATH=str(tmp_path / "nothing"))
+    assert proc.returncode == 2
+    assert f"error: --data-path: 1 of 1 dataset(s) not found: {tmp_path / 'nothing'}" in proc.stderr
+    assert "note:" not in proc.stderr  # --sequence-parallel is passed only at TP > 1
+
+
 @pytest.mark.slow
 def test_torchrun_example_runs_on_cpu(tmp_path):
     """The 3B example launched for real with two CPU processes and the tiny override."""
