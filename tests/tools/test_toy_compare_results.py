@@ -169,3 +169,24 @@ def test_model_flags_keep_the_head_size_and_scale_the_heads():
     assert three.returncode == 0 and "--num-attention-heads 3" in three.stdout
     proc = flags(96, 8, 2)
     assert proc.returncode == 2 and "cannot scale transformer-tiny" in proc.stderr
+
+
+def test_docs_results_show_the_committed_json():
+    """docs/results.md's tables are the ones generated from docs/results/toy_compare.json, so no figure
+    there is typed by hand and the two cannot drift apart."""
+    from tests.data.helpers import REPO_ROOT
+
+    committed = REPO_ROOT / "docs" / "results" / "toy_compare.json"
+    proc = run_tool("toy_compare_results", "tables", committed)
+    assert proc.returncode == 0, proc.stderr
+    doc = (REPO_ROOT / "docs" / "results.md").read_text()
+    sections = proc.stdout.split("### ")[1:]
+    assert len(sections) >= 4  # MQAR accuracy, learning-rate sweep, language modelling, analyses
+    for section in sections:
+        assert "### " + section.strip() in doc, section.splitlines()[0]
+    results = json.loads(committed.read_text())
+    assert {r["seed"] for r in results["mqar"]} == {1, 2, 3} and {r["seed"] for r in results["lm"]} == {
+        1,
+        2,
+        3,
+    }
