@@ -25,6 +25,7 @@ def format_bytes(n: float) -> str:
 def free_bytes(path: str) -> int:
     """Free bytes for this user on the file system holding `path` (or its nearest existing parent);
     -1 when the file system cannot be asked."""
+    path = os.path.abspath(path)
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     try:

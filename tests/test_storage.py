@@ -1,0 +1,57 @@
+"""diffmeg/storage.py: the disk facts behind every writer's one-line full-disk error."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+
+from diffmeg.storage import directory_bytes, format_bytes, free_bytes, is_disk_full
+
+
+def test_free_bytes_asks_the_nearest_existing_parent(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    free = shutil.disk_usage(tmp_path).free
+    for path in ("not/yet/made", str(tmp_path / "missing" / "deeper"), "."):
+        assert abs(free_bytes(path) - free) < 64 * 2**20  # the same file system, give or take other writers
+
+
+def test_directory_bytes_counts_every_file_below(tmp_path):
+    (tmp_path / "a").write_bytes(b"x" * 100)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b").write_bytes(b"y" * 23)
+    assert directory_bytes(str(tmp_path)) == 123
+    assert directory_bytes(str(tmp_path / "absent")) == 0
+
+
+class _PerRankFailures(Exception):
+    """Like torch.distributed.checkpoint's CheckpointException: failures per rank, some as tuples."""
+
+    def __init__(self, failures: dict) -> None:
+        super().__init__("checkpoint failed")
+        self.failures = failures
+
+
+def test_is_disk_full_looks_through_causes_and_per_rank_failures():
+    full = OSError(errno.ENOSPC, "No space left on device")
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert is_disk_full(full) and is_disk_full(quota)
+    try:
+        try:
+            raise full
+        except OSError as exc:
+            raise RuntimeError("save failed") from exc
+    except RuntimeError as wrapped:
+        assert is_disk_full(wrapped)
+    assert is_disk_full(_PerRankFailures({0: ValueError("ok"), 1: (quota, "traceback")}))
+    assert is_disk_full(RuntimeError("write: No space left on device"))  # torch's zip writer, no errno
+    assert not is_disk_full(_PerRankFailures({0: OSError(errno.EACCES, "Permission denied")}))
+    assert not is_disk_full(None)
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (512, 2048, 3 * 2**20 + 2**19, 5 * 2**30)] == [
+        "512 B",
+        "2.0 KiB",
+        "3.5 MiB",
+        "5.0 GiB",
+    ]
