@@ -42,9 +42,9 @@
 #   TOY_JOBS [2]                   runs at once, TOY_THREADS [1] threads each
 #   PYTHON=python3
 set -euo pipefail
-cd "$(dirname "$0")/.."
-root=$PWD
-py=${PYTHON:-python3}
+example=toy_compare
+# shellcheck source=examples/common.sh
+source "$(dirname "$0")/common.sh"  # in the checkout, running its code: root, py
 out=${TOY_OUT:-runs/toy_compare}
 smoke=${TOY_SMOKE:-0}
 if [ "$smoke" = 1 ]; then
@@ -76,12 +76,7 @@ run_lm=${TOY_LM:-1}
 run_analysis=${TOY_ANALYSIS:-1}
 jobs=${TOY_JOBS:-2}
 export OMP_NUM_THREADS=${TOY_THREADS:-1}  # one thread per run was fastest on 2 cores (two runs at once)
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, installed or not
-export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
-
-example=toy_compare
-# shellcheck source=examples/common.sh
-source "$root/examples/common.sh"
+export TORCHDYNAMO_DISABLE=1
 
 step 0/6 "checking the environment"
 "$py" -c "import diffmeg, torch, matplotlib, importlib.util as u; assert u.find_spec('megatron.core')" \
