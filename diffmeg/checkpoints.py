@@ -16,7 +16,6 @@ import json
 import os
 import pickle
 import shutil
-from dataclasses import dataclass
 
 import torch
 
@@ -297,8 +296,7 @@ def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
 def build_single_rank_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The TP=PP=1 GPTModel `pretrain_diff.py` builds for these arguments, its weights in `dtype` (built in
     that dtype: no fp32 copy of a bf16 model). Needs `diffmeg.runtime.single_process()`."""
-    from diffmeg.model import build_model
-    from diffmeg.training.builders import config_from_args
+    from diffmeg.model import build_model, config_from_args
 
     args = single_rank_args(args)
     args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
@@ -327,82 +325,3 @@ def load_model_weights(root: str, iteration: int | None = None, dtype: torch.dty
         loaded = load_sharded({"model": model.sharded_state_dict()}, path)
     model.load_state_dict(loaded["model"])
     return model.to(dtype).eval(), single_rank_args(args)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Checkpoints and Hugging Face folders as inputs of the evaluation tools
-
-
-@dataclass
-class CheckpointInfo:
-    """What a tool needs to know about a checkpoint before loading its weights.
-
-    A pretrain_diff.py checkpoint directory, or a Hugging Face DiffLlama / Llama folder (`hf` set; no
-    iteration; `args` are those a pretrain_diff.py run of it would resolve, from config.json).
-    """
-
-    root: str
-    iteration: int | None
-    path: str
-    args: dict
-    label: str = ""
-    hf: bool = False
-    """A Hugging Face folder: its weights are mapped into the model in memory (no checkpoint written)."""
-
-    @property
-    def architecture(self) -> str:
-        return "DIFF" if self.args.get("diff_attention", True) else "Transformer"
-
-    @property
-    def seq_length(self) -> int:
-        return int(self.args["seq_length"])
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.args["vocab_size"])
-
-    @property
-    def tokenizer(self) -> str:
-        """The vocabulary its token ids mean: mock data and `--tokenizer-type null` ids are not cl100k's."""
-        if self.args.get("mock_data") or self.args.get("tokenizer_type") == "null":
-            return "mock"
-        return "cl100k_base"
-
-
-def read_checkpoint_info(root: str, iteration: int | None = None) -> CheckpointInfo:
-    """The arguments a checkpoint was trained with (cheap: no weights are read).
-
-    A folder with config.json (a Hugging Face DiffLlama / Llama) is accepted too: its arguments come
-    from config.json (seq_length = max_position_embeddings; tokenizer cl100k_base when the vocabulary
-    holds cl100k's ids, else mock), its tensors are checked from the safetensors headers only.
-    """
-    from diffmeg.conversion.hf_import import is_hf_folder
-
-    if not os.path.isdir(root):
-        raise DiffmegError(f"--load {root} is not a directory")
-    if is_hf_folder(root):
-        from diffmeg.conversion.hf_import import analysis_args, open_hf_folder
-
-        if iteration is not None:
-            raise DiffmegError(
-                f"--iteration {iteration} does not apply to {root}: a Hugging Face folder holds one model"
-            )
-        args = analysis_args(open_hf_folder(root))
-        return CheckpointInfo(root=root, iteration=None, path=root, args=vars(args), hf=True)
-    args, path = read_checkpoint_args(root, iteration)
-    resolved = int(os.path.basename(path).removeprefix("iter_"))
-    return CheckpointInfo(root=root, iteration=resolved, path=path, args=vars(args))
-
-
-def load_checkpoint_model(info: CheckpointInfo, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The single-rank model of a checkpoint or Hugging Face folder, in eval mode and `dtype`.
-
-    Needs `diffmeg.runtime.single_process()`. Both are built the same way (fp32, then cast), so a
-    Hugging Face export of a checkpoint gives the checkpoint's numbers.
-    """
-    if info.hf:
-        from diffmeg.conversion.hf_import import load_hf_model, open_hf_folder
-
-        return load_hf_model(open_hf_folder(info.root), argparse.Namespace(**info.args), dtype)
-    model, _ = load_model_weights(info.root, info.iteration, dtype=dtype)
-    return model

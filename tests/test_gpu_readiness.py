@@ -76,9 +76,8 @@ def test_seeded_sampling_on_gpu_logits(single_rank_parallel_state):
 def test_bf16_local_spec_trains_on_gpu(single_rank_parallel_state, monkeypatch, preset):
     """The baseline's core attention in bf16 at 512 tokens (the fused-softmax path without its extension
     was a ModuleNotFoundError); DIFF's sdpa and triton backends agree on the loss."""
-    from diffmeg.model import build_model
+    from diffmeg.model import build_model, config_from_args
     from diffmeg.training.arguments import resolve_args
-    from diffmeg.training.builders import config_from_args
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     triton = importlib.util.find_spec("triton") is not None

@@ -10,7 +10,6 @@ Used by `tools/convert_checkpoint.py hf-to-mcore` and by `diffmeg.eval.long_cont
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,15 +31,6 @@ from diffmeg.errors import DiffmegError
 
 CONFIG_FILE = "config.json"
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # a buffer older transformers saved; recomputed, not weights
-
-
-def is_hf_folder(path: str) -> bool:
-    """A directory with config.json and no pretrain_diff.py checkpoint tracker."""
-    from diffmeg.checkpoints import TRACKER_FILE
-
-    return os.path.isfile(os.path.join(path, CONFIG_FILE)) and not os.path.isfile(
-        os.path.join(path, TRACKER_FILE)
-    )
 
 
 @dataclass
@@ -125,8 +115,8 @@ def resolved_pretrain_args(
     Training-only values not given (`--lr`, `--train-iters`) are recorded as 0: a continuing run gives
     its own. `seq_length` defaults to max_position_embeddings.
     """
+    from diffmeg.model import config_from_args
     from diffmeg.training.arguments import resolve_args
-    from diffmeg.training.builders import config_from_args
 
     seq = seq_length or layout.max_position_embeddings
     model_flags = pretrain_flags(layout)

@@ -61,7 +61,7 @@ def build_skeleton_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.
 
     from diffmeg.checkpoints import single_rank_args
     from diffmeg.layer_specs import get_diff_block_spec
-    from diffmeg.training.builders import config_from_args
+    from diffmeg.model import config_from_args
 
     args = single_rank_args(args)
     args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16

@@ -20,8 +20,9 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch
 
-from diffmeg.checkpoints import DTYPES, CheckpointInfo, load_checkpoint_model, read_checkpoint_info
+from diffmeg.checkpoints import DTYPES
 from diffmeg.errors import DiffmegError
+from diffmeg.model_source import CheckpointInfo, load_checkpoint_model, read_checkpoint_info
 from diffmeg.runtime import single_process
 
 Log = Callable[[str], None]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diffmeg.checkpoints import CheckpointInfo, first_line
+from diffmeg.checkpoints import first_line
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.common import (
     EvalConfig,
@@ -36,6 +36,7 @@ from diffmeg.eval.common import (
     stderr,
     write_json,
 )
+from diffmeg.model_source import CheckpointInfo
 
 CSV_NAME = "long_context_nll.csv"
 PLOT_NAME = "long_context_nll.png"

@@ -170,7 +170,8 @@ class MQAREvalConfig(EvalConfig):
 def resolve_checkpoints(cfg: MQAREvalConfig) -> list:
     """`CheckpointInfo`s of every (load, iteration) to evaluate; every iteration of a load keeps the
     load's label."""
-    from diffmeg.checkpoints import iteration_dirs, read_checkpoint_info
+    from diffmeg.checkpoints import iteration_dirs
+    from diffmeg.model_source import read_checkpoint_info
 
     infos = cfg.checkpoints.resolve()  # labels, one vocabulary, --iteration
     if not cfg.all_iterations:

@@ -214,7 +214,7 @@ def build_prompt(
 
 
 def needle_vocab(info, text_files: Sequence[str] | None, tokenizer_file: str | None) -> IdVocab | TextVocab:
-    """The vocabulary of a checkpoint's prompts (`info`: a `diffmeg.checkpoints.CheckpointInfo`):
+    """The vocabulary of a checkpoint's prompts (`info`: a `diffmeg.model_source.CheckpointInfo`):
     `IdVocab` for mock-data checkpoints, `TextVocab` (filler from `text_files`) for cl100k ones."""
     if info.tokenizer == "mock":
         if text_files:

@@ -49,7 +49,3 @@ def build_scheduler(run: RunConfig, optimizer: MegatronOptimizer) -> OptimizerPa
         override_opt_param_scheduler=o.override_opt_param_scheduler,
     )
 
-
-def params_dtype(args) -> torch.dtype:
-    """The parameter dtype of flat arguments (--bf16/--fp16); a RunConfig has `training.params_dtype`."""
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32

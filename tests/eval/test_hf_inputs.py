@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from diffmeg.checkpoints import CheckpointInfo, read_checkpoint_info
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.common import CheckpointSet, default_labels
 from diffmeg.eval.long_context import LongContextConfig, run_long_context_eval
+from diffmeg.model_source import CheckpointInfo, read_checkpoint_info
 from tests.conversion.helpers import exported_eval, hf_folder_variant
 from tests.eval.helpers import periodic_documents, write_indexed_dataset
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffmeg.checkpoints import CheckpointInfo
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.common import check_same_vocabulary, default_labels, expand_text_files
 from diffmeg.eval.long_context import (
@@ -22,6 +21,7 @@ from diffmeg.eval.long_context import (
     select_documents,
     write_csv,
 )
+from diffmeg.model_source import CheckpointInfo
 from tests.eval.helpers import MOCK_VOCAB, periodic_documents, write_indexed_dataset
 
 # ---------------------------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ def masked_run(tmp_path_factory):
 
 
 def test_the_logged_loss_is_the_mean_over_answer_tokens(masked_run):
-    from diffmeg.checkpoints import load_checkpoint_model, read_checkpoint_info
     from diffmeg.data.loss_mask import build_loss_mask_datasets
+    from diffmeg.model_source import load_checkpoint_model, read_checkpoint_info
     from diffmeg.runtime import single_process
 
     tmp, prefix, losses = masked_run
@@ -95,8 +95,8 @@ def test_the_trainer_builds_whole_document_samples_for_a_masked_path(tmp_path):
 
 def test_eval_mqar_scores_the_saved_checkpoint(masked_run):
     """tools/eval_mqar.py on the run's checkpoint: the accuracy this test computes by hand."""
-    from diffmeg.checkpoints import load_checkpoint_model, read_checkpoint_info
     from diffmeg.data.loss_mask import MaskedDocuments
+    from diffmeg.model_source import load_checkpoint_model, read_checkpoint_info
     from diffmeg.runtime import single_process
     from tests.tools.helpers import run_tool
 

@@ -34,9 +34,8 @@ def _saved_bytes(model, tokens):
 
 def _per_layer_bytes(preset: str, extra: list[str]) -> tuple[float, float]:
     """(measured, estimated) activation bytes of one layer for one micro-batch of 2 x 128 tokens."""
-    from diffmeg.model import build_model
+    from diffmeg.model import build_model, config_from_args
     from diffmeg.training.arguments import resolve_args
-    from diffmeg.training.builders import config_from_args
     from diffmeg.training.memory import activation_bytes_per_microbatch
 
     measured = {}

@@ -6,7 +6,7 @@ import importlib.util
 
 import torch
 
-from diffmeg.training import builders
+from diffmeg import model
 from diffmeg.training.arguments import resolve_args
 
 
@@ -14,15 +14,15 @@ def _config(monkeypatch, cuda: bool, modules: bool):
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name, *args, **kwargs):
-        if name in builders.FUSED_SOFTMAX_MODULES:
+        if name in model.FUSED_SOFTMAX_MODULES:
             return object() if modules else None
         return real_find_spec(name, *args, **kwargs)
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = resolve_args(["--model", "transformer-tiny", "--mock-data", "--bf16"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(builders.importlib.util, "find_spec", find_spec)
-    return builders.config_from_args(args)
+    monkeypatch.setattr(model.importlib.util, "find_spec", find_spec)
+    return model.config_from_args(args)
 
 
 def test_fused_softmax_off_on_a_gpu_without_the_extension(monkeypatch):
