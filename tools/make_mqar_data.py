@@ -44,8 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def write(args: argparse.Namespace) -> None:
-    from diffmeg.data.indexed import check_can_write
-    from diffmeg.data.loss_mask import loss_mask_prefix
+    from diffmeg.data.indexed import check_can_write, loss_mask_prefix
     from diffmeg.data.mqar import MQARSetting, write_mqar_dataset
 
     setting = MQARSetting(args.pairs, args.queries, args.distractors, args.vocab_size)

@@ -134,6 +134,24 @@ def exists(prefix: str) -> bool:
     return os.path.isfile(get_bin_path(prefix)) and os.path.isfile(get_idx_path(prefix))
 
 
+LOSS_MASK_SUFFIX = ".loss_mask"
+"""The mask of dataset PREFIX is the indexed dataset PREFIX.loss_mask (PREFIX.loss_mask.bin/.idx): the
+companion `diffmeg.data.loss_mask` writes and reads; listings and merges here keep the two together."""
+
+
+def loss_mask_prefix(prefix: str) -> str:
+    return prefix + LOSS_MASK_SUFFIX
+
+
+def is_loss_mask_prefix(prefix: str) -> bool:
+    """Whether this prefix is itself a mask companion (listings of datasets leave those out)."""
+    return prefix.endswith(LOSS_MASK_SUFFIX)
+
+
+def has_loss_mask(prefix: str) -> bool:
+    return exists(loss_mask_prefix(prefix))
+
+
 def check_can_write(prefixes: Iterable[str], overwrite: bool) -> None:
     """Fail before any work if an output exists and ``--overwrite`` was not given."""
     for prefix in prefixes:
@@ -259,7 +277,6 @@ def _strip_ext(path: str) -> str:
 
 
 def _prefixes_from_paths(paths: Iterable[str]) -> list[str]:
-    from diffmeg.data.loss_mask import is_loss_mask_prefix  # a dataset's mask is part of it, not another
 
     prefixes = {_strip_ext(p) for p in paths if p.endswith((".bin", ".idx"))}
     return sorted(p for p in prefixes if exists(p) and not is_loss_mask_prefix(p))
@@ -297,8 +314,6 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str, overwrite: bool 
         raise DiffmegError(f"output {output_prefix} is also an input; choose another --output-prefix")
     check_can_write([output_prefix], overwrite)
     remove_stale_temporaries([output_prefix])
-    from diffmeg.data.loss_mask import has_loss_mask, loss_mask_prefix
-
     masked = [p for p in prefixes if has_loss_mask(p)]
     if masked and len(masked) < len(prefixes):
         unmasked = next(p for p in prefixes if p not in masked)

@@ -29,28 +29,15 @@ from diffmeg.data.indexed import (
     IndexedWriter,
     abort_writers,
     check_can_write,
-    exists,
+    has_loss_mask,
+    loss_mask_prefix,
     remove_stale_temporaries,
 )
+from diffmeg.data.splits import check_splits_nonempty, split_matrix
 from diffmeg.errors import DiffmegError
 
-LOSS_MASK_SUFFIX = ".loss_mask"
-"""The mask of dataset PREFIX is the indexed dataset PREFIX.loss_mask (PREFIX.loss_mask.bin/.idx)."""
 PAD_TOKEN = 0
 """Inputs and labels of positions past a short document's end (their mask bit is 0)."""
-
-
-def loss_mask_prefix(prefix: str) -> str:
-    return prefix + LOSS_MASK_SUFFIX
-
-
-def is_loss_mask_prefix(prefix: str) -> bool:
-    """Whether this prefix is itself a mask companion (listings of datasets leave those out)."""
-    return prefix.endswith(LOSS_MASK_SUFFIX)
-
-
-def has_loss_mask(prefix: str) -> bool:
-    return exists(loss_mask_prefix(prefix))
 
 
 class MaskedWriter:
@@ -193,8 +180,6 @@ def build_loss_mask_datasets(
 ) -> tuple:
     """(train, valid, test) whole-document datasets of a loss-masked ``--data-path``; None for a split
     of weight 0."""
-    from diffmeg.data.gpt_datasets import check_splits_nonempty, split_matrix
-
     unmasked = [p for p in prefixes if not has_loss_mask(p)]
     if unmasked:
         raise DiffmegError(

@@ -56,7 +56,8 @@ def build_datasets(run: RunConfig | argparse.Namespace, tokenizer=None):
             None,
         )
     from diffmeg.data.gpt_datasets import build_gpt_datasets, parse_data_path
-    from diffmeg.data.loss_mask import build_loss_mask_datasets, has_loss_mask
+    from diffmeg.data.indexed import has_loss_mask
+    from diffmeg.data.loss_mask import build_loss_mask_datasets
 
     eval_runs = t.train_iters // log.eval_interval + 1 if log.eval_iters > 0 else 0
     num_samples = (

@@ -3,12 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffmeg.data.gpt_datasets import (
-    build_gpt_datasets,
-    check_splits_nonempty,
-    parse_data_path,
-    split_matrix,
-)
+from diffmeg.data.gpt_datasets import build_gpt_datasets, parse_data_path
 from diffmeg.data.indexed import IndexedWriter
 from diffmeg.errors import DiffmegError
 
@@ -97,23 +92,3 @@ def test_zero_document_split_fails_instead_of_hanging(gloo, tokenizer, tmp_path)
         [small], "1,0,0", 8, 1, (10, 0, 0), tokenizer, str(tmp_path / "c")
     )
     assert len(train) >= 10 and valid is None and test is None
-
-
-def test_split_without_tokens_and_empty_dataset(tmp_path):
-    with IndexedWriter(str(tmp_path / "d")) as w:
-        for n in (5, 5, 5, 0):
-            w.add_document(np.ones(n, dtype=np.int32))
-        w.commit()
-    with pytest.raises(DiffmegError, match="test split .* 1 documents but no tokens"):
-        check_splits_nonempty([str(tmp_path / "d")], "3,0,1")
-    with IndexedWriter(str(tmp_path / "e")) as w:
-        w.add_document(np.ones(0, dtype=np.int32))
-        w.commit()
-    with pytest.raises(DiffmegError, match="holds no tokens"):
-        check_splits_nonempty([str(tmp_path / "e")], "1")
-
-
-@pytest.mark.parametrize("split", ["", "a,b", "1,2,3,4", "0,0,0", "-1,2"])
-def test_bad_split_strings(split):
-    with pytest.raises(DiffmegError, match="--split"):
-        split_matrix(split)

@@ -6,15 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffmeg.data.indexed import IndexedWriter, merge_datasets, resolve_prefixes
-from diffmeg.data.loss_mask import (
-    LossMaskDataset,
-    MaskedDocuments,
-    MaskedWriter,
-    build_loss_mask_datasets,
+from diffmeg.data.indexed import (
+    IndexedWriter,
     has_loss_mask,
     loss_mask_prefix,
+    merge_datasets,
+    resolve_prefixes,
 )
+from diffmeg.data.loss_mask import LossMaskDataset, MaskedDocuments, MaskedWriter, build_loss_mask_datasets
 from diffmeg.errors import DiffmegError
 from tests.data.helpers import leftovers
 

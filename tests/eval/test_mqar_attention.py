@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffmeg.data.loss_mask import MaskedDocuments, loss_mask_prefix
+from diffmeg.data.indexed import loss_mask_prefix
+from diffmeg.data.loss_mask import MaskedDocuments
 from diffmeg.data.mqar import MQARSetting, write_mqar_dataset
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.capture import AttentionRecord, capture_attention
