@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from diffmeg.data.loss_mask import MaskedWriter, loss_mask_prefix
+from diffmeg.data.indexed import loss_mask_prefix
+from diffmeg.data.loss_mask import MaskedWriter
 from diffmeg.errors import DiffmegError
 
 SEED_TAG = 0x4D514152
@@ -108,6 +109,24 @@ def mqar_document(setting: MQARSetting, seed: int, index: int) -> tuple[np.ndarr
     mask = np.zeros(len(tokens), dtype=bool)
     mask[len(context) + 1 :: 2] = True  # the value after each query key
     return tokens, mask
+
+
+def query_key_positions(tokens: np.ndarray, answers: np.ndarray) -> np.ndarray:
+    """For each answer position of an MQAR document, the first occurrence of its query key (the token
+    before the answer): the key of the queried context pair, whose value follows it."""
+    return np.array([int(np.flatnonzero(tokens == tokens[pos - 1])[0]) for pos in answers], dtype=np.int64)
+
+
+def pair_indices(tokens: np.ndarray, answers: np.ndarray, vocab_size: int) -> np.ndarray:
+    """For each answer position of an MQAR document, the context pair its query key belongs to.
+
+    The key is the token before the answer; its pair index counts the value ids (the upper half of the
+    vocabulary) before the key's first occurrence, since in the context values appear only in pairs.
+    """
+    is_value = tokens >= vocab_size // 2
+    return np.array(
+        [int(is_value[:first].sum()) for first in query_key_positions(tokens, answers)], dtype=np.int64
+    )
 
 
 def write_mqar_dataset(

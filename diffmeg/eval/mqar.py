@@ -69,24 +69,6 @@ class Tally:
         return out
 
 
-def query_key_positions(tokens: np.ndarray, answers: np.ndarray) -> np.ndarray:
-    """For each answer position of an MQAR document, the first occurrence of its query key (the token
-    before the answer): the key of the queried context pair, whose value follows it."""
-    return np.array([int(np.flatnonzero(tokens == tokens[pos - 1])[0]) for pos in answers], dtype=np.int64)
-
-
-def pair_indices(tokens: np.ndarray, answers: np.ndarray, vocab_size: int) -> np.ndarray:
-    """For each answer position of an MQAR document, the context pair its query key belongs to.
-
-    The key is the token before the answer; its pair index counts the value ids (the upper half of the
-    vocabulary) before the key's first occurrence, since in the context values appear only in pairs.
-    """
-    is_value = tokens >= vocab_size // 2
-    return np.array(
-        [int(is_value[:first].sum()) for first in query_key_positions(tokens, answers)], dtype=np.int64
-    )
-
-
 def score_batch(
     logits: torch.Tensor, docs: Sequence[np.ndarray], masks: Sequence[np.ndarray]
 ) -> list[np.ndarray]:
@@ -113,6 +95,8 @@ def evaluate_documents(
 ) -> Tally:
     """Accuracy of `model` on the first `max_documents` of a `MaskedDocuments` (all when None); with
     `attention`, the same forward passes also add their attention at the answers to it."""
+    from diffmeg.data.mqar import pair_indices
+
     device = next(model.parameters()).device
     count = len(documents) if max_documents is None else min(max_documents, len(documents))
     tally = Tally()
@@ -195,7 +179,8 @@ def resolve_checkpoints(cfg: MQAREvalConfig) -> list:
 def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> dict:
     """Evaluate every (checkpoint, iteration) on every dataset; write the summary and CSV if asked."""
     from diffmeg.data.gpt_datasets import parse_data_path
-    from diffmeg.data.loss_mask import MaskedDocuments, has_loss_mask, loss_mask_prefix
+    from diffmeg.data.indexed import has_loss_mask, loss_mask_prefix
+    from diffmeg.data.loss_mask import MaskedDocuments
     from diffmeg.data.mqar import read_mqar_metadata
 
     if not cfg.data_prefixes:

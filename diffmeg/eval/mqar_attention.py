@@ -4,7 +4,7 @@
 For every answer of a held-out document, the attention row read is the query key's position: the one
 whose next-token prediction is the answer, as `diffmeg.eval.mqar` scores it. That row's keys fall into
 * the **pair**: the first occurrence of the query key in the context and the value right after it
-  (`query_key_positions`, the pair `pair_indices` counts);
+  (`diffmeg.data.mqar.query_key_positions`, the pair `pair_indices` counts);
 * the **noise**: every other context token (the other pairs and the distractors);
 * the query section seen so far (earlier queries and answers, the query key itself): neither; its mass
   is reported as `query`, so pair + noise + query is the whole row.
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from diffmeg.data.mqar import query_key_positions
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.capture import AttentionRecord, capture_attention, decoder_layers
-from diffmeg.eval.mqar import query_key_positions
 
 MASSES = ("pair", "noise", "query")
 SCALES = ("normalised", "raw")

@@ -10,8 +10,15 @@ import sys
 import numpy as np
 import pytest
 
-from diffmeg.data.loss_mask import MaskedDocuments, loss_mask_prefix
-from diffmeg.data.mqar import MQARSetting, mqar_document, read_mqar_metadata, write_mqar_dataset
+from diffmeg.data.indexed import loss_mask_prefix
+from diffmeg.data.loss_mask import MaskedDocuments
+from diffmeg.data.mqar import (
+    MQARSetting,
+    mqar_document,
+    pair_indices,
+    read_mqar_metadata,
+    write_mqar_dataset,
+)
 from diffmeg.errors import DiffmegError
 from tests.data.helpers import REPO_ROOT, leftovers
 
@@ -89,6 +96,12 @@ def test_setting_names_and_lengths():
 def test_bad_settings_are_clear_errors(kwargs, match):
     with pytest.raises(DiffmegError, match=match):
         MQARSetting(**kwargs)
+
+
+def test_pair_indices_count_pairs_not_distractors():
+    # context k1=1 v1=9, distractor 3, k2=2 v2=10; queries k2, k1 (vocabulary 16: values >= 8)
+    doc = np.array([1, 9, 3, 2, 10, 2, 10, 1, 9])
+    assert pair_indices(doc, np.array([6, 8]), vocab_size=16).tolist() == [1, 0]
 
 
 def test_dataset_and_mask_round_trip(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from diffmeg.data.loss_mask import MaskedDocuments
 from diffmeg.data.mqar import MQARSetting, write_mqar_dataset
 from diffmeg.errors import DiffmegError
-from diffmeg.eval.mqar import Tally, evaluate_documents, pair_indices, score_batch
+from diffmeg.eval.mqar import Tally, evaluate_documents, score_batch
 
 
 def test_score_batch_compares_the_argmax_one_position_earlier():
@@ -33,12 +33,6 @@ def test_tally_tables():
     assert (t.correct, t.total) == (3, 6) and s["accuracy"] == 0.5 and s["answers"] == 6
     assert s["by_query"] == [0.5, 0.0, 1.0]
     assert s["by_pair"] == [0.0, 0.5, 1.0]  # pair 0: 0/2, pair 1: 1/2 (True, False), pair 2: 2/2
-
-
-def test_pair_indices_count_pairs_not_distractors():
-    # context k1=1 v1=9, distractor 3, k2=2 v2=10; queries k2, k1 (vocabulary 16: values >= 8)
-    doc = np.array([1, 9, 3, 2, 10, 2, 10, 1, 9])
-    assert pair_indices(doc, np.array([6, 8]), vocab_size=16).tolist() == [1, 0]
 
 
 class Oracle(torch.nn.Module):
