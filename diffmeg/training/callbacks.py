@@ -9,6 +9,9 @@ The Trainer calls every callback's hooks in list order:
 - `on_log(trainer, record)` at logging steps; `on_evaluation(trainer, iteration, loss)` after evaluation.
 
 A callback stops the run with `trainer.request_stop(reason)`; the Trainer then saves (with --save) and exits.
+This module is the interface between the two: the records a hook receives (`StepOutput`, `LogRecord`) and
+what a callback may ask of the Trainer (`TrainerControl`, which `diffmeg.training.trainer.Trainer`
+implements), so callbacks never import the Trainer.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import math
 import os
 import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from diffmeg.errors import DiffmegError
 from diffmeg.training import collectives
@@ -25,7 +30,24 @@ from diffmeg.training.logger import TrainingLogger
 
 if TYPE_CHECKING:
     from diffmeg.training.run_config import RunConfig
-    from diffmeg.training.trainer import StepOutput, Trainer
+
+
+class TrainerControl(Protocol):
+    """The Trainer as its callbacks see it (`diffmeg.training.trainer.Trainer` implements this)."""
+
+    def request_stop(self, reason: str, interrupted: bool = False) -> None:
+        """Save (with --save) and stop after this step; `interrupted`: Ctrl-C (the exit status says so)."""
+
+
+@dataclass
+class StepOutput:
+    """One optimizer step, as the callbacks see it (nothing here forced a host sync)."""
+
+    iteration: int
+    loss: torch.Tensor | None
+    """This rank's mean over its micro-batches (a device scalar); None off the last pipeline stage."""
+    grad_norm: float | None
+    update_ok: bool
 
 
 @dataclass
@@ -49,29 +71,29 @@ class LogRecord:
 class Callback:
     """Base class: every hook does nothing."""
 
-    def on_train_start(self, trainer: Trainer) -> None:
+    def on_train_start(self, trainer: TrainerControl) -> None:
         pass
 
-    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+    def on_step_end(self, trainer: TrainerControl, out: StepOutput) -> None:
         pass
 
-    def on_losses(self, trainer: Trainer, losses: dict[int, float]) -> None:
+    def on_losses(self, trainer: TrainerControl, losses: dict[int, float]) -> None:
         pass
 
-    def on_log(self, trainer: Trainer, record: LogRecord) -> None:
+    def on_log(self, trainer: TrainerControl, record: LogRecord) -> None:
         pass
 
-    def on_evaluation(self, trainer: Trainer, iteration: int, loss: float) -> None:
+    def on_evaluation(self, trainer: TrainerControl, iteration: int, loss: float) -> None:
         pass
 
-    def on_train_end(self, trainer: Trainer) -> None:
+    def on_train_end(self, trainer: TrainerControl) -> None:
         pass
 
 
 class NanGuard(Callback):
     """Stop with one line at the first iteration whose loss is not finite (before anything is saved)."""
 
-    def on_losses(self, trainer: Trainer, losses: dict[int, float]) -> None:
+    def on_losses(self, trainer: TrainerControl, losses: dict[int, float]) -> None:
         for iteration in sorted(losses):
             if not math.isfinite(losses[iteration]):
                 raise DiffmegError(
@@ -86,13 +108,13 @@ class MetricsLogger(Callback):
     def __init__(self, tensorboard_dir: str | None, metrics_file: str | None, enabled: bool) -> None:
         self.logger = TrainingLogger(tensorboard_dir, metrics_file, enabled=enabled)
 
-    def on_log(self, trainer: Trainer, record: LogRecord) -> None:
+    def on_log(self, trainer: TrainerControl, record: LogRecord) -> None:
         self.logger.training(**vars(record))
 
-    def on_evaluation(self, trainer: Trainer, iteration: int, loss: float) -> None:
+    def on_evaluation(self, trainer: TrainerControl, iteration: int, loss: float) -> None:
         self.logger.validation(iteration, loss)
 
-    def on_train_end(self, trainer: Trainer) -> None:
+    def on_train_end(self, trainer: TrainerControl) -> None:
         self.logger.close()
 
 
@@ -109,7 +131,7 @@ class SignalHandler(Callback):
         self.received: str | None = None
         self._previous: dict[int, object] = {}
 
-    def on_train_start(self, trainer: Trainer) -> None:
+    def on_train_start(self, trainer: TrainerControl) -> None:
         for sig in self.SIGNALS:
             try:
                 self._previous[sig] = signal.signal(sig, self._handler)
@@ -128,12 +150,12 @@ class SignalHandler(Callback):
                 2, b" Ctrl-C: saving (with --save), then exiting after this step; Ctrl-C again exits now\n"
             )
 
-    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+    def on_step_end(self, trainer: TrainerControl, out: StepOutput) -> None:
         if collectives.any_rank(self.received is not None):
             reason = self.received or "a signal on another rank"
             trainer.request_stop(reason, interrupted=self.received == "SIGINT")
 
-    def on_train_end(self, trainer: Trainer) -> None:
+    def on_train_end(self, trainer: TrainerControl) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
@@ -145,7 +167,7 @@ class ExitInterval(Callback):
     def __init__(self, interval: int | None) -> None:
         self.interval = interval
 
-    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+    def on_step_end(self, trainer: TrainerControl, out: StepOutput) -> None:
         if self.interval and out.iteration % self.interval == 0:
             trainer.request_stop(f"--exit-interval {self.interval}")
 

@@ -30,7 +30,7 @@ from diffmeg.model import lambda_parameters
 from diffmeg.training import collectives
 from diffmeg.training.arguments import args_to_json
 from diffmeg.training.builders import build_training_objects
-from diffmeg.training.callbacks import Callback, LogRecord, default_callbacks
+from diffmeg.training.callbacks import Callback, LogRecord, StepOutput, default_callbacks
 from diffmeg.training.checkpointing import ARGUMENTS_FILE, CheckpointManager, unwrap_model
 from diffmeg.training.data import build_datasets, microbatches, to_device
 from diffmeg.training.distributed import initialize_distributed
@@ -46,17 +46,6 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     skipped_iterations: int = 0
-
-
-@dataclass
-class StepOutput:
-    """One optimizer step, as the callbacks see it (nothing here forced a host sync)."""
-
-    iteration: int
-    loss: torch.Tensor | None
-    """This rank's mean over its micro-batches (a device scalar); None off the last pipeline stage."""
-    grad_norm: float | None
-    update_ok: bool
 
 
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
