@@ -48,4 +48,3 @@ def build_scheduler(run: RunConfig, optimizer: MegatronOptimizer) -> OptimizerPa
         use_checkpoint_opt_param_scheduler=not o.override_opt_param_scheduler,
         override_opt_param_scheduler=o.override_opt_param_scheduler,
     )
-
