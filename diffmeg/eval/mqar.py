@@ -200,7 +200,7 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> 
         start_outputs(cfg.output_dir, plot=cfg.plot and cfg.attention)
     datasets = [(prefix, MaskedDocuments(prefix), read_mqar_metadata(prefix)) for prefix in prefixes]
     if cfg.attention:
-        from diffmeg.eval.mqar_attention import AttentionTally
+        from diffmeg.eval.mqar_attention import AttentionTally, write_attention
 
         for prefix, _, meta in datasets:
             if meta is None:
@@ -246,22 +246,5 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> 
 
         _write_atomic(os.path.join(cfg.output_dir, CSV_NAME), write_csv)
         if cfg.attention:
-            _write_attention(cfg, attention)
+            write_attention(cfg.output_dir, attention, cfg.max_documents, cfg.plot)
     return summary
-
-
-def _write_attention(cfg: MQAREvalConfig, attention: list[dict]) -> None:
-    """mqar_attention.json, .csv and (with cfg.plot) .png under cfg.output_dir."""
-    from diffmeg.eval import mqar_attention as ma
-    from diffmeg.eval.common import write_json, write_rows
-
-    summary = {
-        "max_documents": cfg.max_documents,
-        "rows": ma.ROWS_NOTE,
-        "normalisation": ma.NORMALISATION_NOTE,
-        "results": attention,
-    }
-    write_json(os.path.join(cfg.output_dir, ma.SUMMARY_NAME), summary)
-    write_rows(os.path.join(cfg.output_dir, ma.CSV_NAME), ma.table_rows(attention))
-    if cfg.plot:
-        ma.plot(attention, os.path.join(cfg.output_dir, ma.PLOT_NAME))

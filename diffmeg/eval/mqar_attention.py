@@ -23,6 +23,7 @@ pairs; the Transformer: its 2h heads); ratio = pair / noise of those means (None
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -234,3 +235,19 @@ def plot(results: Sequence[dict], path: str) -> None:
         ylabel="attention mass at the answers (normalised, mean over heads)",
         title="MQAR: attention on the queried pair vs the rest of the context",
     )
+
+
+def write_attention(output_dir: str, results: list[dict], max_documents: int | None, with_plot: bool) -> None:
+    """mqar_attention.json, .csv and (with `with_plot`) .png under `output_dir`."""
+    from diffmeg.eval.common import write_json, write_rows
+
+    summary = {
+        "max_documents": max_documents,
+        "rows": ROWS_NOTE,
+        "normalisation": NORMALISATION_NOTE,
+        "results": results,
+    }
+    write_json(os.path.join(output_dir, SUMMARY_NAME), summary)
+    write_rows(os.path.join(output_dir, CSV_NAME), table_rows(results))
+    if with_plot:
+        plot(results, os.path.join(output_dir, PLOT_NAME))
