@@ -91,6 +91,8 @@ NEVER = [
 
 ROOT_PACKAGES = ("diffmeg",)
 """Package faces on no floor (diffmeg/__init__.py): they must import nothing of the house."""
+TOOL_LINES = 300
+"""A tool is a thin entry point over the package: at most this many lines."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -311,6 +313,12 @@ def test_no_import_cycle(house):
 def test_imports_follow_the_floors(house):
     problems = check_layers(house, FLOORS, NEVER, ROOT_PACKAGES)
     assert not problems, "\n".join(problems)
+
+
+def test_tools_are_thin_entry_points():
+    sizes = {p.name: len(p.read_text().splitlines()) for p in sorted((REPO_ROOT / "tools").glob("*.py"))}
+    long = {name: n for name, n in sizes.items() if n > TOOL_LINES}
+    assert not long, f"tools over {TOOL_LINES} lines, move their logic into the package: {long}"
 
 
 def _doc_path(name: str) -> str:

@@ -4,7 +4,7 @@
 cannot express; `resolved_pretrain_args` gives the arguments a `pretrain_diff.py` run of that model would
 resolve (what an import records in args.json, and what the analysis tools read as the checkpoint's
 arguments); `load_hf_model` builds the TP=PP=1 model and maps the weights in, one layer at a time.
-Used by `tools/convert_checkpoint.py hf-to-mcore` and by `diffmeg.eval.long_context`'s loader.
+Used by `tools/convert_checkpoint.py hf-to-mcore` and by `diffmeg.model_source` (every evaluation tool).
 """
 
 from __future__ import annotations
