@@ -26,7 +26,10 @@ def trainer_of(single_rank_parallel_state, monkeypatch):
     from diffmeg.training.trainer import Trainer
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+        # setenv first: monkeypatch then removes at teardown what the Trainer sets where nothing was set
+        # (a leaked MASTER_PORT made later tests' jobs collide on one port)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
 
     def build(*flags: str, callbacks=None, extra_callbacks=()):
         run = RunConfig.from_args(resolve_args([*SMALL, *flags], world_size=1))
