@@ -83,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
         lambda_init=args.lambda_init,
         lambda_std=args.lambda_std,
         attention_backend_diff=args.diff_attn_backend,
+        cross_entropy_chunk_size=getattr(args, "cross_entropy_chunk_size", None),  # absent before the flag
     )
 
 
