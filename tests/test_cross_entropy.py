@@ -142,6 +142,12 @@ def test_bad_chunk_sizes_are_one_line_errors(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(DiffmegError, match=r"--cross-entropy-chunk-size must be >= 1 token"):
         resolve_args(["--model", "diff-tiny", "--cross-entropy-chunk-size", "0"])
+    one_chunk = ["--seq-length", "64", "--micro-batch-size", "2", "--cross-entropy-chunk-size", "128"]
+    notes = resolve_args(["--model", "diff-tiny", *one_chunk]).dropped_flags
+    assert any(
+        "--cross-entropy-chunk-size 128 saves no memory: a rank's micro-batch has only 128" in n
+        for n in notes
+    )
     with pytest.raises(DiffmegError, match="cross_entropy_chunk_size must be a number of tokens >= 1"):
         make_config(cross_entropy_chunk_size=-4)
     with pytest.raises(DiffmegError, match="does not combine with megatron-core's fused cross entropy"):
