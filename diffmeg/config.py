@@ -74,7 +74,14 @@ class DiffTransformerConfig(TransformerConfig):
     megatron-core's TEDotProductAttention with its own CP (`diffmeg.parallel.te_attention`; needs TE). The
     baseline passes the value to megatron-core as is (None = p2p)."""
 
+    cross_entropy_chunk_size: int | None = None
+    """Tokens per chunk of the training loss's output projection and cross entropy
+    (`diffmeg.cross_entropy`): the whole logits are never held, each chunk's are recomputed in backward.
+    None: megatron-core's loss over the whole logits. Only the loss changes: logits (no labels) and the
+    parameters are the same either way."""
+
     def __post_init__(self) -> None:
+        self._validate_loss()
         if self.diff_attention and self.diff_version not in DIFF_VERSIONS:
             raise DiffmegError(f"diff_version must be 1 or 2, got {self.diff_version!r}")
         if self.diff_attention and self.diff_version == 2:
@@ -91,6 +98,20 @@ class DiffTransformerConfig(TransformerConfig):
                 tp=self.tensor_model_parallel_size,
             )
         super().__post_init__()
+
+    def _validate_loss(self) -> None:
+        size = self.cross_entropy_chunk_size
+        if size is None:
+            return
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise DiffmegError(f"cross_entropy_chunk_size must be a number of tokens >= 1, got {size!r}")
+        for field, what in (
+            ("cross_entropy_loss_fusion", "megatron-core's fused cross entropy"),
+            ("defer_embedding_wgrad_compute", "deferred output-layer weight gradients"),
+            ("mtp_num_layers", "multi-token prediction"),
+        ):
+            if getattr(self, field):
+                raise DiffmegError(f"the chunked cross entropy does not combine with {what} ({field})")
 
     def _paired_heads(self, needs: str) -> int:
         """h: megatron-core's `num_attention_heads` counts 2h query (sub-)heads in both DIFF versions."""

@@ -2,6 +2,11 @@
 
 `config_from_args` is the one mapping of run flags (resolved arguments, a checkpoint's args.json) to the
 model config: training, the offline checkpoint readers and conversion all build through it.
+
+`DiffGPTModel` is megatron-core's GPTModel with one more way to compute the training loss: with
+`config.cross_entropy_chunk_size` set, the output projection and cross entropy run in chunks of tokens
+(`diffmeg.cross_entropy`) instead of materialising the whole logits. Everything else (parameters,
+checkpoints, logits when no labels are given) is megatron-core's.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 
 from diffmeg import runtime
 from diffmeg.config import DiffTransformerConfig, megatron_head_counts
+from diffmeg.cross_entropy import linear_cross_entropy
 from diffmeg.errors import DiffmegError
 from diffmeg.init import initialize_parameters
 from diffmeg.layer_specs import get_diff_block_spec
@@ -87,12 +93,37 @@ def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
         lambda_init=args.lambda_init,
         lambda_std=args.lambda_std,
         attention_backend_diff=args.diff_attn_backend,
+        cross_entropy_chunk_size=getattr(args, "cross_entropy_chunk_size", None),  # absent before the flag
     )
 
 
 def params_dtype(args) -> torch.dtype:
     """The parameter dtype of flat arguments (--bf16/--fp16); a RunConfig has `training.params_dtype`."""
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+class DiffGPTModel(GPTModel):
+    """GPTModel whose loss (labels given) can skip the full logits: see `diffmeg.cross_entropy`."""
+
+    def _postprocess(self, hidden_states, *args, labels=None, inference_context=None, **kwargs):
+        chunk_size = getattr(self.config, "cross_entropy_chunk_size", None)
+        if not chunk_size or not self.post_process or labels is None or inference_context is not None:
+            return super()._postprocess(
+                hidden_states, *args, labels=labels, inference_context=inference_context, **kwargs
+            )
+        # The output layer's weight as GPTModel picks it (the embedding's when shared), its TP split and
+        # sequence-parallel input; the per-token loss [b, s] equals compute_language_model_loss's.
+        weight = self.output_layer.weight
+        if self.share_embeddings_and_output_weights:
+            weight = self.shared_embedding_or_output_weight()
+        return linear_cross_entropy(
+            hidden_states,
+            weight,
+            labels,
+            chunk_size,
+            sequence_parallel=self.output_layer.sequence_parallel,
+            tp_group=self.output_layer.tp_group,
+        )
 
 
 def build_model(
@@ -117,7 +148,7 @@ def build_model(
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    model = GPTModel(
+    model = DiffGPTModel(
         config=config,
         transformer_layer_spec=get_diff_block_spec(config, use_te=use_te),
         vocab_size=vocab_size,

@@ -3,7 +3,7 @@
 # checkpoint for 1.5B tokens at seq 65536, RoPE theta 640000, lr 8e-5, 4M-token batches (64 x 65536),
 # on the length-upsampled corpus (the diff-3b-64k preset). slurm/diff_3b_64k.sh explains the choices
 # (--pretrained-checkpoint, layout); this is the same run on one node: TP 2 + CP 2 per sequence, two
-# replicas, full recompute.
+# replicas, full recompute, the loss in chunks of 2048 tokens.
 #
 #   python tools/length_upsample.py --input data/corpus_text_document --output-prefix data/up64k \
 #       --target-length 65536 --long-factor 4 --train-tokens 1.5e9
@@ -19,4 +19,5 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 init_ckpt=${INIT_CKPT:-runs/diff-3b-1T-node/checkpoints}
 torchrun_pretrain diff-3b-64k-node "${TP:-2}" --model diff-3b-64k --context-parallel-size "${CP:-2}" \
-    --micro-batch-size "${MICRO_BATCH:-1}" --recompute-granularity full --save-interval 50 --log-interval 1
+    --micro-batch-size "${MICRO_BATCH:-1}" --recompute-granularity full --cross-entropy-chunk-size 2048 \
+    --save-interval 50 --log-interval 1

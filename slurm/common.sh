@@ -29,6 +29,8 @@
 #   MICRO_BATCH=1      micro-batch size (the global batch is the paper's; see each recipe)
 #   SEQUENCE_PARALLEL=1 (passed only at TP > 1: it splits activations over tensor-parallel ranks),
 #   DIST_OPTIMIZER=1, PRECISION=bf16 (bf16|fp16|fp32), RECOMPUTE= (|selective|full)
+#   CE_CHUNK_SIZE=     --cross-entropy-chunk-size: the output layer and loss over this many tokens at a
+#                      time, the whole logits never held (long context); empty: the whole logits
 #   GPU_MEMORY_GIB=80  the GPU memory the memory plan must fit (--gpu-memory-gib), e.g. 141 on H200
 #   DATA_PATH          a dataset prefix or a blend "w1 prefix1 w2 prefix2 ..." (docs/data.md); required
 #                      unless EXTRA_ARGS has --mock-data or --data-path ("builtin" = the embedded corpus).
@@ -221,6 +223,7 @@ diffmeg_launch() {
         *) _dm_die "PRECISION must be bf16, fp16 or fp32, not '$PRECISION'" ;;
     esac
     [ -n "${RECOMPUTE:-}" ] && args+=(--recompute-granularity "$RECOMPUTE")
+    [ -n "${CE_CHUNK_SIZE:-}" ] && args+=(--cross-entropy-chunk-size "$CE_CHUNK_SIZE")
     args+=("${data_args[@]}" "${load_args[@]}" --save "$ckpt"
         --save-interval "${SAVE_INTERVAL:-1000}" --log-interval "${LOG_INTERVAL:-10}"
         --eval-interval "${EVAL_INTERVAL:-1000}" --eval-iters "${EVAL_ITERS:-10}"
@@ -270,7 +273,7 @@ diffmeg_launch() {
     printf '%q ' "${cmd[@]}" >"$job_dir/command.sh"
     echo >>"$job_dir/command.sh"
     local knobs='NODES|GPUS_PER_NODE|TP|PP|CP|DP|MICRO_BATCH|SEQUENCE_PARALLEL|DIST_OPTIMIZER|PRECISION'
-    knobs+='|GPU_MEMORY_GIB'
+    knobs+='|GPU_MEMORY_GIB|CE_CHUNK_SIZE'
     knobs+='|RECOMPUTE|DATA_PATH|RUNS_ROOT|RUN_NAME|RUN_DIR|CKPT_DIR|TB_DIR|INIT_CKPT|CONTAINER_[A-Z_]*|PYTHON'
     knobs+='|SRUN_ARGS|EXTRA_ARGS|AUTO_REQUEUE|MAX_RESTARTS|[A-Z]*_INTERVAL|EVAL_ITERS|ARCH|DIFFMEG_[A-Z_]*'
     knobs+='|SLURM_[A-Z_]*'

@@ -25,12 +25,15 @@
 #
 # Layout: differential heads are split whole over TP and over the Ulysses CP ranks, so 12 heads allow
 # TP x CP in {1, 2, 4} within a node. TP 2 (+ sequence parallel) x CP 2 puts one 64K sequence on 4 GPUs:
-# two model replicas per node, DP 16 on 8 nodes, 4 micro-batches per step. Full activation recompute:
-# ~33 GiB per GPU by the dry-run memory plan ("memory_per_gpu_gib"; ~102 GiB with selective recompute).
-# The plan is an estimate; measure on the cluster before the full run (docs/recipes.md).
+# two model replicas per node, DP 16 on 8 nodes, 4 micro-batches per step. Full activation recompute, and
+# the loss in chunks of 2048 tokens (CE_CHUNK_SIZE: the 32K tokens' logits over half the vocabulary would
+# be the largest tensor of the step): ~18 GiB per GPU by the dry-run memory plan ("memory_per_gpu_gib";
+# 30 GiB with the whole logits). The plan is an estimate; measure on the cluster before the full run
+# (docs/recipes.md).
 #
 # Knobs (slurm/common.sh) this recipe sets: ARCH=diff (or transformer), NODES=8, TP=2 CP=2 RECOMPUTE=full,
-# SAVE_INTERVAL=50 LOG_INTERVAL=1 EVAL_INTERVAL=50, INIT_CKPT=$RUNS_ROOT/<arch>-3b-1T/checkpoints;
+# CE_CHUNK_SIZE=2048, SAVE_INTERVAL=50 LOG_INTERVAL=1 EVAL_INTERVAL=50,
+# INIT_CKPT=$RUNS_ROOT/<arch>-3b-1T/checkpoints;
 # DATA_PATH (the length-upsampled blend) is required; run directory runs/<arch>-3b-64k.
 #
 #SBATCH --job-name=diff-3b-64k
@@ -52,7 +55,8 @@ source "${DIFFMEG_ROOT:-$(scontrol show job "${SLURM_JOB_ID:-0}" 2>/dev/null |
 arch=${ARCH:-diff}
 case $arch in diff | transformer) ;; *) _dm_die "ARCH must be diff or transformer, not '$arch'" ;; esac
 RECIPE_NAME=$arch-3b-64k
-: "${TP:=2}" "${CP:=2}" "${RECOMPUTE=full}" "${SAVE_INTERVAL:=50}" "${LOG_INTERVAL:=1}" "${EVAL_INTERVAL:=50}"
+: "${TP:=2}" "${CP:=2}" "${RECOMPUTE=full}" "${CE_CHUNK_SIZE=2048}"
+: "${SAVE_INTERVAL:=50}" "${LOG_INTERVAL:=1}" "${EVAL_INTERVAL:=50}"
 : "${INIT_CKPT:=${RUNS_ROOT:-$DIFFMEG_ROOT/runs}/$arch-3b-1T/checkpoints}"
 impl=()  # the baseline's context parallelism is megatron-core's ring attention, in Transformer Engine only
 [ "$arch" = diff ] || impl=(--transformer-impl transformer_engine)

@@ -65,6 +65,7 @@ FLOORS = [
                 "diffmeg.attention",
                 "diffmeg.attention_v2",
                 "diffmeg.core_attention",
+                "diffmeg.cross_entropy",
                 "diffmeg.norm",
                 "diffmeg.kernels",
                 "diffmeg.parallel",

@@ -158,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument(
+        "--cross-entropy-chunk-size",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="compute the output layer and the loss over this many tokens at a time, recomputing each "
+        "chunk's logits in backward: the whole [tokens, vocab] logits never exist (long context). "
+        "Default: megatron-core's loss over the whole logits",
+    )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None, help="exit (after saving) at this iteration")
 
@@ -392,6 +401,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.min_lr > args.lr:
         raise DiffmegError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    chunk = getattr(args, "cross_entropy_chunk_size", None)
+    if chunk is not None and chunk < 1:
+        raise DiffmegError(
+            f"--cross-entropy-chunk-size must be >= 1 token, got {chunk}; leave it out for the unchunked loss"
+        )
     if args.recompute_granularity == "full" and args.recompute_method is None:
         args.recompute_method = "uniform"
     if args.recompute_method is not None and args.recompute_num_layers is None:
@@ -427,6 +441,13 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
                 notes.append(f"{flag} has no effect: the Transformer baseline has no differential attention")
     if "save_interval" in explicit and args.save is None:
         notes.append("--save-interval has no effect without --save")
+    chunk = explicit.get("cross_entropy_chunk_size")
+    tokens = args.micro_batch_size * args.seq_length // args.context_parallel_size  # per rank
+    if chunk is not None and chunk >= tokens:
+        notes.append(
+            f"--cross-entropy-chunk-size {chunk} saves no memory: a rank's micro-batch has only {tokens} "
+            "tokens, so the loss runs in one chunk (and recomputes it)"
+        )
     if args.mock_data and "data_path" in explicit:
         notes.append("--data-path is ignored: --mock-data generates the data")
     return notes

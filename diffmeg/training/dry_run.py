@@ -23,6 +23,9 @@ from diffmeg.errors import DiffmegError
 HEADROOM = 0.9
 """Plans above this fraction of the GPU's memory get a warning: the rest is not ours to plan."""
 
+CHUNK_HINT = 2048
+"""The chunked loss's chunk size a memory warning proposes (the 64K recipe's)."""
+
 
 def dry_run_summary(args: argparse.Namespace) -> dict:
     """The fully resolved run, as a user checks it before queueing."""
@@ -99,9 +102,22 @@ def dry_run_summary(args: argparse.Namespace) -> dict:
         ),
         "flops_per_step": train_flops_per_iteration(args),
         "memory_per_gpu_gib": estimate_memory(args, on_gpu=True).as_gib(),
+        "features": {"chunked_cross_entropy": chunked_loss_feature(args)},
         "data": {"data_path": args.data_path, "mock_data": args.mock_data, "split": args.split},
         "checkpointing": {"save": args.save, "load": args.load, "save_interval": args.save_interval},
     }
+
+
+def chunked_loss_feature(args: argparse.Namespace) -> dict:
+    """`--cross-entropy-chunk-size` and what it buys: the loss's planned peak (GiB per GPU, one micro-batch
+    on the last stage) over the whole logits and, when on, over chunks."""
+    from diffmeg.training.memory import GIB, loss_peak_bytes
+
+    chunk = getattr(args, "cross_entropy_chunk_size", None)
+    feature = {"chunk_size": chunk, "loss_peak_gib_whole_logits": round(loss_peak_bytes(args, None) / GIB, 3)}
+    if chunk:
+        feature["loss_peak_gib_chunked"] = round(loss_peak_bytes(args, chunk) / GIB, 3)
+    return feature
 
 
 def diff_version(args: argparse.Namespace) -> int:
@@ -127,6 +143,9 @@ def memory_warnings(args: argparse.Namespace, total_gib: float) -> list[str]:
         fixes.append(("--use-distributed-optimizer", "DIST_OPTIMIZER=1"))
     if args.recompute_granularity != "full":
         fixes.append(("--recompute-granularity full", "RECOMPUTE=full"))
+    tokens = args.micro_batch_size * args.seq_length // args.context_parallel_size
+    if not getattr(args, "cross_entropy_chunk_size", None) and tokens > CHUNK_HINT:
+        fixes.append((f"--cross-entropy-chunk-size {CHUNK_HINT}", f"CE_CHUNK_SIZE={CHUNK_HINT}"))
     fixes.append(("more tensor/pipeline-parallel ranks", "TP, PP"))
     world = (
         args.data_parallel_size

@@ -16,7 +16,11 @@ Activation terms count what autograd keeps for backward in *our* layer (checked 
 `attention_kernel` says which attention terms apply to the model that is built.
   SwiGLU MLP (fc1 output, silu, product, fc2 input)        5 F
 Selective recompute keeps only the core's inputs; full recompute keeps each layer's input. The loss
-adds the logits, the fp32 softmax and its gradient ([tokens, V / TP] each) at its peak. Tensor
+adds the logits, the fp32 softmax and its gradient ([tokens, V / TP] each) at its peak; the chunked loss
+(`--cross-entropy-chunk-size`, `loss_peak_bytes`) one chunk's logits and their fp32 copy (softmax, then
+gradient), the weight's fp32 gradient accumulator and one chunk's product in the model dtype, the gathered
+input under sequence parallelism and the input's gradient. Under full recompute the peak is the larger
+of the loss and one recomputed layer (which lives only after the loss). Tensor
 parallelism divides attention/MLP terms (and the norm terms under sequence parallelism); context
 parallelism divides tokens; the first pipeline stage holds min(PP, micro-batches) micro-batches.
 """
@@ -157,6 +161,25 @@ def _activations(args: argparse.Namespace, on_gpu: bool) -> tuple[float, float]:
     return stored, per_layer_per_token * tokens
 
 
+def loss_peak_bytes(args: argparse.Namespace, chunk_size: int | None) -> float:
+    """Bytes the loss of one micro-batch adds at its peak on the last stage (`chunk_size` None: the whole
+    logits, megatron-core's loss; else `diffmeg.cross_entropy` over that many tokens at a time)."""
+    b_act = _param_bytes(args)
+    tokens = args.micro_batch_size * args.seq_length / args.context_parallel_size
+    vocab = args.vocab_size / args.tensor_model_parallel_size
+    if not chunk_size:
+        return tokens * vocab * (b_act + 4 + 4)  # logits, fp32 softmax, its gradient
+    chunk, weight = min(chunk_size, tokens) * vocab, vocab * args.hidden_size  # elements
+    if b_act == 4:  # fp32 logits are the softmax and the gradient; the weight's gradient is summed in place
+        loss = 4 * chunk + 4 * weight
+    else:  # the fp32 copy of a chunk's logits (softmax, gradient) next to the logits, then the gradient
+        # in the model dtype and its product with the input next to the weight's fp32 gradient sum
+        loss = max((b_act + 4) * chunk + 4 * weight, b_act * chunk + (4 + b_act) * weight)
+    gathered = args.sequence_parallel and args.tensor_model_parallel_size > 1
+    hidden = tokens * args.hidden_size * b_act * (2 if gathered else 1)  # (gathered input,) its gradient
+    return loss + hidden + 3 * 4 * tokens  # + the fp32 loss, max and sum per token
+
+
 def estimate_memory(args: argparse.Namespace, on_gpu: bool | None = None) -> MemoryEstimate:
     """The plan for the busiest rank of the run described by resolved `args`."""
     if on_gpu is None:
@@ -172,9 +195,7 @@ def estimate_memory(args: argparse.Namespace, on_gpu: bool | None = None) -> Mem
     in_flight = min(args.pipeline_model_parallel_size, num_micro)
     stored, one_layer = _activations(args, on_gpu)
     activations = in_flight * stored
-    tokens = args.micro_batch_size * args.seq_length / args.context_parallel_size
-    vocab = args.vocab_size / args.tensor_model_parallel_size
-    loss_peak = tokens * vocab * (_param_bytes(args) + 4 + 4)  # logits, fp32 softmax, its gradient
+    loss_peak = loss_peak_bytes(args, getattr(args, "cross_entropy_chunk_size", None))
     if args.recompute_granularity == "full":
         loss_peak = max(loss_peak, one_layer)  # the recomputed layer lives only after the loss
     return MemoryEstimate(params, weights, gradients, optimizer, activations, loss_peak)

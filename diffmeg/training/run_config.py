@@ -110,6 +110,8 @@ class TrainingConfig:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    cross_entropy_chunk_size: int | None = None
+    """Tokens per chunk of the output layer + loss (`diffmeg.cross_entropy`); None: the whole logits."""
 
     @property
     def params_dtype(self) -> torch.dtype:

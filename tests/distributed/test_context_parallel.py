@@ -25,7 +25,7 @@ single_rank = single_rank_runs("cp", single=SEQ256)
 @pytest.mark.parametrize(
     "name,nproc,extra",
     [
-        ("cp2", 2, ["--context-parallel-size", "2"]),
+        ("cp2", 2, ["--context-parallel-size", "2", "--cross-entropy-chunk-size", "40"]),  # + chunked loss
         ("cp2_tp2", 4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     ],
 )

@@ -13,10 +13,13 @@ import torch
 from tests.distributed.runner import assert_same_run, load_weights, run_saved, single_rank_runs
 
 ITERS = ["--train-iters", "10"]
+# Two layouts also run the chunked loss (what the long-context recipes run) against the single rank's whole
+# logits, at no extra launch: 24 tokens per chunk, which do not divide a micro-batch's 128.
+CHUNKED = ["--cross-entropy-chunk-size", "24"]
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
-    "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel", *CHUNKED],  # vocab over TP
+    "pp2": ["--pipeline-model-parallel-size", "2", *CHUNKED],  # the loss on the last stage only
     "dp2_distopt": ["--use-distributed-optimizer"],
 }
 

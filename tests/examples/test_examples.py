@@ -181,6 +181,7 @@ def test_torchrun_64k(tmp_path, corpus):
     assert b["tokens_per_batch"] == 4 * 1024 * 1024
     assert (p["tensor_model_parallel_size"], p["context_parallel_size"], p["data_parallel_size"]) == (2, 2, 2)
     assert c["memory_per_gpu_gib"]["total"] < 64
+    assert c["features"]["chunked_cross_entropy"]["chunk_size"] == 2048  # as slurm/diff_3b_64k.sh
 
 
 def test_torchrun_dry_run_names_a_missing_dataset(tmp_path):

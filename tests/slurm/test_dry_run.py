@@ -258,6 +258,13 @@ def test_3b_64k(resolved, arch):
     assert f" --load {RUNS}/{arch}-3b-64k/checkpoints " in srun
     assert f" --pretrained-checkpoint {RUNS}/{arch}-3b-1T/checkpoints " in srun
     assert "--recompute-granularity full" in srun
+    # The loss in chunks of 2048 tokens: at most 1/8 of the whole logits' peak, the plan under 18.5 GiB.
+    assert " --cross-entropy-chunk-size 2048 " in srun
+    loss = c["features"]["chunked_cross_entropy"]
+    assert (
+        loss["chunk_size"] == 2048 and loss["loss_peak_gib_chunked"] <= loss["loss_peak_gib_whole_logits"] / 8
+    )
+    assert c["memory_per_gpu_gib"]["total"] < 18.5, c["memory_per_gpu_gib"]
 
 
 def test_outside_slurm_without_dry_run_refuses():

@@ -41,7 +41,8 @@ def test_a_plan_over_the_gpu_memory_is_a_warning_with_what_shrinks_it(capsys):
     assert summary["memory_per_gpu_gib"]["total"] == pytest.approx(97.4, abs=0.1)
     (warning,) = [line for line in err if line.startswith("warning:")]
     assert "the memory plan needs 97.4 GiB per GPU, which exceeds --gpu-memory-gib 80 (128 GPUs)" in warning
-    for fix in ("--bf16", "--use-distributed-optimizer", "--recompute-granularity full", "PRECISION=bf16"):
+    fixes = ("--bf16", "--use-distributed-optimizer", "--recompute-granularity full", "PRECISION=bf16")
+    for fix in (*fixes, "--cross-entropy-chunk-size 2048", "CE_CHUNK_SIZE=2048"):
         assert fix in warning
     assert summary["checks"]["memory_fits"] is False and summary["checks"]["warnings"] == [warning[9:]]
 
