@@ -162,6 +162,8 @@ def test_torchrun_3b(arch, corpus):
     assert (s["train_iters"], s["lr"], s["min_lr"], s["lr_warmup_iters"]) == (238419, 3.2e-4, 1.28e-5, 1000)
     assert c["batch"]["tokens_per_batch"] == 4 * 1024 * 1024
     assert p["world_size"] == 8 and p["data_parallel_size"] == 8
+    assert "--overlap-grad-reduce --overlap-param-gather" in command  # DP 8: both overlaps on
+    assert all(c["features"][k].startswith("on:") for k in ("overlap_grad_reduce", "overlap_param_gather"))
 
 
 @pytest.mark.parametrize("name", ["830m", "transformer-13.1b"])

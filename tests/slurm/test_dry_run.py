@@ -147,6 +147,11 @@ def check_common(
     assert f" {sys.executable} pretrain_diff.py " in srun
     assert f" --save {ckpt} " in srun
     assert f"--tensorboard-dir {RUNS}/{run_name}/tensorboard" in srun
+    # Every recipe has DP > 1: gradient reduce-scatters and weight all-gathers overlap with compute.
+    assert " --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather " in srun
+    assert all(
+        config["features"][k].startswith("on:") for k in ("overlap_grad_reduce", "overlap_param_gather")
+    )
     # The default layout fits an 80 GB H100 by the dry run's memory plan, with room to spare.
     assert config["memory_per_gpu_gib"]["total"] < 64, config["memory_per_gpu_gib"]
 
@@ -299,6 +304,9 @@ def test_a_plan_over_the_gpu_memory_is_reported_with_the_knobs_that_shrink_it(ru
     assert resolved["fp32_no_distopt"][1]["checks"]["memory_fits"] is False
     # The flags the run would ignore are explained, by the recipe and by pretrain_diff.py.
     assert " --sequence-parallel " not in _srun_line(resolved["fp32_no_distopt"][0])
+    # Without the distributed optimizer only the gradient all-reduce overlaps (no weights to all-gather).
+    assert " --overlap-grad-reduce " in _srun_line(resolved["fp32_no_distopt"][0])
+    assert "--overlap-param-gather" not in _srun_line(resolved["fp32_no_distopt"][0])
     assert "diffmeg-slurm: note: SEQUENCE_PARALLEL=1 is not passed" in proc.stderr
     assert _messages(proc, "note:") == [
         "note: --cp-comm-type p2p has no effect: --context-parallel-size is 1"
