@@ -104,7 +104,8 @@ def build_training_objects(run: RunConfig | argparse.Namespace):
     m, t = run.model, run.training
     config = config_from_args(run.to_args())
     chunks = []
-    for vp_stage in range(run.parallel.model_chunks) if run.parallel.model_chunks > 1 else [None]:
+    stages = range(run.parallel.model_chunks) if run.parallel.model_chunks > 1 else [None]  # None: no VP
+    for vp_stage in stages:
         chunk = build_model(
             config,
             vocab_size=m.vocab_size,

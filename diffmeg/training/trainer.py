@@ -308,11 +308,10 @@ class Trainer:
     def _flush(self, log_step: bool) -> list[float]:
         """Bring the pending losses to the host (the callbacks' `on_losses`, e.g. the NaN guard, see them);
         at a logging step also the loss scale and lambdas, which it returns."""
-        extras = []
+        extras, lambdas = [], {}
         if log_step:
             ddp.finish_param_gather(self.model)  # the step's updated lambdas, not this rank's stale copy
-        lambdas = lambda_parameters(model_chunks(self.model)) if log_step else {}
-        if log_step:
+            lambdas = lambda_parameters(model_chunks(self.model))
             extras = [self.optimizer.get_loss_scale().reshape(1), *(v.reshape(1) for v in lambdas.values())]
         iterations = [it for it, _ in self._pending]
         values, extra_values = self._to_host([loss for _, loss in self._pending], extras)
