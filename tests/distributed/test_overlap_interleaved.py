@@ -5,9 +5,10 @@ layout-free with virtual pipeline stages.
 Three launches train every run (tests/distributed/sequence.py: one launch, several runs):
 - 1 rank: the references, DIFF V1 (evaluated every 3 iterations, saved at 5 and 10) and V2;
 - 2 ranks: DP2 with the distributed optimizer and both overlaps in buckets of 100k parameters (14 per
-  step); PP2 x VP2 for V1 and V2; PP2 x VP2 resumed from the reference's iteration 5 (PP1 -> VP) and
-  PP2 without VP resumed from PP2 x VP2's (VP -> PP2); then the weights of PP2 x VP2 through a PP2 run and
-  back into PP2 x VP2 with lr 0, which must leave them bit for bit;
+  step), and DP2 overlapping its gradient all-reduce (no distributed optimizer); PP2 x VP2 for V1 and
+  V2; PP2 x VP2 resumed from the reference's iteration 5 (PP1 -> VP) and PP2 without VP resumed from
+  PP2 x VP2's (VP -> PP2); then the weights of PP2 x VP2 through a PP2 run and back into PP2 x VP2 with
+  lr 0, which must leave them bit for bit;
 - 4 ranks: PP2 x VP2 x DP2 and TP2 x DP2 (sequence parallel), both with the distributed optimizer and
   both overlaps.
 Overlapped runs log every 2nd iteration: a logging step finishes the step's parameter all-gathers (for
@@ -40,6 +41,7 @@ OVERLAP = [
     "--log-interval",
     "2",
 ]
+OVERLAP_GRADS = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000", "--log-interval", "2"]  # all-reduce
 VP = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 V2 = ["--model", "diff2-tiny"]
 LR0 = ["--train-iters", "1", "--lr", "0", "--min-lr", "0"]  # one step that leaves every weight as it is
@@ -55,6 +57,7 @@ def runs(tmp_path_factory):
         tmp,
         {
             "dp2_overlap": [*ITERS, *EVAL_SAVE, *OVERLAP],
+            "dp2_overlap_allreduce": [*ITERS, *EVAL_SAVE, *OVERLAP_GRADS],
             "pp2_vp2": [*ITERS, *EVAL_SAVE, *VP],
             "pp2_vp2_v2": [*V2, *ITERS, *VP],
             "vp_from_single": [*ITERS, *VP, "--load", str(tmp / "single"), "--ckpt-step", "5"],
@@ -101,13 +104,16 @@ def _same_lambdas_and_validation(tmp, ref: str, got: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp2_overlap", "pp2_vp2_dp2_overlap", "tp2_dp2_overlap"])
+@pytest.mark.parametrize(
+    "name", ["dp2_overlap", "dp2_overlap_allreduce", "pp2_vp2_dp2_overlap", "tp2_dp2_overlap"]
+)
 def test_overlapped_data_parallel_matches_single_rank(runs, single_rank_parallel_state, name):
     tmp, out = runs
     assert_same_run(tmp, "single", name, iterations=10, logged=EVERY_2ND)
     _same_lambdas_and_validation(tmp, "single", name)
     # Several buckets per step, so the reduce-scatters and all-gathers really overlap one another.
-    line = re.search(r"reduce-scatter and parameter all-gather in (\d+) buckets per step", out[name])
+    what = "all-reduce" if name.endswith("allreduce") else "reduce-scatter and parameter all-gather"
+    line = re.search(rf"gradient {what} in (\d+) buckets per step", out[name])
     assert line is not None and int(line.group(1)) >= 3, out[name][:2000]
     # The checkpoint saved after iteration 5 (its all-gathers pending) holds iteration 5's weights.
     assert_same_weights(load_weights(tmp / "single", 5), load_weights(tmp / name, 5), name, 5)
