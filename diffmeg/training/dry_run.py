@@ -7,7 +7,8 @@ Besides the configuration, a dry run checks what would stop or doom the real run
   gets a `warning:` line saying which settings shrink it. A warning, not an error: the plan is an
   estimate, and a dry run outside a launcher sees one GPU where the real run may have many;
 - flags the resolved run ignores were already printed as `note:` lines by `resolve_args`.
-The JSON goes to stdout; warnings and notes go to stderr and into the JSON's `checks`.
+The JSON goes to stdout; warnings and notes go to stderr and into the JSON's `checks`. Its `features`
+say which throughput features the run uses and what each buys (or why one is off).
 """
 
 from __future__ import annotations
