@@ -112,8 +112,9 @@ def describe(model: list[DistributedDataParallel]) -> str | None:
         return None
     grads = "reduce-scatter" if ddp.use_distributed_optimizer else "all-reduce"
     params = " and parameter all-gather" if ddp.overlap_param_gather else ""
-    sizes = ", ".join(str(chunk.bucket_size) for chunk in model)  # None: one bucket for the chunk
+    size = f"{model[0].bucket_size:,} parameters" if model[0].bucket_size else "one bucket"
+    later = "; later model chunks one bucket each" if len(model) > 1 else ""
     return (
         f" overlapped data-parallel communication: gradient {grads}{params} in {bucket_count(model)} "
-        f"buckets per step on rank 0 (bucket size {sizes} parameters)"
+        f"buckets per step on rank 0 (bucket size {size}{later})"
     )
