@@ -10,7 +10,7 @@ Three launches train every run (tests/distributed/sequence.py: one launch, sever
   PP2 x VP2's (VP -> PP2); then the weights of PP2 x VP2 through a PP2 run and back into PP2 x VP2 with
   lr 0, which must leave them bit for bit;
 - 4 ranks: PP2 x VP2 x DP2 and TP2 x DP2 (sequence parallel), both with the distributed optimizer and
-  both overlaps.
+  both overlaps; PP2 x VP2 x DP2 resumed from its iteration 5 (distributed-optimizer state per chunk).
 Overlapped runs log every 2nd iteration: a logging step finishes the step's parameter all-gathers (for
 the logged lambdas), the others leave them to the next forward, so both paths run; they evaluate at
 iterations 3, 6, 9 and save at 5, steps after which the all-gathers are still pending.
@@ -71,6 +71,15 @@ def runs(tmp_path_factory):
         tmp,
         {
             "pp2_vp2_dp2_overlap": [*ITERS, *EVAL_SAVE, *VP, *OVERLAP],
+            "pp2_vp2_dp2_resumed": [
+                *ITERS,
+                *VP,
+                *OVERLAP,
+                "--load",
+                str(tmp / "pp2_vp2_dp2_overlap"),
+                "--ckpt-step",
+                "5",
+            ],
             "tp2_dp2_overlap": [
                 *ITERS,
                 *EVAL_SAVE,
@@ -133,10 +142,15 @@ def test_interleaved_pipeline_matches_single_rank(runs, single_rank_parallel_sta
 @pytest.mark.slow
 def test_interleaved_checkpoints_are_layout_free(runs, single_rank_parallel_state):
     tmp, out = runs
-    # PP1 -> PP2 x VP2 and PP2 x VP2 -> PP2, with optimizer state: the rest of the run is the reference's.
-    for name in ("vp_from_single", "pp2_from_vp"):
+    # PP1 -> PP2 x VP2 and PP2 x VP2 -> PP2, with optimizer state: the rest of the run is the reference's;
+    # so is PP2 x VP2 x DP2's, resumed with its distributed-optimizer state.
+    for name, logged in (
+        ("vp_from_single", [6, 7, 8, 9, 10]),
+        ("pp2_from_vp", [6, 7, 8, 9, 10]),
+        ("pp2_vp2_dp2_resumed", [6, 8, 10]),
+    ):
         assert "loaded checkpoint" in out[name]
-        assert_same_run(tmp, "single", name, iterations=10, logged=[6, 7, 8, 9, 10])
+        assert_same_run(tmp, "single", name, iterations=10, logged=logged)
     # Weights of PP2 x VP2 through PP2 and back into PP2 x VP2, exact (lr 0 steps); each read at PP1.
     final = load_weights(tmp / "pp2_vp2")
     for name in ("pp2_copy", "vp_copy"):
