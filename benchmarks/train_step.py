@@ -164,18 +164,19 @@ def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> tup
     from diffmeg.training.builders import build_training_objects
     from diffmeg.training.trainer import forward_step  # what pretrain_diff.py runs per micro-batch
 
-    _, model, optimizer, _ = build_training_objects(args)
-    backend = attention_impl(model)
+    _, model, optimizer, _ = build_training_objects(args)  # model: the list of DDP-wrapped chunks
+    backend = attention_impl(model[0])
     fwd_bwd = get_forward_backward_func()
     seq, mbs = args.seq_length, args.micro_batch_size
 
     def step():
-        model.zero_grad_buffer()
+        for chunk in model:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         fwd_bwd(
             forward_step_func=forward_step,
             data_iterator=_mock_batches(opts.microbatches, mbs, seq, args.vocab_size, device),
-            model=[model],
+            model=model,
             num_microbatches=opts.microbatches,
             seq_length=seq,
             micro_batch_size=mbs,

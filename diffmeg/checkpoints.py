@@ -286,6 +286,7 @@ def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
     """A copy of run arguments for one fp32 TP=PP=1 model (the layout checkpoints are read and built in)."""
     args = argparse.Namespace(**vars(args))
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = args.context_parallel_size = 1
+    args.virtual_pipeline_model_parallel_size = args.num_layers_per_virtual_pipeline_stage = None
     args.sequence_parallel = args.use_distributed_optimizer = False
     args.bf16 = args.fp16 = False
     args.fp8_format = None

@@ -51,6 +51,7 @@ def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
         args.num_attention_heads, args.num_query_groups, args.diff_attention, diff_version
     )
     dtype = params_dtype(args)
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)  # absent before interleaving existed
     return DiffTransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -69,6 +70,10 @@ def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vp,
+        # Megatron-LM's interleaved-schedule p2p: overlapped isend/irecv (batched p2p cannot overlap).
+        overlap_p2p_comm=vp is not None,
+        batch_p2p_comm=vp is None,
         context_parallel_size=args.context_parallel_size,
         cp_comm_type=getattr(args, "cp_comm_type", None),  # None in args saved before the flag existed
         sequence_parallel=args.sequence_parallel,
@@ -136,21 +141,25 @@ def build_model(
     seed: int = 1234,
     pre_process: bool | None = None,
     post_process: bool | None = None,
+    vp_stage: int | None = None,
 ) -> GPTModel:
     """This pipeline stage's part of the model, initialised independently of the parallel layout.
 
+    `vp_stage`: which model chunk (virtual pipeline stage) of this rank to build under the interleaved
+    schedule (`config.virtual_pipeline_model_parallel_size` set); its layers carry their global numbers.
     Needs `diffmeg.runtime.setup()` (and megatron-core's parallel state) first: building a model never
     patches the process itself.
     """
     if not runtime.is_setup():
         raise DiffmegError("call diffmeg.runtime.setup() (or single_process()) before building a model")
+    whole_rank = vp_stage is None  # else: the first/last stage is this chunk only if it is the first/last
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage()
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=whole_rank, vp_stage=vp_stage)
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage()
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=whole_rank, vp_stage=vp_stage)
     model = DiffGPTModel(
         config=config,
-        transformer_layer_spec=get_diff_block_spec(config, use_te=use_te),
+        transformer_layer_spec=get_diff_block_spec(config, use_te=use_te, vp_stage=vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,
@@ -159,6 +168,7 @@ def build_model(
         position_embedding_type="rope",
         rotary_base=rotary_base,
         parallel_output=True,
+        vp_stage=vp_stage,
     )
     if not config.use_cpu_initialization and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -166,12 +176,15 @@ def build_model(
     return model
 
 
-def lambda_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Current lambda of every differential layer, keyed by global layer number (for logs and tests)."""
+def lambda_parameters(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Current lambda of every differential layer of a model or of its chunks (virtual pipeline stages),
+    keyed by global layer number (for logs and tests)."""
     from diffmeg.attention import DiffCoreAttention
 
+    chunks = model if isinstance(model, list) else [model]
     return {
         f"layer{m.layer_number}": m.lambda_full().detach()
-        for m in model.modules()
+        for chunk in chunks
+        for m in chunk.modules()
         if isinstance(m, DiffCoreAttention)
     }

@@ -35,7 +35,8 @@ fresh_output_dir() {
 
 # torchrun_pretrain RUN_NAME TP ARGS...: pretrain_diff.py ARGS (the paper's run) on one node with torchrun,
 # at tensor-parallel size TP (--sequence-parallel with it when TP > 1), in bf16 with the distributed
-# optimizer, resuming from and saving to its checkpoints. `init_ckpt`, when the script sets it, is the
+# optimizer and, when NPROC > TP, overlapped gradient reduce-scatters and weight all-gathers, resuming
+# from and saving to its checkpoints. `init_ckpt`, when the script sets it, is the
 # --pretrained-checkpoint read while CKPT_DIR holds none. Environment of every torchrun example:
 #   NPROC=8             processes (GPUs)
 #   RUN_DIR             the run's directory (default runs/RUN_NAME): tensorboard/, metrics.jsonl
@@ -55,6 +56,7 @@ torchrun_pretrain() {
     if ((tp > 1)); then args+=(--sequence-parallel); fi  # at TP 1 pretrain_diff.py would drop it
     args+=(--use-distributed-optimizer --bf16 --data-path "${data_words[@]}" --load "$ckpt")
     [ -z "${init_ckpt:-}" ] || args+=(--pretrained-checkpoint "$init_ckpt")
+    if ((nproc / tp > 1)); then args+=(--overlap-grad-reduce --overlap-param-gather); fi  # DP x CP > 1
     args+=(--save "$ckpt" --tensorboard-dir "$run/tensorboard" --metrics-file "$run/metrics.jsonl"
         "${extra_words[@]}")
     local launcher=(torchrun)

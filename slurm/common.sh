@@ -31,6 +31,8 @@
 #   DIST_OPTIMIZER=1, PRECISION=bf16 (bf16|fp16|fp32), RECOMPUTE= (|selective|full)
 #   CE_CHUNK_SIZE=     --cross-entropy-chunk-size: the output layer and loss over this many tokens at a
 #                      time, the whole logits never held (long context); empty: the whole logits
+#   OVERLAP=1          overlap data-parallel communication with compute where DP x CP > 1:
+#                      --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer
 #   GPU_MEMORY_GIB=80  the GPU memory the memory plan must fit (--gpu-memory-gib), e.g. 141 on H200
 #   DATA_PATH          a dataset prefix or a blend "w1 prefix1 w2 prefix2 ..." (docs/data.md); required
 #                      unless EXTRA_ARGS has --mock-data or --data-path ("builtin" = the embedded corpus).
@@ -216,6 +218,10 @@ diffmeg_launch() {
     fi
     [ -n "${GPU_MEMORY_GIB:-}" ] && args+=(--gpu-memory-gib "$GPU_MEMORY_GIB")
     [ "${DIST_OPTIMIZER:-1}" = 1 ] && args+=(--use-distributed-optimizer)
+    if [ "${OVERLAP:-1}" = 1 ] && ((dp * run_cp > 1)); then
+        args+=(--overlap-grad-reduce)
+        [ "${DIST_OPTIMIZER:-1}" = 1 ] && args+=(--overlap-param-gather)
+    fi
     case ${PRECISION:-bf16} in
         bf16) args+=(--bf16) ;;
         fp16) args+=(--fp16) ;;
@@ -274,6 +280,7 @@ diffmeg_launch() {
     echo >>"$job_dir/command.sh"
     local knobs='NODES|GPUS_PER_NODE|TP|PP|CP|DP|MICRO_BATCH|SEQUENCE_PARALLEL|DIST_OPTIMIZER|PRECISION'
     knobs+='|GPU_MEMORY_GIB|CE_CHUNK_SIZE'
+    knobs+='|OVERLAP'
     knobs+='|RECOMPUTE|DATA_PATH|RUNS_ROOT|RUN_NAME|RUN_DIR|CKPT_DIR|TB_DIR|INIT_CKPT|CONTAINER_[A-Z_]*|PYTHON'
     knobs+='|SRUN_ARGS|EXTRA_ARGS|AUTO_REQUEUE|MAX_RESTARTS|[A-Z]*_INTERVAL|EVAL_ITERS|ARCH|DIFFMEG_[A-Z_]*'
     knobs+='|SLURM_[A-Z_]*'

@@ -132,7 +132,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="reduce gradients bucket by bucket during backward (megatron-core DDP), not after it",
+    )
+    g.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="all-gather the distributed optimizer's updated parameters bucket by bucket during the next "
+        "forward, not after the optimizer step (needs --use-distributed-optimizer and --overlap-grad-reduce)",
+    )
+    g.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="parameters per data-parallel communication bucket with --overlap-grad-reduce (default: "
+        "megatron-core's max(40M, 1M x DP))",
+    )
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="interleaved 1F1B pipeline schedule: each pipeline rank holds (layers / PP) / this model chunks "
+        "(virtual stages); its bubble shrinks by that factor",
+    )
     g.add_argument("--distributed-backend", default="auto", choices=["auto", "nccl", "gloo"])
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
@@ -389,8 +413,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"micro batch {args.micro_batch_size} x "
             f"data-parallel size {dp}"
         )
+    _validate_virtual_pipeline(args, pp, dp)
     if args.bf16 and args.fp16:
         raise DiffmegError("choose one of --bf16 and --fp16")
+    _validate_overlap(args)
     if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
         raise DiffmegError(
             "--fp8-format needs Transformer Engine on a GPU (--transformer-impl transformer_engine)"
@@ -416,6 +442,52 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise DiffmegError("--ckpt-step needs --load (the checkpoint directory whose iteration it names)")
 
 
+def _validate_virtual_pipeline(args: argparse.Namespace, pp: int, dp: int) -> None:
+    """--num-layers-per-virtual-pipeline-stage -> `virtual_pipeline_model_parallel_size` (None: no
+    interleaving), as Megatron-LM derives it, with megatron-core's interleaved-schedule limits as errors."""
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    args.virtual_pipeline_model_parallel_size = None
+    if per_stage is None:
+        return
+    layers = args.num_layers // pp
+    if per_stage < 1 or layers % per_stage:
+        raise DiffmegError(
+            f"--num-layers-per-virtual-pipeline-stage {per_stage} must divide the {layers} layers of each of "
+            f"the {pp} pipeline stages"
+        )
+    vp = layers // per_stage
+    if vp == 1:
+        return  # one chunk per rank: the plain 1F1B schedule (a note says the flag has no effect)
+    if pp == 1:
+        raise DiffmegError(
+            "--num-layers-per-virtual-pipeline-stage interleaves pipeline stages: it needs "
+            "--pipeline-model-parallel-size > 1"
+        )
+    micro = args.global_batch_size // (args.micro_batch_size * dp)
+    if micro % pp:
+        raise DiffmegError(
+            f"the interleaved pipeline schedule needs the micro-batches per step ({micro} = global batch "
+            f"{args.global_batch_size} / (micro batch {args.micro_batch_size} x DP {dp})) to be a multiple "
+            f"of PP {pp}; change --global-batch-size or --micro-batch-size"
+        )
+    args.virtual_pipeline_model_parallel_size = vp
+
+
+def _validate_overlap(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for the overlapped data-parallel communication flags."""
+    if getattr(args, "overlap_param_gather", False):
+        if not args.use_distributed_optimizer:
+            raise DiffmegError(
+                "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather: add "
+                "--use-distributed-optimizer"
+            )
+        if not args.overlap_grad_reduce:
+            raise DiffmegError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
+    bucket = getattr(args, "ddp_bucket_size", None)
+    if bucket is not None and bucket < 1:
+        raise DiffmegError(f"--ddp-bucket-size must be >= 1 parameter, got {bucket}")
+
+
 def args_to_json(args: argparse.Namespace) -> str:
     return json.dumps({k: v for k, v in sorted(vars(args).items())}, indent=2, default=str)
 
@@ -439,6 +511,22 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
             if name in explicit:
                 flag = "--" + name.replace("_", "-")
                 notes.append(f"{flag} has no effect: the Transformer baseline has no differential attention")
+    if args.data_parallel_size * args.context_parallel_size == 1:
+        for name in ("overlap_grad_reduce", "overlap_param_gather"):
+            if explicit.get(name):
+                notes.append(
+                    f"--{name.replace('_', '-')} has no effect: no data-parallel gradient or parameter "
+                    "communication with DP x CP = 1"
+                )
+    if "ddp_bucket_size" in explicit and not args.overlap_grad_reduce:
+        notes.append("--ddp-bucket-size has no effect without --overlap-grad-reduce (one bucket per step)")
+    per_stage = explicit.get("num_layers_per_virtual_pipeline_stage")
+    if per_stage is not None and args.virtual_pipeline_model_parallel_size is None:
+        notes.append(
+            f"--num-layers-per-virtual-pipeline-stage {per_stage} has no effect: it equals the "
+            f"{args.num_layers // args.pipeline_model_parallel_size} layers of a pipeline stage (one model "
+            "chunk per rank)"
+        )
     if "save_interval" in explicit and args.save is None:
         notes.append("--save-interval has no effect without --save")
     chunk = explicit.get("cross_entropy_chunk_size")

@@ -59,10 +59,34 @@ def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def model_chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The GPTModels of a model or of its chunks (one per virtual pipeline stage), wrappers stripped."""
+    return [unwrap_model(chunk) for chunk in (model if isinstance(model, list) else [model])]
+
+
+def model_keys(chunks: list[torch.nn.Module]) -> list[str]:
+    """Where each chunk's weights sit in the state dict: `model`, or Megatron-LM's `model0`, `model1`, ...
+    under the interleaved schedule. Only the nesting differs: every tensor's checkpoint key is global
+    (layers by their global number), so any layout loads what any other saved."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _model_state(model: torch.nn.Module | list[torch.nn.Module]) -> dict:
+    chunks = model_chunks(model)
+    return {key: chunk.sharded_state_dict() for key, chunk in zip(model_keys(chunks), chunks, strict=True)}
+
+
+def _load_model_state(model: torch.nn.Module | list[torch.nn.Module], loaded: dict) -> None:
+    chunks = model_chunks(model)
+    for key, chunk in zip(model_keys(chunks), chunks, strict=True):
+        chunk.load_state_dict(loaded[key])
+
+
 def _layout() -> dict[str, int]:
     return {
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "vp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
         "dp": parallel_state.get_data_parallel_world_size(),
     }
 
@@ -177,15 +201,15 @@ def _restore_distributed_optimizer_step(optimizer: MegatronOptimizer) -> None:
 
 
 def _state_dict(
-    model: torch.nn.Module,
+    model: torch.nn.Module | list[torch.nn.Module],
     optimizer: MegatronOptimizer | None,
     scheduler: OptimizerParamScheduler | None,
     *,
     is_loading: bool,
     with_rng: bool,
 ) -> dict:
-    model_sd = unwrap_model(model).sharded_state_dict()
-    state: dict = {"model": model_sd}
+    model_sd = _model_state(model)
+    state: dict = dict(model_sd)
     if optimizer is not None:
         if is_loading:
             _prefill_distributed_optimizer_state(optimizer)
@@ -333,7 +357,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------ loading
 
     def load(
-        self, model: torch.nn.Module, optimizer: MegatronOptimizer, scheduler: OptimizerParamScheduler
+        self,
+        model: torch.nn.Module | list[torch.nn.Module],
+        optimizer: MegatronOptimizer,
+        scheduler: OptimizerParamScheduler,
     ) -> LoadedState:
         """Restore what `resolve` chose (or the --pretrained-checkpoint weights). Returns where to resume."""
         state = LoadedState()
@@ -351,17 +378,16 @@ class CheckpointManager:
     def _load(self, iteration: int, model, optimizer, scheduler) -> LoadedState:
         cfg, path = self.config, checkpoint_path(self.config.load, iteration)
         common = dist_checkpointing.load_common_state_dict(path)
-        saved_layout = common.get("layout", {})
-        same_model_layout = (
-            saved_layout.get("tp") == _layout()["tp"] and saved_layout.get("pp") == _layout()["pp"]
-        )
+        saved_layout = {"vp": 1, **common.get("layout", {})}  # no "vp": saved before interleaving existed
+        same_model_layout = all(saved_layout.get(k) == _layout()[k] for k in ("tp", "pp", "vp"))
         # A weights-only checkpoint (an HF import) has no optimizer/scheduler/RNG state to resume.
         weights_only = bool(common.get(WEIGHTS_ONLY_KEY))
         load_optim = not (cfg.no_load_optim or cfg.finetune or weights_only)
         if load_optim and self.run.parallel.use_distributed_optimizer and not same_model_layout:
             raise DiffmegError(
                 f"distributed-optimizer state in {path} was saved at TP={saved_layout.get('tp')} "
-                f"PP={saved_layout.get('pp')} and cannot be resharded to this layout; add --no-load-optim"
+                f"PP={saved_layout.get('pp')} VP={saved_layout['vp']} and cannot be resharded to this "
+                f"layout; add --no-load-optim"
             )
         load_rng = not (cfg.no_load_rng or cfg.finetune or weights_only) and same_model_layout
         state = _state_dict(
@@ -373,7 +399,7 @@ class CheckpointManager:
         )
         with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
             loaded = load_sharded(state, path, pick_flag="--ckpt-step")
-            unwrap_model(model).load_state_dict(loaded["model"])
+            _load_model_state(model, loaded)
             if load_optim:
                 if "optimizer" not in loaded:
                     raise DiffmegError(f"{path} has no optimizer state; add --no-load-optim")
@@ -398,7 +424,7 @@ class CheckpointManager:
         self,
         iteration: int,
         consumed_samples: int,
-        model: torch.nn.Module,
+        model: torch.nn.Module | list[torch.nn.Module],
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
     ) -> str:
@@ -420,7 +446,7 @@ class CheckpointManager:
         return path
 
 
-def load_pretrained_weights(root: str, model: torch.nn.Module) -> int:
+def load_pretrained_weights(root: str, model: torch.nn.Module | list[torch.nn.Module]) -> int:
     """Weights only (no optimizer, scheduler, RNG or counters) from `root`'s latest checkpoint.
 
     The checkpoint may have been trained at another sequence length, RoPE base, LR schedule or parallel
@@ -431,6 +457,5 @@ def load_pretrained_weights(root: str, model: torch.nn.Module) -> int:
         raise DiffmegError(f"--pretrained-checkpoint {root} holds no complete checkpoint ({TRACKER_FILE})")
     path = checkpoint_path(root, iteration)
     with torch.no_grad():
-        loaded = load_sharded({"model": unwrap_model(model).sharded_state_dict()}, path)
-        unwrap_model(model).load_state_dict(loaded["model"])
+        _load_model_state(model, load_sharded(_model_state(model), path))
     return iteration

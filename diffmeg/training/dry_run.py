@@ -7,7 +7,8 @@ Besides the configuration, a dry run checks what would stop or doom the real run
   gets a `warning:` line saying which settings shrink it. A warning, not an error: the plan is an
   estimate, and a dry run outside a launcher sees one GPU where the real run may have many;
 - flags the resolved run ignores were already printed as `note:` lines by `resolve_args`.
-The JSON goes to stdout; warnings and notes go to stderr and into the JSON's `checks`.
+The JSON goes to stdout; warnings and notes go to stderr and into the JSON's `checks`. Its `features`
+say which throughput features the run uses and what each buys (or why one is off).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def dry_run_summary(args: argparse.Namespace) -> dict:
     tokens_per_batch = args.global_batch_size * args.seq_length
     version = diff_version(args)
     v1 = args.diff_attention and version == 1
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)  # None: one model chunk per rank
     return {
         "model": {
             "preset": args.model,
@@ -65,6 +67,7 @@ def dry_run_summary(args: argparse.Namespace) -> dict:
             "data_parallel_size": args.data_parallel_size,
             "sequence_parallel": args.sequence_parallel,
             "use_distributed_optimizer": args.use_distributed_optimizer,
+            "virtual_pipeline_model_parallel_size": vp,
         },
         "batch": {
             "micro_batch_size": args.micro_batch_size,
@@ -102,22 +105,76 @@ def dry_run_summary(args: argparse.Namespace) -> dict:
         ),
         "flops_per_step": train_flops_per_iteration(args),
         "memory_per_gpu_gib": estimate_memory(args, on_gpu=True).as_gib(),
-        "features": {"chunked_cross_entropy": chunked_loss_feature(args)},
+        "features": features(args),
         "data": {"data_path": args.data_path, "mock_data": args.mock_data, "split": args.split},
         "checkpointing": {"save": args.save, "load": args.load, "save_interval": args.save_interval},
     }
 
 
-def chunked_loss_feature(args: argparse.Namespace) -> dict:
+def chunked_loss_feature(args: argparse.Namespace) -> str:
     """`--cross-entropy-chunk-size` and what it buys: the loss's planned peak (GiB per GPU, one micro-batch
-    on the last stage) over the whole logits and, when on, over chunks."""
+    on the last stage) over chunks against the whole logits."""
     from diffmeg.training.memory import GIB, loss_peak_bytes
 
     chunk = getattr(args, "cross_entropy_chunk_size", None)
-    feature = {"chunk_size": chunk, "loss_peak_gib_whole_logits": round(loss_peak_bytes(args, None) / GIB, 3)}
-    if chunk:
-        feature["loss_peak_gib_chunked"] = round(loss_peak_bytes(args, chunk) / GIB, 3)
-    return feature
+    whole = loss_peak_bytes(args, None) / GIB
+    if not chunk:
+        return f"off: the whole logits, {whole:.3f} GiB at the loss's peak (--cross-entropy-chunk-size)"
+    return (
+        f"on: the loss peaks at {loss_peak_bytes(args, chunk) / GIB:.3f} GiB over chunks of {chunk} tokens "
+        f"instead of {whole:.3f} GiB over the whole logits"
+    )
+
+
+def features(args: argparse.Namespace) -> dict[str, str]:
+    """The throughput features a run can use, one line each: "on: what it buys" or "off: why"."""
+    from diffmeg.training.memory import parameters_per_rank
+
+    replicas = args.data_parallel_size * args.context_parallel_size  # DDP reduces over DP x CP
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    params = parameters_per_rank(args)
+    if replicas == 1:
+        grads = params_ = "off: DP x CP = 1, nothing to communicate"
+    else:
+        grads = "off: gradients are reduced after backward (--overlap-grad-reduce)"
+        if getattr(args, "overlap_grad_reduce", False):
+            bucket = getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * replicas)
+            buckets = -(-params // chunks // bucket) + chunks - 1  # chunks after the first: one bucket
+            reduce = "reduce-scatter" if args.use_distributed_optimizer else "all-reduce"
+            grads = (
+                f"on: the {params * 4 / 2**30:.1f} GiB fp32 gradient {reduce} runs under backward in "
+                f"~{buckets} buckets of {bucket:,} parameters, not after it"
+            )
+        params_ = "off: without the distributed optimizer nothing is all-gathered"
+        if getattr(args, "overlap_param_gather", False):
+            weight_bytes = 4 if precision(args) == "fp32" else 2
+            params_ = (
+                f"on: the {params * weight_bytes / 2**30:.1f} GiB all-gather of updated weights runs under "
+                "the next forward, not after the optimizer step"
+            )
+        elif args.use_distributed_optimizer:
+            params_ = "off: weights are all-gathered after the optimizer step (--overlap-param-gather)"
+    pp = args.pipeline_model_parallel_size
+    micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    bubble = (pp - 1) / micro  # idle time over compute time of a 1F1B step (Megatron-LM's paper)
+    if pp == 1:
+        pipeline = "off: no pipeline (PP 1)"
+    elif chunks == 1:
+        pipeline = (
+            f"off: pipeline bubble (PP - 1) / micro-batches = {bubble:.3f} of a step; "
+            "--num-layers-per-virtual-pipeline-stage divides it by the model chunks per rank"
+        )
+    else:
+        pipeline = (
+            f"on: {chunks} model chunks per rank: pipeline bubble {bubble / chunks:.3f} of a step instead "
+            f"of {bubble:.3f}, for {chunks}x the pipeline's point-to-point traffic"
+        )
+    return {
+        "overlap_grad_reduce": grads,
+        "overlap_param_gather": params_,
+        "interleaved_pipeline": pipeline,
+        "chunked_cross_entropy": chunked_loss_feature(args),
+    }
 
 
 def diff_version(args: argparse.Namespace) -> int:

@@ -22,7 +22,10 @@ gradient), the weight's fp32 gradient accumulator and one chunk's product in the
 input under sequence parallelism and the input's gradient. Under full recompute the peak is the larger
 of the loss and one recomputed layer (which lives only after the loss). Tensor
 parallelism divides attention/MLP terms (and the norm terms under sequence parallelism); context
-parallelism divides tokens; the first pipeline stage holds min(PP, micro-batches) micro-batches.
+parallelism divides tokens; the first pipeline stage holds min(PP, micro-batches) micro-batches. Under the
+interleaved schedule (v model chunks per rank) it holds the chunk-micro-batches of its warmup plus one,
+min(2 (PP - 1) + (v - 1) PP + 1, v x micro-batches), each of 1/v of its layers: (1 + (PP - 1) / (PP v))
+times the plain schedule's activations once there are enough micro-batches.
 """
 
 from __future__ import annotations
@@ -180,6 +183,15 @@ def loss_peak_bytes(args: argparse.Namespace, chunk_size: int | None) -> float:
     return loss + hidden + 3 * 4 * tokens  # + the fp32 loss, max and sum per token
 
 
+def in_flight_microbatches(pp: int, chunks: int, num_micro: int) -> float:
+    """Micro-batches whose activations the first pipeline rank holds at its peak, in units of all its
+    layers: min(PP, M) under 1F1B; under the interleaved schedule its warmup plus one chunk-micro-batches
+    (megatron-core's count), each of 1/chunks of its layers."""
+    if chunks == 1:
+        return min(pp, num_micro)
+    return min(2 * (pp - 1) + (chunks - 1) * pp + 1, chunks * num_micro) / chunks
+
+
 def estimate_memory(args: argparse.Namespace, on_gpu: bool | None = None) -> MemoryEstimate:
     """The plan for the busiest rank of the run described by resolved `args`."""
     if on_gpu is None:
@@ -192,7 +204,8 @@ def estimate_memory(args: argparse.Namespace, on_gpu: bool | None = None) -> Mem
     if args.use_distributed_optimizer:
         optimizer /= args.data_parallel_size * args.context_parallel_size
     num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    in_flight = min(args.pipeline_model_parallel_size, num_micro)
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    in_flight = in_flight_microbatches(args.pipeline_model_parallel_size, chunks, num_micro)
     stored, one_layer = _activations(args, on_gpu)
     activations = in_flight * stored
     loss_peak = loss_peak_bytes(args, getattr(args, "cross_entropy_chunk_size", None))

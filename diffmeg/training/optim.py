@@ -25,6 +25,7 @@ def build_optimizer(run: RunConfig, model: list[torch.nn.Module]) -> MegatronOpt
         fp16=t.fp16,
         params_dtype=t.params_dtype,
         use_distributed_optimizer=run.parallel.use_distributed_optimizer,
+        overlap_param_gather=run.parallel.overlap_param_gather,  # Megatron-LM passes it on as well
         # megatron-core's gloo side groups would double the process groups on CPU; not needed here.
     )
     return get_megatron_optimizer(config, model, use_gloo_process_groups=False)

@@ -77,10 +77,23 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    """Reduce gradients in buckets during backward (megatron-core DDP's `overlap_grad_reduce`)."""
+    overlap_param_gather: bool = False
+    """All-gather the distributed optimizer's parameters in buckets during the next forward."""
+    ddp_bucket_size: int | None = None
+    """Parameters per DDP bucket with overlap (None: megatron-core's default, max(40M, 1M x DP))."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Derived by validation: model chunks per pipeline rank of the interleaved schedule (None: one)."""
     distributed_backend: str = "auto"
     distributed_timeout_minutes: int = 10
     data_parallel_size: int = 1
     """Derived by validation from the world size."""
+
+    @property
+    def model_chunks(self) -> int:
+        """Model chunks (virtual pipeline stages) on each rank."""
+        return self.virtual_pipeline_model_parallel_size or 1
 
     @property
     def world_size(self) -> int:

@@ -27,11 +27,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from diffmeg.compat import model_parallel_manual_seed
 from diffmeg.errors import DiffmegError
 from diffmeg.model import lambda_parameters
-from diffmeg.training import collectives
+from diffmeg.training import collectives, ddp
 from diffmeg.training.arguments import args_to_json
 from diffmeg.training.builders import build_training_objects
 from diffmeg.training.callbacks import Callback, LogRecord, StepOutput, default_callbacks
-from diffmeg.training.checkpointing import ARGUMENTS_FILE, CheckpointManager, unwrap_model
+from diffmeg.training.checkpointing import ARGUMENTS_FILE, CheckpointManager, model_chunks
 from diffmeg.training.data import build_datasets, microbatches, to_device
 from diffmeg.training.distributed import initialize_distributed
 from diffmeg.training.flops import train_flops_per_iteration
@@ -88,20 +88,27 @@ class Trainer:
         self.rank, self.world = initialize_distributed(p.distributed_backend, p.distributed_timeout_minutes)
         if self.world != p.world_size:
             raise DiffmegError(f"world size {self.world} does not match the layout validated from WORLD_SIZE")
-        sizes = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size)
+        sizes = (
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            p.context_parallel_size,
+            p.virtual_pipeline_model_parallel_size,
+        )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=sizes[0],
                 pipeline_model_parallel_size=sizes[1],
                 context_parallel_size=sizes[2],
+                virtual_pipeline_model_parallel_size=sizes[3],
             )
         elif sizes != (  # a process that already set up megatron-core (tests) must match the run
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         ):
             raise DiffmegError(
-                f"megatron-core's parallel state is set up for another layout than TP/PP/CP {sizes}"
+                f"megatron-core's parallel state is set up for another layout than TP/PP/CP/VP {sizes}"
             )
         model_parallel_manual_seed(t.seed)
         self.checkpoints = CheckpointManager(run, log=self.log)
@@ -110,9 +117,12 @@ class Trainer:
         tokenizer = self._tokenizer()
 
         self._rss_before_model = _rss_bytes("VmRSS")
+        # `model`: the DDP-wrapped chunks, one per virtual pipeline stage (one without interleaving)
         self.model_config, self.model, self.optimizer, self.scheduler = build_training_objects(run)
-        self.device = next(self.model.parameters()).device
+        self.device = next(self.model[0].parameters()).device
         self.num_parameters = self._count_parameters()
+        if (overlap := ddp.describe(self.model)) is not None:
+            self.log(overlap)
         self.checkpoints.check_room(self.num_parameters)
         self._announce()
         loaded = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
@@ -156,7 +166,7 @@ class Trainer:
 
     def _count_parameters(self) -> int:
         """Parameters of the whole model: each model-parallel rank's share, counted once over DP x CP."""
-        local = sum(p.numel() for p in unwrap_model(self.model).parameters())
+        local = sum(p.numel() for chunk in model_chunks(self.model) for p in chunk.parameters())
         first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
         return int(collectives.all_reduce([float(local if first_replica else 0)]).item())
 
@@ -198,7 +208,7 @@ class Trainer:
         losses = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=batches,
-            model=[self.model],
+            model=self.model,
             num_microbatches=self.run.num_microbatches,
             seq_length=self.run.model.seq_length,
             micro_batch_size=t.micro_batch_size,
@@ -208,15 +218,22 @@ class Trainer:
             return torch.stack([d["lm loss"] for d in losses]).mean()
         return None
 
-    def _batches(self, dataset, start: int) -> Iterator[dict[str, torch.Tensor]]:
+    def _batches(self, dataset, start: int) -> Iterator[dict[str, torch.Tensor]] | list[Iterator]:
+        """This rank's micro-batches of the global batch at `start`; under the interleaved schedule one
+        iterator per model chunk (each chunk's forward step reads every micro-batch once)."""
         t = self.run.training
-        return microbatches(
-            dataset, start, t.global_batch_size, t.micro_batch_size, pin_memory=self.device.type == "cuda"
-        )
+
+        def one() -> Iterator[dict[str, torch.Tensor]]:
+            return microbatches(
+                dataset, start, t.global_batch_size, t.micro_batch_size, pin_memory=self.device.type == "cuda"
+            )
+
+        return [one() for _ in self.model] if len(self.model) > 1 else one()
 
     def train_step(self) -> StepOutput:
         """One optimizer step over the next global batch; advances the counters."""
-        self.model.zero_grad_buffer()
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss = self._forward_backward(self._batches(self.train_ds, self.state.consumed_samples), False)
         update_ok, grad_norm, _ = self.optimizer.step()
@@ -231,12 +248,16 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over `--eval-iters` global batches (deterministic: always the first ones)."""
         n, batch = self.run.logging.eval_iters, self.run.training.global_batch_size
-        self.model.eval()
-        with torch.no_grad():
+        self._set_training(False)
+        with torch.no_grad(), ddp.params_gathered(self.model):  # full weights, no param-gather hooks
             losses = [self._forward_backward(self._batches(self.valid_ds, i * batch), True) for i in range(n)]
-        self.model.train()
+        self._set_training(True)
         values, _ = self._to_host(losses)
         return sum(values) / max(1, n)
+
+    def _set_training(self, mode: bool) -> None:
+        for chunk in self.model:
+            chunk.train(mode)
 
     def _to_host(
         self, losses: list[torch.Tensor | None], extras: Sequence[torch.Tensor] = ()
@@ -276,9 +297,10 @@ class Trainer:
     def _flush(self, log_step: bool) -> list[float]:
         """Bring the pending losses to the host (the callbacks' `on_losses`, e.g. the NaN guard, see them);
         at a logging step also the loss scale and lambdas, which it returns."""
-        extras = []
-        lambdas = lambda_parameters(unwrap_model(self.model)) if log_step else {}
+        extras, lambdas = [], {}
         if log_step:
+            ddp.finish_param_gather(self.model)  # the step's updated lambdas, not this rank's stale copy
+            lambdas = lambda_parameters(model_chunks(self.model))
             extras = [self.optimizer.get_loss_scale().reshape(1), *(v.reshape(1) for v in lambdas.values())]
         iterations = [it for it, _ in self._pending]
         values, extra_values = self._to_host([loss for _, loss in self._pending], extras)
@@ -295,7 +317,7 @@ class Trainer:
         run, state = self.run, self.state
         train_iters, log_interval = run.training.train_iters, run.logging.log_interval
         window_start, window_iters = time.perf_counter(), 0
-        self.model.train()
+        self._set_training(True)
         self._call("on_train_start")
         try:
             while state.iteration < train_iters:
@@ -334,12 +356,14 @@ class Trainer:
                 ):
                     self._call("on_evaluation", it, self.evaluate())
                 if save:
+                    ddp.finish_param_gather(self.model)  # the weights of this step on every rank
                     self.checkpoints.save(
                         it, state.consumed_samples, self.model, self.optimizer, self.scheduler
                     )
                 if self.stop_reason is not None:
                     self.log(f" exiting at iteration {it} ({self.stop_reason})")
                     break
+            ddp.finish_param_gather(self.model)  # a caller of train() reads the final weights
         finally:
             self._call("on_train_end")
         memory = self._memory_report()

@@ -24,6 +24,10 @@ def test_short_smoke_run_of_a_big_recipe_stays_in_warmup(monkeypatch):
     assert a.lr_decay_iters == 1001
 
 
+PP2 = ["--model", "diff-tiny", "--pipeline-model-parallel-size", "2"]  # 4 layers: 2 per stage
+VP1 = ["--num-layers-per-virtual-pipeline-stage", "1"]
+
+
 @pytest.mark.parametrize(
     "argv,world,match",
     [
@@ -41,6 +45,24 @@ def test_short_smoke_run_of_a_big_recipe_stays_in_warmup(monkeypatch):
         (["--num-layers", "2"], 1, "--hidden-size is required"),
         (["--model", "diff-tiny", "--min-lr", "1"], 1, "larger than --lr"),
         (["--model", "diff-tiny", "--finetune"], 1, "--finetune needs --load"),
+        (["--model", "diff-tiny", "--overlap-param-gather"], 2, "add --use-distributed-optimizer"),
+        (
+            ["--model", "diff-tiny", "--overlap-param-gather", "--use-distributed-optimizer"],
+            2,
+            "--overlap-param-gather needs --overlap-grad-reduce",
+        ),
+        (["--model", "diff-tiny", "--ddp-bucket-size", "0"], 2, "--ddp-bucket-size must be >= 1"),
+        (
+            [*PP2, "--num-layers-per-virtual-pipeline-stage", "3"],
+            2,
+            "must divide the 2 layers of each of the 2 pipeline stages",
+        ),
+        (["--model", "diff-tiny", *VP1], 1, "needs --pipeline-model-parallel-size > 1"),
+        (
+            [*PP2, *VP1, "--global-batch-size", "6", "--micro-batch-size", "2"],
+            2,
+            r"per step \(3 = global batch 6 / \(micro batch 2 x DP 1\)\) to be a multiple of PP 2",
+        ),
     ],
 )
 def test_impossible_arguments(monkeypatch, argv, world, match):
@@ -84,3 +106,13 @@ def test_tokenizer_type_errors(monkeypatch, argv, match):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(DiffmegError, match=match):
         resolve_args(argv)
+
+
+def test_virtual_pipeline_size_is_derived_as_megatron_lm_does(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    a = resolve_args([*PP2, *VP1, "--global-batch-size", "8", "--micro-batch-size", "2"])
+    assert a.virtual_pipeline_model_parallel_size == 2 and a.data_parallel_size == 2
+    # One chunk of the stage's 2 layers is the plain schedule (as in Megatron-LM: no interleaving).
+    plain = resolve_args([*PP2, "--num-layers-per-virtual-pipeline-stage", "2"])
+    assert plain.virtual_pipeline_model_parallel_size is None
+    assert resolve_args(PP2).virtual_pipeline_model_parallel_size is None

@@ -111,6 +111,12 @@ def test_datasets_found_are_counted_from_their_files(tmp_path, capsys):
             ["--no-diff-attention", "--lambda-init", "0.5"],
             "--lambda-init has no effect: the Transformer baseline",
         ),
+        (["--overlap-grad-reduce"], "--overlap-grad-reduce has no effect: no data-parallel gradient"),
+        (["--ddp-bucket-size", "1000"], "--ddp-bucket-size has no effect without --overlap-grad-reduce"),
+        (
+            ["--num-layers-per-virtual-pipeline-stage", "4"],
+            "--num-layers-per-virtual-pipeline-stage 4 has no effect: it equals the 4 layers",
+        ),
     ],
 )
 def test_ignored_flags_are_explained_in_the_dry_run_and_on_a_real_run(argv, note, capsys, monkeypatch):
@@ -143,3 +149,43 @@ def test_pretrain_diff_dry_run_prints_json_then_its_warnings(tmp_path):
     assert json.loads(proc.stdout)["checks"]["memory_fits"] is False
     ours = [line for line in proc.stderr.splitlines() if line.startswith(("note:", "warning:"))]
     assert [line.split(":")[0] for line in ours] == ["note", "warning"], proc.stderr
+
+
+def test_features_say_what_the_run_uses_and_what_each_buys(capsys):
+    """Overlapped communication and the interleaved schedule: on with what they buy, or off with why."""
+    overlap = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    on = _dry(["--model", "diff-tiny", *overlap, "--ddp-bucket-size", "1000000"], capsys, world_size=2)[0]
+    params = on["memory_per_gpu_gib"]["parameters_per_gpu"]  # diff-tiny at vocabulary 100288: 27.2M
+    f = on["features"]
+    assert f["overlap_grad_reduce"] == (
+        f"on: the {params * 4 / 2**30:.1f} GiB fp32 gradient reduce-scatter runs under backward in "
+        f"~{-(-params // 1_000_000)} buckets of 1,000,000 parameters, not after it"
+    )
+    assert f["overlap_param_gather"].startswith(f"on: the {params * 4 / 2**30:.1f} GiB all-gather of updated")
+    assert f["interleaved_pipeline"] == "off: no pipeline (PP 1)"
+    assert on["checks"]["notes"] == []
+
+    off = _dry(["--model", "diff-tiny", "--use-distributed-optimizer"], capsys, world_size=2)[0]["features"]
+    assert off["overlap_grad_reduce"].endswith("after backward (--overlap-grad-reduce)")
+    assert off["overlap_param_gather"].endswith("after the optimizer step (--overlap-param-gather)")
+    alone = _dry(["--model", "diff-tiny", *overlap], capsys)[0]["features"]  # one rank: nothing to overlap
+    assert (
+        alone["overlap_grad_reduce"]
+        == alone["overlap_param_gather"]
+        == "off: DP x CP = 1, nothing to communicate"
+    )
+
+    pp = ["--model", "diff-tiny", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+    plain = _dry(pp, capsys, world_size=2)[0]  # 4 micro-batches of 2: bubble 1/4
+    assert plain["features"]["interleaved_pipeline"].startswith(
+        "off: pipeline bubble (PP - 1) / micro-batches = 0.250"
+    )
+    vp = _dry([*pp, "--num-layers-per-virtual-pipeline-stage", "1"], capsys, world_size=2)[0]
+    assert vp["parallel"]["virtual_pipeline_model_parallel_size"] == 2
+    assert vp["features"]["interleaved_pipeline"] == (
+        "on: 2 model chunks per rank: pipeline bubble 0.125 of a step instead of 0.250, for 2x the "
+        "pipeline's point-to-point traffic"
+    )
+    # The first stage keeps 2.5 of its 4 micro-batches' activations instead of 2 (1 + (PP - 1) / (PP x VP)).
+    act = vp["memory_per_gpu_gib"]["activations"] / plain["memory_per_gpu_gib"]["activations"]
+    assert act == pytest.approx(1.25, rel=0.01)

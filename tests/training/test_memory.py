@@ -169,3 +169,22 @@ def test_plan_follows_the_attention_that_is_built(monkeypatch):
     assert estimate_memory(base, on_gpu=True).total < 60 * gib
     # the baseline keeps less per token than DIFF (whose core saves o1, o2 and the fp32 head norm)
     assert estimate_memory(base, on_gpu=True).activations < estimate_memory(sdpa, on_gpu=True).activations
+
+
+@pytest.mark.parametrize(
+    "pp,chunks,micro", [(2, 1, 4), (4, 1, 2), (2, 2, 4), (2, 2, 2), (4, 2, 8), (4, 3, 4)]
+)
+def test_pipeline_micro_batches_in_flight_are_megatron_cores(pp, chunks, micro):
+    """The plan's in-flight micro-batches on the first pipeline rank are the warmup plus one of
+    megatron-core's schedules (1F1B, interleaved), in units of the rank's layers."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    from diffmeg.training.memory import in_flight_microbatches
+
+    group = SimpleNamespace(size=lambda: pp, rank=lambda: 0)
+    p2p = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
+    total, all_warmup, warmup, _ = get_pp_rank_microbatches(micro, chunks, pp, p2p_communicator=p2p)
+    chunk_micro_batches = total if all_warmup else min(warmup + 1, total)
+    assert in_flight_microbatches(pp, chunks, micro) == pytest.approx(chunk_micro_batches / chunks)

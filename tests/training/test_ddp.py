@@ -1,0 +1,87 @@
+"""diffmeg.training.ddp in one process: the DDP settings and schedule hooks Megatron-LM would set, and the
+parameter-gather switches around evaluation and saves, on megatron-core's own DDP (the attributes read
+here are the ones diffmeg relies on: an upgrade that renames them fails here, not in a 2-rank job)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from diffmeg.training import ddp
+from diffmeg.training.arguments import resolve_args
+from diffmeg.training.run_config import RunConfig
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32"]
+SMALL += ["--mock-data", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]
+SMALL += ["--lr", "1e-3", "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1"]
+OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+@pytest.fixture
+def trainer_of(single_rank_parallel_state, monkeypatch):
+    from diffmeg.training.trainer import Trainer
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    return lambda *flags: Trainer(RunConfig.from_args(resolve_args([*SMALL, *flags], world_size=1)), [])
+
+
+def test_overlapped_model_has_buckets_hooks_and_matches_the_plain_run(trainer_of):
+    plain = trainer_of("--train-iters", "3", "--use-distributed-optimizer")
+    plain_result = plain.train()
+    t = trainer_of("--train-iters", "3", *OVERLAP, "--ddp-bucket-size", "5000")
+    config, model = t.model_config, t.model
+    assert len(model) == 1 and ddp.param_gather_overlapped(model)
+    assert ddp.bucket_count(model) >= 3 and model[0].bucket_size == 5000
+    assert plain.model[0].bucket_size is None and ddp.bucket_count(plain.model) == 1  # no overlap: one
+    # One chunk: the non-interleaved schedules take single functions; no aligned all-gather without VP.
+    assert config.no_sync_func == model[0].no_sync and config.grad_sync_func == model[0].start_grad_sync
+    assert config.param_sync_func is None and plain.model_config.no_sync_func is None
+    assert ddp.describe(model) is None  # one rank: nothing overlaps (the dry run says so too)
+
+    hooks = len(model[0].remove_forward_pre_hook_handles)
+    assert hooks > 0
+    with ddp.params_gathered(model):  # evaluation: no pre-hooks inside, all of them back after
+        assert model[0].remove_forward_pre_hook_handles == {}
+    assert len(model[0].remove_forward_pre_hook_handles) == hooks
+
+    # Trained with evaluation at iteration 2 in between, the run is the plain one.
+    result = t.train()
+    assert result["lm_loss"] == pytest.approx(plain_result["lm_loss"], rel=1e-6)
+    for (name, a), b in zip(plain.model[0].named_parameters(), model[0].parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
+
+
+def test_chunks_get_lists_of_hooks_and_aligned_param_gathers():
+    """Interleaved pipelines (several chunks): Megatron-LM's per-chunk lists, param gathers aligned."""
+
+    def chunk(overlap_grad: bool, overlap_param: bool):
+        config = SimpleNamespace(
+            overlap_grad_reduce=overlap_grad,
+            overlap_param_gather=overlap_param,
+            align_param_gather=overlap_param,
+        )
+        return SimpleNamespace(
+            ddp_config=config, no_sync=object(), start_grad_sync=object(), start_param_sync=object()
+        )
+
+    config, model = SimpleNamespace(), [chunk(True, True), chunk(True, True)]
+    ddp.set_schedule_hooks(config, model)
+    assert config.no_sync_func == [c.no_sync for c in model]
+    assert config.grad_sync_func == [c.start_grad_sync for c in model]
+    assert config.param_sync_func == [c.start_param_sync for c in model]
+    ddp.set_schedule_hooks(config, [chunk(False, False), chunk(False, False)])
+    assert config.no_sync_func is config.grad_sync_func is config.param_sync_func is None
+
+    run = RunConfig.from_args(
+        resolve_args(
+            ["--model", "diff-tiny", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+            + ["--num-layers-per-virtual-pipeline-stage", "1", *OVERLAP, "--ddp-bucket-size", "123"],
+            world_size=4,
+        )
+    )
+    settings = ddp.ddp_config(run)
+    assert settings.align_param_gather and settings.overlap_param_gather and settings.bucket_size == 123
+    assert settings.grad_reduce_in_fp32 and settings.use_distributed_optimizer
