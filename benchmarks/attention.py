@@ -13,8 +13,8 @@ Every row is one causal attention core at equal FLOPs accounting (diffmeg.traini
 baseline's efficiency; the time ratio is then exactly 1.5.
 
 A backend that fails (out of memory, a Triton tile that does not compile or exceeds shared memory, a
-wrong result) gets a row with its error and the sweep goes on. benchmarks/campaign.py calls `run_rows`
-and `check_backend` as a library. Prints a table; it is never run as a timed test.
+wrong result) gets a row with its error and the sweep goes on. The campaign (benchmarks/campaign/kernels.py)
+calls `run_rows` and `check_backend` as a library. Prints a table; it is never run as a timed test.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@
     python3 benchmarks/report.py --check      # exit 1 when the doc differs from what the files give
     python3 benchmarks/report.py --stdout     # print the section only
 
-Every number in the section comes from a results file (benchmarks/campaign.py writes them; schema in
-benchmarks/schema.py), and each table names the file, machine, date and git revision it came from. Only
-files with device_type "cuda" that are not smoke runs fill the GPU tables; CPU smoke files are counted
-and named as such, never shown as GPU results.
+Every number in the section comes from a results file (`python3 -m benchmarks.campaign` writes them;
+schema in benchmarks/campaign/schema.py), and each table names the file, machine, date and git revision
+it came from. Only files with device_type "cuda" that are not smoke runs fill the GPU tables; CPU smoke
+files are counted and named as such, never shown as GPU results.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import schema  # noqa: E402
+from benchmarks.campaign import schema  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 DOC = REPO / "docs" / "benchmarks.md"

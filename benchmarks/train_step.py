@@ -11,7 +11,8 @@ them. FLOPs are diffmeg.training.flops.train_flops_per_iteration (model FLOPs: D
 FLOP-matched baseline `transformer-X` is run too; `ratio` = DIFF tokens/s over the baseline's, next to
 the equal-efficiency bound (baseline FLOPs / DIFF FLOPs per token). Each row also carries the peak
 memory and the memory plan's estimate (diffmeg.training.memory) for the same run.
-benchmarks/campaign.py calls `init_process` and `run_one` as a library. Prints a table; never a timed test.
+The campaign (benchmarks/campaign/train.py) calls `init_process` and `run_one`. Prints a table; never a
+timed test.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ _TUNED: dict[int, TritonDiffConfig] = {}
 
 
 def set_tuned_config(head_dim: int | None, config: TritonDiffConfig | None) -> None:
-    """Use `config` as this process's default tiles at `head_dim` (benchmarks/campaign.py: the tiles its
+    """Use `config` as this process's default tiles at `head_dim` (the GPU campaign: the tiles its
     kernels phase timed fastest); `set_tuned_config(None, None)` forgets every override."""
     if head_dim is None:
         _TUNED.clear()
@@ -155,7 +155,7 @@ def default_config(head_dim: int, interpreted: bool) -> TritonDiffConfig:
     # d=128: the forward needs v_splits=2 (two [BM, 2d] accumulators do not fit one warpgroup) and still
     # spills 160 B; dK/dV in three passes spills at most 496 B per launch (one pass: 1536 B, two: 1032 B)
     # at 24d instead of 16d FLOPs per query-key pair; dQ 312 B. To be decided by GPU timings
-    # (benchmarks/campaign.py's kernels phase times the one-pass tiles too).
+    # (the GPU campaign's kernels phase times the one-pass tiles too).
     return TritonDiffConfig(
         block_m=64, block_n=16, v_splits=2, num_warps=4, num_stages=2, dkdv_block_m=16, dkdv_block_n=128,
         dq_block_m=128, dq_block_n=16, bwd_num_warps=8, bwd_num_stages=2, split_dkdv=True, split_dk=True,

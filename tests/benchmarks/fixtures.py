@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import schema
+from benchmarks.campaign import schema
 
 
 def gpu_result(date: str = "2026-12-01T10:00:00+00:00", speedup: float = 1.35) -> dict:

@@ -1,8 +1,8 @@
-"""benchmarks/schema.py: what a campaign results file must hold."""
+"""benchmarks/campaign/schema.py: what a campaign results file must hold."""
 
 from __future__ import annotations
 
-from benchmarks import schema
+from benchmarks.campaign import schema
 
 
 def test_an_empty_result_follows_the_schema():

@@ -1,4 +1,4 @@
-"""The results file of one campaign run (benchmarks/campaign.py), as benchmarks/report.py reads it.
+"""The results file of one campaign run (`python3 -m benchmarks.campaign`), as report.py reads it.
 
 Top-level figures are null where the run did not measure them (a phase not selected, skipped, or failed);
 row lists are empty then. Every file names its machine, date and git revision, and `device_type` says
