@@ -1,4 +1,5 @@
-"""Phase `env`: the machine, the versions, and the measured bf16 matmul rate (the MFU roof)."""
+"""Phase `env`: the machine, the versions, the GPU's dense bf16 peak (the MFU denominator) and the
+measured bf16 matmul rate (the roof the machine reaches, reported beside it)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,11 @@ def phase_env(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) ->
             gpu_memory_gib=round(props.total_memory / 2**30, 2),
             multiprocessors=props.multi_processor_count,
             capability=f"{props.major}.{props.minor}",
+            shared_memory_per_block_optin=getattr(props, "shared_memory_per_block_optin", None),
         )
+        from benchmarks.train_step import dense_peak_tflops
+
+        part.set(peak_bf16_tflops=dense_peak_tflops(name))  # MFU as the field quotes it (issue 24, item 9)
     else:
         name = f"cpu ({platform.processor() or platform.machine()})"
     part.set(device=name, device_type=device, versions=versions, machine=machine)

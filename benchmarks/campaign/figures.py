@@ -46,15 +46,14 @@ def best_triton(rows: list[dict], seq: int, head_dim: int) -> dict | None:
 
 
 def throughput_ratio(rows: list[dict], seq: int) -> tuple[float | None, float | None]:
-    """(best DIFF V1 tokens/s / Transformer tokens/s, FLOP bound of the measured models) at this length."""
-    diff = [
-        r for r in rows if r["seq"] == seq and r["arch"] == "diff" and r["tokens_per_s"] and not r["error"]
-    ]
-    base = [
-        r
-        for r in rows
-        if r["seq"] == seq and r["arch"] == "transformer" and r["tokens_per_s"] and not r["error"]
-    ]
+    """(best DIFF V1 tokens/s / Transformer tokens/s, FLOP bound of the measured models) at this length;
+    rows of a variant (the distributed optimizer, with or without overlap) are not the comparison's."""
+
+    def usable(r: dict, arch: str) -> bool:
+        return r["seq"] == seq and r["arch"] == arch and bool(r["tokens_per_s"]) and not r["error"]
+
+    diff = [r for r in rows if usable(r, "diff") and not r.get("variant")]
+    base = [r for r in rows if usable(r, "transformer") and not r.get("variant")]
     if not diff or not base:
         return None, None
     best = max(diff, key=lambda r: r["tokens_per_s"])
@@ -97,3 +96,26 @@ def kept_triton_best(results_dir: Path, device: str) -> dict | None:
         if isinstance(data, dict) and data.get("device") == device and data.get("triton_best"):
             found.append((data.get("date", ""), data["triton_best"]))
     return max(found, key=lambda x: x[0])[1] if found else None
+
+
+def headlines(result: dict, head_dim: int) -> dict:
+    """The top-level figures of a results object, from the rows it holds: computed by the parent after
+    every phase, so a phase killed at its budget keeps the figures of the rows it wrote."""
+    from benchmarks.attention import TRITON
+
+    out: dict = {}
+    attention, train = result.get("attention") or [], result.get("train") or []
+    if attention:
+        out["fused_speedup_vs_best_unfused_4k"] = fused_speedup(attention, 4096, head_dim)
+        best = best_triton(attention, 4096, head_dim)
+        configs = {c["label"]: c.get("config") for c in result.get("triton_candidates") or []}
+        label = best["impl"][len(TRITON) + 1 :] if best else None
+        out["triton_best"] = (
+            {"label": label, "head_dim": head_dim, "config": configs[label]} if label in configs else None
+        )
+    if train:
+        for key, seq in (("4k", 4096), ("2k", 2048)):
+            ratio, bound = throughput_ratio(train, seq)
+            out[f"diff_vs_transformer_ratio_{key}"], out[f"flop_bound_{key}"] = ratio, bound
+        out["flop_bound_3b_4k"] = flop_bound("diff-3b", 4096)
+    return out

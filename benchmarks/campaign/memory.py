@@ -1,4 +1,5 @@
-"""Phase `memory`: the memory plan against the allocator, and the pretrain_diff.py runs (runs.py)."""
+"""Phase `memory`: the pretrain_diff.py save/resume runs (runs.py) and generation from their checkpoints
+(generation.py), then the memory plan against torch.cuda.max_memory_allocated."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.campaign.generation import generation_check
 from benchmarks.campaign.part import Part
 from benchmarks.campaign.plan import Plan, device_of
 from benchmarks.campaign.procs import child_env
-from benchmarks.campaign.runs import generation_check, skipped_run, train_and_resume
+from benchmarks.campaign.runs import skipped_run, train_and_resume
 
 
 def phase_memory(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) -> None:

@@ -9,13 +9,17 @@ def summary_lines(result: dict) -> list[str]:
         f"campaign {result['date']}: {result['device']} "
         f"({result['device_type']}{', smoke' if result['smoke'] else ''}),"
         f" git {result['git_revision'][:12]}{' (dirty)' if result['git_dirty'] else ''}"
+        f" ({result.get('git_source') or 'git'})"
     ]
     for phase, info in result["phases"].items():
         if info["status"] != "not run":
             secs = f"{info['seconds']:.0f}s" if info.get("seconds") is not None else ""
             out.append(f"  {phase:8s} {info['status']:8s} {secs:>6}  {info.get('error') or ''}")
     fmt = lambda v, f="{:.3g}": "-" if v is None else f.format(v)  # noqa: E731
-    out.append(f"bf16 matmul TFLOP/s: {fmt(result['bf16_matmul_tflops'])}")
+    out.append(
+        f"bf16 matmul TFLOP/s: {fmt(result['bf16_matmul_tflops'])} measured, "
+        f"{fmt(result.get('peak_bf16_tflops'))} dense peak (the MFU denominator)"
+    )
     if result["tests"]:
         t = result["tests"]
         out.append(
@@ -34,10 +38,11 @@ def summary_lines(result: dict) -> list[str]:
         "(goal >= 1.3)"
     )
     for r in result["train"]:
+        impl = f"{r['impl']} {r['variant']}" if r.get("variant") else r["impl"]
         out.append(
-            f"train {r['model']:16s} {r['impl']:14s} s{r['seq']:<5d} "
-            f"tokens/s {fmt(r['tokens_per_s'], '{:.0f}')}"
-            f"  MFU {fmt(r['mfu'], '{:.1%}')} {r['error'] or ''}"
+            f"train {r['model']:16s} {impl:24s} s{r['seq']:<5d} "
+            f"tokens/s {fmt(r['tokens_per_s'], '{:.0f}')}  MFU {fmt(r['mfu'], '{:.1%}')}"
+            f" ({fmt(r.get('mfu_vs_matmul'), '{:.1%}')} of matmul) {r['error'] or ''}"
         )
     for key in ("4k", "2k"):
         ratio, bound = result[f"diff_vs_transformer_ratio_{key}"], result[f"flop_bound_{key}"]
@@ -51,6 +56,10 @@ def summary_lines(result: dict) -> list[str]:
     for r in result["gpu_train_run"]:
         out.append(
             f"run {r['model']}: {r['iterations']} it, loss {fmt(r['loss_first'])} -> {fmt(r['loss_last'])},"
-            f" resume exact {r['resume_exact']}, generation ok {r['generation_ok']} {r['error'] or ''}"
+            f" resume exact {r['resume_exact']} (all equal {r.get('resume_all_equal')}),"
+            f" generation ok {r['generation_ok']} {r['error'] or ''}"
         )
+    cache = (result.get("triton_cache") or {}).get("saved")
+    if cache:
+        out.append(f"triton cache: {cache['entries']} entries saved in {cache['saved']}")
     return out

@@ -45,3 +45,26 @@ def test_tuned_tiles_come_from_the_newest_file_of_the_same_gpu(tmp_path):
         (tmp_path / name).write_text(json.dumps(r))
     assert figures.kept_triton_best(tmp_path, "NVIDIA H100 80GB HBM3")["label"] == "newer"
     assert figures.kept_triton_best(tmp_path, "NVIDIA A100") is None
+
+
+def test_headlines_come_from_the_rows_a_killed_phase_kept():
+    """What a phase killed at its budget leaves: rows and candidate checks, no figures; the parent derives
+    them (the fastest correct candidate's tiles, the speedup, the ratio and its bound)."""
+    kept = gpu_result()
+    result = {key: kept[key] for key in ("attention", "triton_candidates", "train")}
+    result["triton_candidates"][0]["config"] = {"block_m": 64}
+    result["train"] = [
+        {**row, "flops_per_token": f} for row, f in zip(kept["train"], (9.0, 10.0), strict=True)
+    ] + [{**kept["train"][1], "tokens_per_s": 99999.0, "variant": "dist-opt", "flops_per_token": 10.0}]
+    figures_now = figures.headlines(result, head_dim=128)
+    assert figures_now["fused_speedup_vs_best_unfused_4k"] == pytest.approx(6.5 / 4.8)
+    assert figures_now["triton_best"] == {
+        "label": "f64x16s2w4 kv16x128 q128x16 w8",
+        "head_dim": 128,
+        "config": {"block_m": 64},
+    }
+    assert figures_now["diff_vs_transformer_ratio_4k"] == pytest.approx(48211.0 / 51234.0)  # not the variant
+    assert figures_now["flop_bound_4k"] == pytest.approx(0.9)
+    assert figures_now["diff_vs_transformer_ratio_2k"] is None
+    assert figures_now["flop_bound_3b_4k"] == pytest.approx(0.956, abs=5e-4)
+    assert figures.headlines({"attention": [], "train": []}, 128) == {}
