@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     from diffmeg.training.trainer import Trainer
 
     runtime.setup()
+    if args.deterministic_mode:
+        runtime.make_deterministic()
     try:
         # Inside train() Ctrl-C saves and stops (a second one exits at once); before it, this catches it.
         return Trainer(RunConfig.from_args(args)).train()["exit_code"]

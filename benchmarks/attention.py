@@ -13,8 +13,8 @@ Every row is one causal attention core at equal FLOPs accounting (diffmeg.traini
 baseline's efficiency; the time ratio is then exactly 1.5.
 
 A backend that fails (out of memory, a Triton tile that does not compile or exceeds shared memory, a
-wrong result) gets a row with its error and the sweep goes on. benchmarks/campaign.py calls `run_rows`
-and `check_backend` as a library. Prints a table; it is never run as a timed test.
+wrong result) gets a row with its error and the sweep goes on. The campaign (benchmarks/campaign/kernels.py)
+calls `run_rows` and `check_backend` as a library. Prints a table; it is never run as a timed test.
 """
 
 from __future__ import annotations
@@ -135,9 +135,9 @@ SWEEP_CONFIGS = dict(
 )
 
 
-def triton_candidates(head_dim: int) -> dict[str, TritonDiffConfig]:
+def triton_candidates(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, TritonDiffConfig]:
     """Tile configurations worth timing at this head dim: the default first, then the sweep's list."""
-    default = default_config(head_dim, interpreted=False)
+    default = default_config(head_dim, interpreted=False, dtype=dtype)
     out = {config_label(default): default}
     for label, cfg in SWEEP_CONFIGS.items():
         if (2 * head_dim) % cfg.v_splits == 0:
@@ -300,9 +300,12 @@ def run_rows(
     reference_max_seq: int = 4096,
     deadline: float | None = None,
     log: Callable[[str], None] | None = None,
+    baselines: bool = True,
+    baseline_tflops: float | None = None,
 ) -> list[dict]:
     """One row per (seq, backend), the baseline first. batch = max(1, tokens // seq), 1 when tokens is
-    None. Rows past `deadline` (time.monotonic()) are recorded as skipped, not timed."""
+    None. Rows past `deadline` (time.monotonic()) are recorded as skipped, not timed. With `baselines`
+    False only `backends` are timed (no baseline or DIFF V2 row), `vs_baseline` against `baseline_tflops`."""
     h, g, d = heads, kv_heads, head_dim
     rows = []
     for s in seqs:
@@ -320,19 +323,19 @@ def run_rows(
                 q, k, vv, is_causal=True, scale=d**-0.5, enable_gqa=k.shape[1] != q.shape[1]
             )
 
-        jobs: list[tuple[str, Callable, list[torch.Tensor], float, dict]] = [
-            (BASELINE, baseline, [bq, bk, bv], base_f, {})
-        ]
+        jobs: list[tuple[str, Callable, list[torch.Tensor], float, dict]] = (
+            [(BASELINE, baseline, [bq, bk, bv], base_f, {})] if baselines else []
+        )
         for name, fn in backends.items():
             if name == REFERENCE and s > reference_max_seq:
                 continue
             jobs.append((name, fn, [q1, q2, k1, k2, v, lam], diff_f, {"scale": d**-0.5}))
-        v2 = v2_attention_fn()
+        v2 = v2_attention_fn() if baselines else None
         if v2 is not None:  # DIFF V2: 2H query heads over the baseline's KV groups, one gate per head pair
             gate = torch.rand(b, 2 * h, s, device=device, dtype=dtype)
             v2_in = [torch.randn(b, 4 * h, s, d, device=device, dtype=dtype), bk, bv, gate]
             jobs.append(("diff2", v2, v2_in, 2 * base_f, {"scale": d**-0.5}))
-        base_fb = None
+        base_fb = baseline_tflops
         for name, fn, inputs, flops, kw in jobs:
             if deadline is not None and time.monotonic() > deadline:
                 timing = Timing(None, None, "skipped: time budget")

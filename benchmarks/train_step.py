@@ -10,8 +10,10 @@ them. FLOPs are diffmeg.training.flops.train_flops_per_iteration (model FLOPs: D
 1.5x the baseline's, no recompute), so MFU is comparable between the pair. For each DIFF model its
 FLOP-matched baseline `transformer-X` is run too; `ratio` = DIFF tokens/s over the baseline's, next to
 the equal-efficiency bound (baseline FLOPs / DIFF FLOPs per token). Each row also carries the peak
-memory and the memory plan's estimate (diffmeg.training.memory) for the same run.
-benchmarks/campaign.py calls `init_process` and `run_one` as a library. Prints a table; never a timed test.
+memory and the memory plan's estimate (diffmeg.training.memory) for the same run. On a GPU megatron-core's
+fusions are compiled by TorchDynamo, as in pretrain_diff.py (on a CPU diffmeg.runtime runs them eagerly).
+The campaign (benchmarks/campaign/train.py) calls `init_process` and `run_one`. Prints a table; never a
+timed test.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # Dense peak TFLOP/s (no sparsity) per device-name fragment: (bf16, fp8).
 PEAK_TFLOPS = {
@@ -42,16 +43,21 @@ PEAK_TFLOPS = {
 }
 
 
+def dense_peak_tflops(device_name: str, fp8: bool = False) -> float | None:
+    """The datasheet's dense (no sparsity) bf16 or fp8 TFLOP/s of a GPU by its name, None if unknown:
+    the denominator of MFU as the field quotes it."""
+    for key, (bf16, f8) in PEAK_TFLOPS.items():
+        if key in device_name:
+            return f8 if fp8 else bf16
+    return None
+
+
 def peak_tflops(fp8: bool, override: float | None) -> float | None:
     if override is not None:
         return override
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    for key, (bf16, f8) in PEAK_TFLOPS.items():
-        if key in name:
-            return f8 if fp8 else bf16
-    return None
+    return dense_peak_tflops(torch.cuda.get_device_name(), fp8)
 
 
 @dataclass

@@ -77,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
         context_parallel_size=args.context_parallel_size,
         cp_comm_type=getattr(args, "cp_comm_type", None),  # None in args saved before the flag existed
         sequence_parallel=args.sequence_parallel,
+        deterministic_mode=getattr(args, "deterministic_mode", False),  # absent from older saved args
         use_cpu_initialization=not on_gpu,
         # megatron-core sets the TP attributes inside its init; diffmeg.init then redraws every parameter
         # layout-independently.

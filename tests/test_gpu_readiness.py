@@ -5,12 +5,20 @@
   the GPU runs the fused Triton kernel;
 - seeded sampling draws on the logits' device;
 - the Transformer baseline's local spec runs in bf16 on a GPU without the fused-softmax extension, and
-  DIFF with each backend gives the same loss.
+  DIFF with each backend gives the same loss;
+- training steps as the campaign's train phase takes them (issue 24): bf16, the fused kernel, megatron-core's
+  fused SwiGLU compiled by TorchDynamo, the distributed optimizer with overlapped gradient reduction, on
+  an NCCL process group, for the Transformer and DIFF: the loss falls.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,3 +106,62 @@ def test_bf16_local_spec_trains_on_gpu(single_rank_parallel_state, monkeypatch, 
         losses[backend] = loss.item()
     if len(losses) == 2:
         assert abs(losses["sdpa"] - losses["triton"]) < 2e-2 * abs(losses["sdpa"]), losses
+
+
+# One fresh process (its own NCCL group, TorchDynamo on as in the train phase), both models in turn.
+_TRAIN_STEPS = """
+import json, sys
+import torch
+from benchmarks import train_step
+from diffmeg.training.builders import build_training_objects
+from diffmeg.training.trainer import forward_step
+
+train_step.init_process()
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+flags = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--lr", "1e-3", "--lr-warmup-iters", "0"]
+for preset, backend in (("transformer-tiny", None), ("diff-tiny", sys.argv[1])):
+    opts = train_step.StepOptions(tokens_per_microbatch=512, microbatches=2, vocab_size=1024,
+                                  diff_attn_backend=backend, extra_args=flags)
+    args = train_step.resolve_run_args(preset, 256, opts, "cuda")
+    config, model, optimizer, scheduler = build_training_objects(args)
+    batches = list(train_step._mock_batches(2, args.micro_batch_size, 256, 1024, "cuda"))
+    losses, updated = [], []
+    for _ in range(4):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model], num_microbatches=2,
+            seq_length=256, micro_batch_size=args.micro_batch_size, forward_only=False)
+        updated.append(bool(optimizer.step()[0]))
+        scheduler.step(increment=1)
+        losses.append(sum(float(o["lm loss"]) for o in out) / len(out))
+    print(json.dumps({
+        "preset": preset, "process_group": torch.distributed.get_backend(),
+        "attention": train_step.attention_impl(model), "dtype": str(next(model.parameters()).dtype),
+        "fused_swiglu": config.bias_activation_fusion, "dynamo": not torch._dynamo.config.disable,
+        "losses": losses, "updated": updated,
+    }))
+"""
+
+
+def test_training_steps_as_the_train_phase_takes_them():
+    """bf16 steps through build_training_objects and megatron-core's schedule (benchmarks/train_step.py's
+    path): NCCL, the fused Triton kernel for DIFF (SDPA without triton), the compiled fused SwiGLU, the
+    distributed optimizer with overlapped gradient reduction; both models' losses fall on repeated batches."""
+    repo = Path(__file__).resolve().parents[1]
+    backend = "triton" if importlib.util.find_spec("triton") else "sdpa"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
+    env.update(TORCHDYNAMO_DISABLE="0", PYTHONPATH=str(repo))
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRAIN_STEPS, backend], cwd=repo, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["preset"] for r in runs] == ["transformer-tiny", "diff-tiny"]
+    group = "nccl" if torch.distributed.is_nccl_available() else "gloo"
+    for r, attention in zip(runs, ("SDPACoreAttention", backend), strict=True):
+        assert (r["process_group"], r["attention"], r["dtype"]) == (group, attention, "torch.bfloat16"), r
+        assert r["fused_swiglu"] and r["dynamo"] and all(r["updated"]), r
+        assert all(torch.isfinite(torch.tensor(r["losses"]))) and r["losses"][-1] < r["losses"][0], r

@@ -140,11 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arch", type=int, default=90, help="sm_XX (90 = H100/H200)")
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--sweep", action="store_true", help="forward and backward tile candidates")
     args = parser.parse_args(argv)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    cfg = default_config(args.head_dim, interpreted=False)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    cfg = default_config(args.head_dim, interpreted=False, dtype=dtype)
     print(f"sm_{args.arch}, head dim {args.head_dim}, {args.dtype}, default tiles {cfg}")
     for stats in compile_all(args.head_dim, cfg, dtype, args.arch):
         print(_row(stats, "default"))

@@ -29,7 +29,7 @@ import importlib
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 import torch
@@ -37,6 +37,7 @@ import torch
 from diffmeg.errors import DiffmegError
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SM90_SHARED_MEMORY_BYTES = 232_448  # opt-in shared memory per block on sm_90 (H100, H200): 227 KiB
 MAX_HEAD_DIM = 128
 _INT32_MAX = 2**31 - 1
 
@@ -118,7 +119,7 @@ _TUNED: dict[int, TritonDiffConfig] = {}
 
 
 def set_tuned_config(head_dim: int | None, config: TritonDiffConfig | None) -> None:
-    """Use `config` as this process's default tiles at `head_dim` (benchmarks/campaign.py: the tiles its
+    """Use `config` as this process's default tiles at `head_dim` (the GPU campaign: the tiles its
     kernels phase timed fastest); `set_tuned_config(None, None)` forgets every override."""
     if head_dim is None:
         _TUNED.clear()
@@ -128,16 +129,28 @@ def set_tuned_config(head_dim: int | None, config: TritonDiffConfig | None) -> N
         _TUNED[head_dim] = config
 
 
-def default_config(head_dim: int, interpreted: bool) -> TritonDiffConfig:
+def default_config(
+    head_dim: int,
+    interpreted: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    smem_limit: int = SM90_SHARED_MEMORY_BYTES,
+) -> TritonDiffConfig:
     """Tiles from ptxas resource usage for sm_90 in bf16 (`python -m diffmeg.kernels.triton_aot --sweep`,
     docs/benchmarks.md), NOT from GPU timings: the least-spilling tiles whose dot M dims cover all warps
     (each Hopper warp owns 16 rows; fewer rows make warps repeat each other's work).
 
     Registers are the constraint: the forward holds two [BM, 2d] fp32 accumulators (A1 V, A2 V) and the
-    dK/dV kernel [BN, 4d] (dV, dK1, dK2): at d=128 FlashAttention's d=256 budget, twice.
+    dK/dV kernel [BN, 4d] (dV, dK1, dK2): at d=128 FlashAttention's d=256 budget, twice. Shared memory
+    binds only for 4-byte inputs: `fit_shared_memory` shrinks the tiles of `dtype` to `smem_limit` (fp32
+    at d=128 would need ~311 KB in the dQ kernel with the bf16 tiles; an H100 block has 227 KiB).
     """
     if interpreted:  # fewer, larger tiles: each program is a Python loop over numpy ops
         return TritonDiffConfig(32, 32, 1, 1, 1, 32, 32, 32, 32, 1, 1)
+    return fit_shared_memory(_bf16_config(head_dim), head_dim, dtype, smem_limit)
+
+
+def _bf16_config(head_dim: int) -> TritonDiffConfig:
+    """The tuned tiles of this head dim (`set_tuned_config`), else the ptxas-chosen ones for bf16."""
     if head_dim in _TUNED:
         return _TUNED[head_dim]
     if head_dim <= 64:  # spill-free forward and dQ; dV / dK passes spill 0 / 56 B
@@ -155,11 +168,71 @@ def default_config(head_dim: int, interpreted: bool) -> TritonDiffConfig:
     # d=128: the forward needs v_splits=2 (two [BM, 2d] accumulators do not fit one warpgroup) and still
     # spills 160 B; dK/dV in three passes spills at most 496 B per launch (one pass: 1536 B, two: 1032 B)
     # at 24d instead of 16d FLOPs per query-key pair; dQ 312 B. To be decided by GPU timings
-    # (benchmarks/campaign.py's kernels phase times the one-pass tiles too).
+    # (the GPU campaign's kernels phase times the one-pass tiles too).
     return TritonDiffConfig(
         block_m=64, block_n=16, v_splits=2, num_warps=4, num_stages=2, dkdv_block_m=16, dkdv_block_n=128,
         dq_block_m=128, dq_block_n=16, bwd_num_warps=8, bwd_num_stages=2, split_dkdv=True, split_dk=True,
     )  # fmt: skip
+
+
+def shared_memory_limit(device: torch.device | None = None) -> int:
+    """Opt-in shared memory per block of a CUDA device, else sm_90's (H100 and H200: 232,448 bytes)."""
+    if device is not None and device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(getattr(props, "shared_memory_per_block_optin", SM90_SHARED_MEMORY_BYTES))
+    return SM90_SHARED_MEMORY_BYTES
+
+
+def shared_memory_estimate(cfg: TritonDiffConfig, head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    """Upper estimate of each kernel's shared memory in bytes: the tiles a program holds throughout (the
+    forward's Q1, Q2; dK/dV's K1, K2, V; dQ's Q1, Q2, dO) plus `num_stages` copies of each tile it
+    streams, at the inputs' element size (the dot operands Triton stages in shared memory). Above what
+    ptxas reported for every default tile set at d = 64, 96, 128 in bf16 and fp32 (tests/kernels)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    a, b, split = split_width(head_dim)
+    dw = a + b if split else a  # head-dim width of one Q or K tile as launched
+    va, vb, vsplit = split_width(2 * head_dim)
+    vw = va + vb if vsplit else va  # V / dO width
+    qkv = 2 * dw + vw  # Q1 + Q2 + dO, or K1 + K2 + V
+    return {
+        "fwd": e * (cfg.block_m * 2 * dw + cfg.num_stages * cfg.block_n * (2 * dw + vw // cfg.v_splits)),
+        "dkdv": e * qkv * (cfg.dkdv_block_n + cfg.bwd_num_stages * cfg.dkdv_block_m),
+        "dq": e * qkv * (cfg.dq_block_m + cfg.bwd_num_stages * cfg.dq_block_n),
+    }
+
+
+def fit_shared_memory(
+    cfg: TritonDiffConfig, head_dim: int, dtype: torch.dtype, limit: int = SM90_SHARED_MEMORY_BYTES
+) -> TritonDiffConfig:
+    """`cfg` with each kernel's held tile rows halved (forward BM, dK/dV BN, dQ BM; warps cut so every
+    warp keeps 16 rows), then its pipeline stages, then its streamed tiles, until
+    `shared_memory_estimate` fits `limit`.
+    Unchanged where it fits (every bf16 default on sm_90); a launch that still cannot fit fails in
+    Triton with OutOfResources."""
+    for _ in range(32):  # each round halves a tile or drops a stage: 32 reach the smallest
+        est = shared_memory_estimate(cfg, head_dim, dtype)
+        change: dict[str, int] = {}
+        for kernel, held, stages, streamed in (
+            ("fwd", "block_m", "num_stages", "block_n"),
+            ("dkdv", "dkdv_block_n", "bwd_num_stages", "dkdv_block_m"),
+            ("dq", "dq_block_m", "bwd_num_stages", "dq_block_n"),
+        ):
+            if est[kernel] > limit:
+                if getattr(cfg, held) > 16:
+                    change[held] = getattr(cfg, held) // 2
+                elif getattr(cfg, stages) > 1:
+                    change[stages] = getattr(cfg, stages) - 1
+                elif getattr(cfg, streamed) > 16:
+                    change[streamed] = getattr(cfg, streamed) // 2
+        if not change:
+            return cfg
+        cfg = replace(cfg, **change)
+        cfg = replace(
+            cfg,
+            num_warps=max(1, min(cfg.num_warps, cfg.block_m // 16)),
+            bwd_num_warps=max(1, min(cfg.bwd_num_warps, min(cfg.dkdv_block_n, cfg.dq_block_m) // 16)),
+        )
+    return cfg
 
 
 def _next_pow2(n: int) -> int:
@@ -414,7 +487,10 @@ def diff_attention_triton(
     if not q1.is_cuda and not _interpret_requested():
         raise DiffmegError("the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
     lam = lam.reshape(()).to(q1.device)
-    cfg = config or default_config(q1.shape[-1], _interpret_requested())
+    if config is None:
+        limit = shared_memory_limit(q1.device)
+        config = default_config(q1.shape[-1], _interpret_requested(), q1.dtype, limit)
+    cfg = config
     q1, q2, k1, k2, v = (_prepare(t) for t in (q1, q2, k1, k2, v))
     if q1.is_cuda:
         with torch.cuda.device(q1.device):
@@ -426,7 +502,10 @@ __all__ = [
     "TritonDiffConfig",
     "default_config",
     "diff_attention_triton",
+    "fit_shared_memory",
     "set_tuned_config",
+    "shared_memory_estimate",
+    "shared_memory_limit",
     "triton_available",
     "triton_usable",
 ]

@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Default: megatron-core's loss over the whole logits",
     )
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="deterministic kernels (torch.use_deterministic_algorithms, a fixed cuBLAS workspace, "
+        "megatron-core's deterministic embedding): bit-exact reruns and resumes, somewhat slower",
+    )
     g.add_argument("--exit-interval", type=int, default=None, help="exit (after saving) at this iteration")
 
     g = p.add_argument_group("data")

@@ -14,7 +14,9 @@ Activation terms count what autograd keeps for backward in *our* layer (checked 
   (h), the combined heads going into the output projection (h d), and under bf16/fp16 the fp32 copy of
   the core output that the pair combination keeps for lambda's gradient (4 bytes x Q)
 `attention_kernel` says which attention terms apply to the model that is built.
-  SwiGLU MLP (fc1 output, silu, product, fc2 input)        5 F
+  SwiGLU MLP, unfused (CPU): fc1 output, silu, product, fc2 input                      5 F
+  SwiGLU MLP, fused (GPU: config_from_args turns bias_activation_fusion on): megatron-core's
+  SwiGLUFunction keeps fc1's output and recomputes the rest; fc2 keeps its input         3 F
 Selective recompute keeps only the core's inputs; full recompute keeps each layer's input. The loss
 adds the logits, the fp32 softmax and its gradient ([tokens, V / TP] each) at its peak; the chunked loss
 (`--cross-entropy-chunk-size`, `loss_peak_bytes`) one chunk's logits and their fp32 copy (softmax, then
@@ -150,7 +152,7 @@ def _activations(args: argparse.Namespace, on_gpu: bool) -> tuple[float, float]:
         # output (V is a view of it), the output, and an fp32 log-sum-exp per head (measured on CPU; the
         # projection input is the norms' share, as for DIFF).
         attn = b_act * (3 * q + 3 * k) + 4 * heads / tp
-    mlp = 5 * b_act * F / tp
+    mlp = (3 if on_gpu else 5) * b_act * F / tp  # fused SwiGLU on a GPU (bias_activation_fusion)
     rope = 2 * 2 * 4 * d * cp / args.micro_batch_size  # fp32 cos/sin for q and k, per sequence
     per_layer_per_token = 2 * norm + attn + mlp + rope
     layers = args.num_layers // args.pipeline_model_parallel_size

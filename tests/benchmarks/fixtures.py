@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import schema
+from benchmarks.campaign import schema
 
 
 def gpu_result(date: str = "2026-12-01T10:00:00+00:00", speedup: float = 1.35) -> dict:
@@ -17,6 +17,7 @@ def gpu_result(date: str = "2026-12-01T10:00:00+00:00", speedup: float = 1.35) -
         machine={"gpu": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": 79.1},
         versions={"torch": "2.11.0"},
         bf16_matmul_tflops=781.5,
+        peak_bf16_tflops=989.4,
         tests={
             "passed": 40,
             "failed": 1,

@@ -5,7 +5,7 @@ tiles, and decode-style calls with fewer queries than keys (queries aligned to t
 Errors are max|x - ref| / max|ref| per tensor (the output and all six gradients) against float64 from the
 same rounded inputs. Bound for bf16/fp16: no more than twice the error of torch's own unfused path in the
 same dtype (SDPA, flash/cuDNN kernels) plus 1e-3, the FlashAttention test rule; fp32 inputs ("ieee"
-dots): 1e-4. Skipped without CUDA (`pytest -m gpu` on a GPU; benchmarks/campaign.py's tests phase, whose
+dots): 1e-4. Skipped without CUDA (`pytest -m gpu` on a GPU; the campaign's tests phase, whose
 kernels phase also checks every tile candidate it times against float64).
 """
 

@@ -264,7 +264,7 @@ def test_3b_64k(resolved, arch):
     assert f" --load {RUNS}/{arch}-3b-64k/checkpoints " in srun
     assert f" --pretrained-checkpoint {RUNS}/{arch}-3b-1T/checkpoints " in srun
     assert "--recompute-granularity full" in srun
-    # The loss in chunks of 2048 tokens: at most 1/8 of the whole logits' peak, the plan under 18.5 GiB.
+    # The loss in chunks of 2048 tokens: at most 1/8 of the whole logits' peak, the plan at most 18 GiB (issue 23).
     assert " --cross-entropy-chunk-size 2048 " in srun
     loss = re.fullmatch(
         r"on: the loss peaks at ([\d.]+) GiB over chunks of 2048 tokens instead of ([\d.]+) GiB over the "
@@ -272,7 +272,7 @@ def test_3b_64k(resolved, arch):
         c["features"]["chunked_cross_entropy"],
     )
     assert loss and float(loss[1]) <= float(loss[2]) / 8, c["features"]["chunked_cross_entropy"]
-    assert c["memory_per_gpu_gib"]["total"] < 18.5, c["memory_per_gpu_gib"]
+    assert c["memory_per_gpu_gib"]["total"] <= 18, c["memory_per_gpu_gib"]
 
 
 def test_outside_slurm_without_dry_run_refuses():

@@ -1,8 +1,8 @@
-"""benchmarks/schema.py: what a campaign results file must hold."""
+"""benchmarks/campaign/schema.py: what a campaign results file must hold."""
 
 from __future__ import annotations
 
-from benchmarks import schema
+from benchmarks.campaign import schema
 
 
 def test_an_empty_result_follows_the_schema():
@@ -27,3 +27,15 @@ def test_problems_are_named():
     assert "attention[0] lacks 'fwd_ms'" in problems
     assert "phase 'kernels' needs a status" in problems
     assert schema.validate([]) == ["the results file must hold a JSON object"]
+
+
+def test_keys_added_later_may_be_absent_but_are_typed():
+    """Files written before git_source, peak_bf16_tflops, wheels and triton_cache existed still validate."""
+    result = schema.empty_result()
+    result.update(device="cpu", device_type="cpu", date="d", git_revision="r")
+    for key in schema.OPTIONAL_TOP_LEVEL:
+        assert key in result
+        del result[key]
+    assert schema.validate(result) == []
+    result["peak_bf16_tflops"] = "989"
+    assert schema.validate(result) == ["'peak_bf16_tflops' has type str"]

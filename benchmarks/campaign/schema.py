@@ -1,4 +1,4 @@
-"""The results file of one campaign run (benchmarks/campaign.py), as benchmarks/report.py reads it.
+"""The results file of one campaign run (`python3 -m benchmarks.campaign`), as report.py reads it.
 
 Top-level figures are null where the run did not measure them (a phase not selected, skipped, or failed);
 row lists are empty then. Every file names its machine, date and git revision, and `device_type` says
@@ -77,12 +77,19 @@ TOP_LEVEL: dict[str, tuple] = {
     "memory": (list,),
     "gpu_train_run": (list,),
 }
+# Keys added after the first files of this schema: absent from older files, typed where present.
+OPTIONAL_TOP_LEVEL: dict[str, tuple] = {
+    "git_source": _OPT_STR,  # where git_revision came from: "git", "stamp", "stamp (tree differs)", "none"
+    "peak_bf16_tflops": _OPT_NUM,  # the GPU's dense bf16 peak (datasheet): the MFU denominator
+    "wheels": (dict, type(None)),  # what --wheels found and installed
+    "triton_cache": (dict, type(None)),  # the Triton cache archive restored before and saved after
+}
 
 
 def empty_result() -> dict[str, Any]:
     """Every key present, nothing measured."""
     out: dict[str, Any] = {}
-    for key, types in TOP_LEVEL.items():
+    for key, types in {**TOP_LEVEL, **OPTIONAL_TOP_LEVEL}.items():
         if list in types:
             out[key] = []
         elif type(None) in types:
@@ -109,6 +116,9 @@ def validate(result: Any) -> list[str]:
         if key not in result:
             problems.append(f"missing top-level key {key!r}")
         elif not _is(result[key], types):
+            problems.append(f"{key!r} has type {type(result[key]).__name__}")
+    for key, types in OPTIONAL_TOP_LEVEL.items():
+        if key in result and not _is(result[key], types):
             problems.append(f"{key!r} has type {type(result[key]).__name__}")
     if result.get("device_type") not in ("cuda", "cpu"):
         problems.append(f"device_type must be 'cuda' or 'cpu', got {result.get('device_type')!r}")

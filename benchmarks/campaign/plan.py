@@ -1,0 +1,175 @@
+"""What each campaign phase runs (GPU sizes, or tiny CPU ones for the smoke run) and its time budget."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from benchmarks.campaign import schema
+
+PHASES = schema.PHASES
+# Seconds per phase on a GPU, and in a CPU smoke run; --budget caps the sum of those selected.
+PHASE_BUDGET_S = {"env": 60, "tests": 180, "kernels": 300, "train": 420, "memory": 420}
+SMOKE_BUDGET_S = {"env": 20, "tests": 25, "kernels": 30, "train": 30, "memory": 90}
+# 7 minutes: three commands, each with its own 1-2 minute machine start (and 30 s warm unless handed
+# back), fit the 30 minutes of device time a session gets (docs/gpu.md, "GPU time").
+DEFAULT_TOTAL_S = 420
+SMOKE_TOTAL_S = 195  # CI: about 2 minutes of work on 2 idle cores; a slower machine skips rows, never hangs
+MIN_PHASE_S = 30  # kept back for each phase still to come
+CHILD_MARGIN_S = 20  # a phase stops starting new work this long (at most 15%) before its budget ends
+# Where the `gpu`-marked tests live (tests/benchmarks/campaign/test_plan.py fails if one is added elsewhere),
+# in the order pytest runs them: the CUDA-path confirmations first, the ~70 kernel compilations last.
+GPU_TEST_PATHS = ("tests/test_gpu_readiness.py", "tests/distributed/test_te_cp.py", "tests/kernels")
+# pytest-xdist workers on a GPU machine (where xdist is installed): kernels compile in parallel, and a
+# test that crashes its worker is one failure instead of the end of the run.
+GPU_TEST_WORKERS = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and repetitions of every phase (GPU_PLAN on a GPU, SMOKE_PLAN for the CPU smoke run)."""
+
+    matmul_n: int
+    attn_dtype: str
+    attn_heads: int
+    attn_kv_heads: int
+    attn_head_dim: int
+    attn_seqs: tuple[int, ...]
+    attn_reference_max_seq: int
+    attn_warmup: int
+    attn_iters: int
+    check_seq: int
+    attn_extra: tuple[tuple[int, int, int, tuple[int, ...]], ...]
+    """(heads, kv heads, head dim, seqs) of other layouts: the fused kernel's default tiles there."""
+    train_diff: str
+    train_layers: tuple[int, ...]
+    """Layer counts to try, largest first: the first whose memory plan fits is used."""
+    train_seqs: tuple[int, ...]
+    train_backends: tuple[str, ...]
+    train_overlap: bool
+    """Also time DIFF (auto backend) at the first length with the distributed optimizer, without and
+    with overlapped communication (OVERLAP_ARGS)."""
+    train_tokens_per_microbatch: int
+    train_microbatches: int
+    train_warmup: int
+    train_iters: int
+    vocab_size: int | None
+    memory_diff: str
+    memory_layers: int
+    memory_seq: int
+    memory_mbs: int
+    memory_recompute: tuple[str | None, ...]
+    run_models: tuple[str, ...]
+    run_iterations: int
+    run_args: tuple[str, ...]
+    """pretrain_diff.py flags of the save/resume runs: --deterministic-mode, since resume_exact compares
+    losses bit for bit (cuBLAS workspace, deterministic embedding and reductions)."""
+    gen_tokens: int
+
+
+GPU_PLAN = Plan(
+    matmul_n=8192,
+    attn_dtype="bf16",
+    attn_heads=12,  # DIFF-3B: 12 differential heads of d=128 against the Transformer's 24
+    attn_kv_heads=12,
+    attn_head_dim=128,
+    attn_seqs=(4096, 2048, 8192, 16384),  # 4096 first: the headline figure survives a short budget
+    attn_reference_max_seq=2048,
+    attn_warmup=5,
+    attn_iters=20,
+    check_seq=1024,
+    attn_extra=((8, 8, 96, (2048,)),),  # DIFF-830M's head dim
+    train_diff="diff-3b",
+    train_layers=(8, 6, 4, 2),
+    train_seqs=(4096, 2048),
+    train_backends=("sdpa", "triton"),
+    train_overlap=True,
+    train_tokens_per_microbatch=4096,
+    train_microbatches=4,
+    train_warmup=2,
+    train_iters=5,
+    vocab_size=None,
+    memory_diff="diff-3b",
+    memory_layers=4,
+    memory_seq=4096,
+    memory_mbs=2,
+    memory_recompute=(None, "selective", "full"),
+    run_models=("diff-tiny", "transformer-tiny"),
+    run_iterations=50,
+    run_args=("--mock-data", "--bf16", "--lr-warmup-iters", "5", "--deterministic-mode"),
+    gen_tokens=16,
+)
+
+SMOKE_PLAN = Plan(
+    matmul_n=256,
+    attn_dtype="fp32",
+    attn_heads=2,
+    attn_kv_heads=1,
+    attn_head_dim=32,
+    attn_seqs=(128, 256),
+    attn_reference_max_seq=256,
+    attn_warmup=0,
+    attn_iters=1,
+    check_seq=64,
+    attn_extra=(),
+    train_diff="diff-tiny",
+    train_layers=(2,),
+    train_seqs=(64,),
+    train_backends=("sdpa", "reference"),
+    train_overlap=True,
+    train_tokens_per_microbatch=64,
+    train_microbatches=1,
+    train_warmup=0,
+    train_iters=1,
+    vocab_size=256,
+    memory_diff="diff-tiny",
+    memory_layers=2,
+    memory_seq=64,
+    memory_mbs=1,
+    memory_recompute=(None, "full"),
+    run_models=("diff-tiny",),
+    run_iterations=4,
+    run_args=(
+        "--mock-data",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "64",
+        "--max-position-embeddings",
+        "64",
+        "--vocab-size",
+        "256",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--lr-warmup-iters",
+        "1",
+        "--deterministic-mode",
+    ),
+    gen_tokens=4,
+)
+
+
+def phase_budgets(
+    selected: list[str], total_s: float, smoke: bool, overrides: dict[str, float] | None = None
+) -> dict[str, float]:
+    """Seconds for each selected phase: its own budget, shrunk so the sum stays within total_s."""
+    table = {**(SMOKE_BUDGET_S if smoke else PHASE_BUDGET_S), **(overrides or {})}
+    out, left = {}, total_s
+    for i, phase in enumerate(selected):
+        later = len(selected) - i - 1
+        out[phase] = max(0.0, min(table[phase], left - later * MIN_PHASE_S))
+        left -= out[phase]
+    return out
+
+
+def device_of(a: argparse.Namespace) -> str:
+    """The device the phases run on: --device, else cuda when available."""
+    import torch
+
+    return a.device or ("cuda" if torch.cuda.is_available() else "cpu")
