@@ -18,8 +18,8 @@ from pathlib import Path
 from benchmarks.campaign.part import Part
 from benchmarks.campaign.plan import Plan, device_of
 
-OVERLAP_ARGS = ("--overlap-grad-reduce",)
-"""pretrain_diff.py's overlap flags (add "--overlap-param-gather" here once pretrain_diff.py has it)."""
+OVERLAP_ARGS = ("--overlap-grad-reduce", "--overlap-param-gather")
+"""pretrain_diff.py's overlapped data-parallel communication (Megatron-LM's flags; docs/recipes.md)."""
 VARIANTS = {
     "dist-opt": ("--use-distributed-optimizer",),
     "dist-opt+overlap": ("--use-distributed-optimizer", *OVERLAP_ARGS),
