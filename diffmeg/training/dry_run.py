@@ -100,7 +100,12 @@ def dry_run_summary(args: argparse.Namespace) -> dict:
         "flops_per_step": train_flops_per_iteration(args),
         "memory_per_gpu_gib": estimate_memory(args, on_gpu=True).as_gib(),
         "data": {"data_path": args.data_path, "mock_data": args.mock_data, "split": args.split},
-        "checkpointing": {"save": args.save, "load": args.load, "save_interval": args.save_interval},
+        "checkpointing": {
+            "save": args.save,
+            "load": args.load,
+            "save_interval": args.save_interval,
+            "async_save": args.async_save and args.save is not None,
+        },
     }
 
 
