@@ -124,7 +124,7 @@ def test_disk_full_in_a_background_write_is_one_line_at_its_finalize(
     one line, the partial iter_N is removed and the tracker keeps the previous checkpoint."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from diffmeg.compat.checkpoint_writer import ThreadAsyncCallsQueue
+    from diffmeg.compat.checkpoint_writer import AsyncSaves
 
     root = tmp_path / "ckpt"
     write_checkpoint(str(root), 1, _state(1), {})
@@ -134,7 +134,7 @@ def test_disk_full_in_a_background_write_is_one_line_at_its_finalize(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(filesystem_async, "_write_item", full_disk)
-    saves = ThreadAsyncCallsQueue()
+    saves = AsyncSaves()
     request = checkpoints.begin_checkpoint(str(root), 2, _state(2), {}, expected_bytes=2**20)
     saves.schedule_async_request(request)
     assert (root / "iter_0000002").is_dir()

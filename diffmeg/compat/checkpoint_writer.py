@@ -1,4 +1,4 @@
-"""megatron-core's distributed-checkpoint writes, run in threads of the rank instead of helper processes.
+"""megatron-core's distributed-checkpoint writes without helper processes that outlive their rank.
 
 megatron-core 0.16.1's torch_dist save (`FileSystemWriterAsync`) starts processes on every rank, and none
 of them ends with the rank:
@@ -6,31 +6,37 @@ of them ends with the rank:
   for its results queue at the first save, and with it multiprocessing's resource tracker. Both inherit the
   job's stdout. A SIGKILLed rank leaves them running (the Manager is shut down only by its parent's exit
   handlers), so whatever reads the job's output to its end (`| tee`, a test) waits forever (issue 23, item 5).
-- `write_preloaded_data_multiproc` forks one writer per file on every save (sync or async);
-  `TemporalAsyncCaller` forks the whole rank per async save, `PersistentAsyncCaller` spawns a worker.
+- `write_preloaded_data_multiproc` forks one writer per file on every save (sync or async), and
+  `TemporalAsyncCaller` forks the rank per async save: a SIGKILLed rank's writers write on.
 
-Here the same work runs in threads: the results queue is a `queue.Queue`, the files of a save are written
-by megatron-core's own `write_preloaded_data` in one thread each, and `ThreadAsyncCaller` is an
-`AsyncCaller` whose background write is a thread (`ThreadAsyncCallsQueue` hands it to megatron-core's
-`AsyncCallsQueue`, which keeps the cross-rank completion check and the finalize functions). A thread dies
-with its process, so no process a run starts outlives it. torch.distributed.checkpoint's own `async_save`
-uses a thread by default too. The planning, the file layout, the finalize functions (`.metadata`,
-`metadata.json`) are megatron-core's, unchanged.
-
-An async save needs a snapshot: a forked caller gets one from copy-on-write, a thread does not, so
-`ThreadAsyncCaller` copies every tensor of the save to fresh host memory before training continues (the
-device-to-host copy megatron-core's preload makes on GPU; on CPU a clone). Synchronous saves write the live
-tensors (nothing changes them before the write returns).
-
+Here:
+- the results queue is a `queue.Queue` (`use_in_process_results_queue`): no Manager, no resource tracker;
+- a synchronous save (`run_now`) writes its files in threads of the rank, each with megatron-core's own
+  `write_preloaded_data`;
+- an async save (`ForkAsyncCaller`, for megatron-core's `AsyncCallsQueue`, which keeps the cross-rank
+  completion check and the finalize functions) forks one writer process, as megatron-core's default
+  `TemporalAsyncCaller` does: the fork's copy-on-write memory is the snapshot of the tensors (CUDA tensors
+  are copied to host first), and the writes run beside training without sharing its GIL (a thread cannot:
+  `torch.save` holds the GIL while it writes, measured to stall the training thread for seconds). The
+  writer is killed by the kernel when its rank dies (PR_SET_PDEATHSIG), writes its files itself (no
+  further forks) and reports its results through a pipe.
+The planning, the file layout and the finalize functions (`.metadata`, `metadata.json`) are megatron-core's.
 `tests/compat/test_checkpoint_writer.py` checks the megatron-core internals this relies on, so an upgrade
 that changes them fails there.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
+import os
+import pickle
 import queue
+import signal
+import sys
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -113,78 +119,156 @@ def write_buckets(
 
 
 def run_now(request: AsyncRequest) -> None:
-    """Execute a save request synchronously, like `AsyncRequest.execute_sync`, with the writes in threads
-    of this process instead of forked ones. Called on every rank."""
+    """Execute a save request synchronously, like `AsyncRequest.execute_sync` (CUDA tensors copied to host
+    first, as its `preload_fn` does), with the writes in threads of this process instead of forked ones.
+    Called on every rank."""
     if request.async_fn is not None:
-        write_buckets(*_writer_args(request))
+        transforms, use_msc, rank, buckets, results_queue = _writer_args(request)
+        write_buckets(transforms, use_msc, rank, _to_host(buckets), results_queue)
     torch.distributed.barrier()
     for finalize in request.finalize_fns:
         finalize()
 
 
-def _host_snapshot(buckets: list[WriteBucket]) -> list[WriteBucket]:
-    """The buckets with every tensor copied to fresh host memory (CPU tensors cloned: training goes on
-    changing the originals in place while the copy is written)."""
+def _to_host(buckets: list[WriteBucket]) -> list[WriteBucket]:
+    """The buckets with every CUDA tensor copied to host memory (the forked writer cannot read the GPU);
+    host tensors stay as they are: the fork's copy-on-write pages keep their values at the fork."""
     staged = []
     for path, key, (bytes_data, tensor_data) in buckets:
-        copies = [
-            (item, t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu", non_blocking=True))
-            for item, t in tensor_data
-        ]
-        staged.append((path, key, (bytes_data, copies)))
+        host = [(item, t if t.is_cpu else t.to("cpu", non_blocking=True)) for item, t in tensor_data]
+        staged.append((path, key, (bytes_data, host)))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return staged
 
 
-class ThreadAsyncCaller(AsyncCaller):
-    """megatron-core's `AsyncCaller` with the background write in a thread of this rank (a snapshot of the
-    tensors is taken first, on the caller's thread). Completion is still agreed by all ranks
-    (`sync_all_async_calls`)."""
+PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Make the kernel SIGKILL this (forked) process when its parent dies (Linux: PR_SET_PDEATHSIG; else a
+    thread watching the parent), and exit at once if the parent is already gone."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl")
+        libc.prctl(PR_SET_NAME, b"diffmeg-ckpt", 0, 0, 0)  # how ps and top name it
+    except (OSError, AttributeError):
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class _PipeResults:
+    """The results queue of the forked writer: its one `put` goes, pickled, to the parent's pipe."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def put(self, results) -> None:
+        try:
+            data = pickle.dumps(results)
+        except Exception as exc:  # an unpicklable exception from a write
+            data = pickle.dumps(RuntimeError(f"checkpoint write failed: {exc!r}"))
+        with os.fdopen(self.fd, "wb") as pipe:
+            pipe.write(data)
+
+
+def _writer_main(parent: int, read_fd: int, write_fd: int, args: tuple) -> None:
+    """The forked writer: write this rank's files, send the results, exit (never returns)."""
+    code = 1
+    transforms, use_msc, rank, buckets, after_write = args
+    try:
+        os.close(read_fd)
+        gc.disable()  # a collection here could free the parent's CUDA tensors (megatron-core does the same)
+        _exit_with_parent(parent)
+        write_buckets(transforms, use_msc, rank, buckets, _PipeResults(write_fd), after_write)
+        code = 0
+    except BaseException as exc:  # the parent reports a writer that ended without results
+        os.write(2, f"checkpoint writer {os.getpid()} of rank {rank}: {exc!r}\n".encode())
+    finally:
+        os._exit(code)
+
+
+class ForkAsyncCaller(AsyncCaller):
+    """megatron-core's `AsyncCaller` with the background write in a forked process of this rank that dies
+    with it (see the module docstring). Completion is still agreed by all ranks (`sync_all_async_calls`)."""
 
     def __init__(self, after_write: Callable[[], None] | None = None) -> None:
-        self.thread: threading.Thread | None = None
         self.after_write = after_write
+        self.pid: int | None = None
+        self.reader: threading.Thread | None = None
+        self.payload = bytearray()
+        self.results_queue = None
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         if async_req.async_fn is None:
             return  # nothing to write on this rank
-        transforms, use_msc, rank, buckets, results_queue = _writer_args(async_req)
-        staged = _host_snapshot(buckets)
-        self.thread = threading.Thread(
-            target=write_buckets,
-            args=(transforms, use_msc, rank, staged, results_queue, self.after_write),
-            name="diffmeg-ckpt-writer",
-            daemon=True,  # a rank that fails mid-save exits without it; the save is never finalized
-        )
-        self.thread.start()
+        transforms, use_msc, rank, buckets, self.results_queue = _writer_args(async_req)
+        args = (transforms, use_msc, rank, _to_host(buckets), self.after_write)
+        read_fd, write_fd = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # else the child would print their buffers again
+            stream.flush()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _writer_main(parent, read_fd, write_fd, args)
+        os.close(write_fd)
+        self.pid = pid
+        self.reader = threading.Thread(target=self._read, args=(read_fd,), name="diffmeg-ckpt-results")
+        self.reader.daemon = True
+        self.reader.start()
+
+    def _read(self, fd: int) -> None:
+        """Drain the writer's pipe until it exits (reading as it writes: a full pipe would block it)."""
+        with os.fdopen(fd, "rb") as pipe:
+            while chunk := pipe.read(1 << 16):
+                self.payload += chunk
+
+    def _collect(self) -> None:
+        """Reap the finished writer; hand its results (or why there are none) to megatron-core's queue."""
+        _, status = os.waitpid(self.pid, 0)
+        try:
+            results = pickle.loads(bytes(self.payload))
+        except Exception:
+            how = f"signal {-os.waitstatus_to_exitcode(status)}" if os.WIFSIGNALED(status) else "no results"
+            results = RuntimeError(f"the checkpoint writer process {self.pid} ended with {how}")
+        self.results_queue.put(results)
+        self.pid, self.reader, self.payload = None, None, bytearray()
 
     def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
-        if blocking and self.thread is not None:
-            self.thread.join()
-        alive = int(self.thread is not None and self.thread.is_alive())
-        done = not alive if no_dist else bool(self.sync_all_async_calls(alive))
-        if done:
-            self.close()
-        return done
+        if self.reader is not None:
+            self.reader.join(None if blocking else 0)
+            if not self.reader.is_alive():
+                self._collect()
+        alive = int(self.reader is not None)
+        return not alive if no_dist else bool(self.sync_all_async_calls(alive))
 
     def close(self, abort: bool = False) -> None:
-        if self.thread is not None and not abort:
-            self.thread.join()
-        self.thread = None
+        if self.pid is not None and abort:
+            os.kill(self.pid, signal.SIGKILL)
+        if self.reader is not None:
+            self.reader.join()
+            self._collect()
 
     def __del__(self) -> None:
         pass
 
 
-class ThreadAsyncCallsQueue(AsyncCallsQueue):
+class AsyncSaves(AsyncCallsQueue):
     """megatron-core's `AsyncCallsQueue` (scheduling, cross-rank completion, finalize functions) with
-    `ThreadAsyncCaller`s. `after_write`, when set, is given to the caller of the next scheduled request."""
+    `ForkAsyncCaller`s. `after_write`, when set, is given to the caller of the next scheduled request."""
 
     def __init__(self) -> None:
         super().__init__(persistent=False)
         self.after_write: Callable[[], None] | None = None
 
     def _get_async_caller(self) -> AsyncCaller:
-        caller, self.after_write = ThreadAsyncCaller(self.after_write), None
+        caller, self.after_write = ForkAsyncCaller(self.after_write), None
         return caller

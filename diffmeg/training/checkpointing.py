@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from diffmeg.checkpoints import (
     load_sharded,
     read_tracker,
 )
-from diffmeg.compat.checkpoint_writer import ThreadAsyncCallsQueue, run_now
+from diffmeg.compat.checkpoint_writer import AsyncSaves, run_now
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
 from diffmeg.training import collectives
@@ -44,9 +43,9 @@ ARGUMENTS_FILE = "arguments.json"
 """The full resolved arguments of the latest run, written at start into the run directory (--save)."""
 
 STALL_ASYNC_SAVE_ENV = "DIFFMEG_TEST_STALL_ASYNC_SAVE"
-"""Test hook, never for real runs: "N" or "N:SECONDS". With --async-save, the background write of iteration
-N's checkpoint stops once its files are written, before it reports them (for SECONDS, else until the
-process ends), so a test can signal or kill a job at a known point while that save is in flight."""
+"""Test hook, never for real runs: "N" or "N:SECONDS". With --async-save, rank 0's background writer of
+iteration N's checkpoint stops once its files are written, before it reports them (for SECONDS, else until
+it is killed), so a test can signal or kill a job at a known point while that save is in flight."""
 
 # megatron-core's distributed optimizer without TE/apex saves and reloads exactly in this format
 # (same TP/PP; DP may change); the default `fully_sharded_model_space` fails without them.
@@ -250,7 +249,7 @@ def _stall_hook(iteration: int, log: Callable[[str], None]) -> Callable[[], None
     """The `STALL_ASYNC_SAVE_ENV` test hook for this iteration's background write, if it names it."""
     value = os.environ.get(STALL_ASYNC_SAVE_ENV, "")
     target, _, seconds = value.partition(":")
-    if not target or int(target) != iteration:
+    if not target or int(target) != iteration or torch.distributed.get_rank() != 0:
         return None
 
     def stall() -> None:
@@ -259,10 +258,7 @@ def _stall_hook(iteration: int, log: Callable[[str], None]) -> Callable[[], None
             f" test hook {STALL_ASYNC_SAVE_ENV}: iteration {iteration}'s files are written; holding its save "
             f"back {how_long}"
         )
-        if seconds:
-            time.sleep(float(seconds))
-        else:
-            threading.Event().wait()
+        time.sleep(float(seconds) if seconds else 1e9)
 
     return stall
 
@@ -271,8 +267,9 @@ class CheckpointManager:
     """Resuming and saving for the Trainer: where the run starts (`resolve`), whether --save can take a
     checkpoint (`check_save_target`, `check_room`), loading (`load`), and saves (`due`, `save`).
 
-    With --async-save a save returns once this rank's tensors are copied to host memory; the files are
-    written in the background (`diffmeg.compat.checkpoint_writer`) and the save is finalized (index,
+    With --async-save a save returns once it is planned and a writer process is forked from this rank (its
+    copy-on-write memory is the snapshot; `diffmeg.compat.checkpoint_writer`, which also makes it die with
+    the rank); the files are written beside training, and the save is finalized (index,
     metadata, args.json, then the tracker) on all ranks together by `poll` (every step, once every rank's
     files are written) or `wait` (blocking: before the next save and at the end of training). Every
     method here that may finalize is collective: all ranks call it at the same step.
@@ -288,7 +285,7 @@ class CheckpointManager:
         """About one checkpoint's size (from the model size, then measured): for disk-full messages."""
         self.pending: PendingSave | None = None
         """The --async-save checkpoint being written, not yet finalized (at most one)."""
-        self._background: ThreadAsyncCallsQueue | None = None
+        self._background: AsyncSaves | None = None
 
     # ------------------------------------------------------------------------------------------ start
 
@@ -470,7 +467,7 @@ class CheckpointManager:
             self._saved(iteration, path)
             return path
         if self._background is None:
-            self._background = ThreadAsyncCallsQueue()
+            self._background = AsyncSaves()
         self._background.after_write = _stall_hook(iteration, self.log)
         self._background.schedule_async_request(request)
         self.pending = PendingSave(iteration, path, time.perf_counter())

@@ -2,7 +2,7 @@
 
 The first test pins the megatron-core 0.16.1 internals the writer relies on, so an upgrade that changes
 them fails here and names what to revisit. The others: no save starts a process, what is written loads
-back, and an async save writes the tensors as they were when it was scheduled (a snapshot).
+back, and an async save (a forked writer) writes the tensors as they were when it was scheduled.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import queue
-import threading
+import time
 
 import psutil
 import torch
 
 from diffmeg.checkpoints import begin_checkpoint, checkpoint_path, load_sharded, write_checkpoint
 from diffmeg.compat import checkpoint_writer
-from diffmeg.compat.checkpoint_writer import ThreadAsyncCallsQueue, use_in_process_results_queue
+from diffmeg.compat.checkpoint_writer import AsyncSaves, use_in_process_results_queue
 
 
 def _state(values: torch.Tensor) -> dict:
@@ -66,7 +66,7 @@ def test_megatron_core_internals_the_writer_relies_on():
     assert "async_fn_args[1] = self.preload_fn()" in inspect.getsource(async_utils.AsyncRequest.execute_sync)
 
 
-def test_saves_start_no_process_and_an_async_save_writes_a_snapshot(
+def test_a_sync_save_starts_no_process_an_async_one_a_writer_that_writes_a_snapshot(
     single_rank_parallel_state, tmp_path, monkeypatch
 ):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -77,25 +77,29 @@ def test_saves_start_no_process_and_an_async_save_writes_a_snapshot(
     children = {p.pid for p in me.children(recursive=True)}
 
     weight = torch.arange(1000, dtype=torch.float32)
-    write_checkpoint(str(tmp_path), 1, _state(weight), {})  # synchronous
+    write_checkpoint(str(tmp_path), 1, _state(weight), {})  # synchronous: threads of this process
     assert torch.equal(_load(tmp_path, 1), weight)
+    assert {p.pid for p in me.children(recursive=True)} == children and not multiprocessing.active_children()
 
-    # Async: the background write is held until the tensor has changed in place; the old values are written.
-    release, write = threading.Event(), checkpoint_writer.write_buckets
+    # Async: the forked writer is held until the tensor has changed in place; the old values are written.
+    gate, write = tmp_path / "gate", checkpoint_writer.write_buckets
 
     def held(*args) -> None:
-        release.wait(60)
+        while not gate.exists():
+            time.sleep(0.01)
         write(*args)
 
     monkeypatch.setattr(checkpoint_writer, "write_buckets", held)
-    saves = ThreadAsyncCallsQueue()
+    saves = AsyncSaves()
     saves.schedule_async_request(begin_checkpoint(str(tmp_path), 2, _state(weight), {}))
     assert saves.maybe_finalize_async_calls(blocking=False) == []  # still writing
+    (writer,) = me.children()
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"
     weight.add_(1000.0)  # training goes on
-    release.set()
+    gate.touch()
     assert saves.maybe_finalize_async_calls(blocking=True) == [0]
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert torch.equal(_load(tmp_path, 2), torch.arange(1000, dtype=torch.float32))
+    assert not writer.is_running()  # reaped
     assert {p.pid for p in me.children(recursive=True)} == children and not multiprocessing.active_children()
     assert filesystem_async._results_queue.empty()

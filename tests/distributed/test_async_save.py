@@ -3,13 +3,14 @@
 Three torchrun launches, each ending differently, each read as a cluster user reads a job (output through
 a pipe, to its end) and each followed by a check that no process it started is left:
 - A (failed): --async-save; the save of iteration 3 completes, the save of 6 is held in flight by the test
-  hook (its files written, not finalized) while training goes on to 9; then rank 0 is SIGKILLed. The
-  tracker still names 3 and iteration 6 is not listed as complete.
+  hook (rank 0's writer stops after writing its files) while training goes on to 9, where the final save
+  waits for it; then rank 0 is SIGKILLed (its writer dies with it). The tracker still names 3 and
+  iteration 6 is not listed as complete.
 - B (finished): resumes A from iteration 3 with synchronous saves and trains to 9: the same losses as A,
   which ran 4..9 uninterrupted (exact resume after a kill during an async save).
-- C (interrupted): --async-save; SIGTERM reaches both ranks while the save of iteration 2 is held back for a
-  few seconds: the run waits for it, saves where it stopped, exits 0; its losses are A's (an async save
-  does not disturb training).
+- C (interrupted): --async-save; SIGTERM reaches both ranks while rank 0's writer of iteration 2 is held
+  back for a few seconds: the run waits for it, saves where it stopped, exits 0; its losses are A's (an
+  async save does not disturb training).
 The job's processes are found by a tag in their environment (every process a rank starts inherits it).
 """
 
@@ -49,6 +50,13 @@ def tagged_processes(tag: str) -> list[int]:
         if needle in environ:
             found.append(int(entry))
     return found
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def describe(pids: list[int]) -> str:
@@ -114,7 +122,11 @@ class Job:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if f"RANK={rank}".encode() in environ and b"pretrain_diff.py" in cmdline:
+            if (
+                f"RANK={rank}".encode() in environ
+                and b"pretrain_diff.py" in cmdline
+                and _parent(pid) == self.proc.pid
+            ):
                 return pid
         raise AssertionError(f"{self.name}: rank {rank} not found")
 
