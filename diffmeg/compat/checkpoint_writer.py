@@ -188,6 +188,8 @@ def _writer_main(parent: int, read_fd: int, write_fd: int, args: tuple) -> None:
         os.close(read_fd)
         gc.disable()  # a collection here could free the parent's CUDA tensors (megatron-core does the same)
         _exit_with_parent(parent)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # the rank decides; SIGKILL still ends it
+            signal.signal(sig, signal.SIG_IGN)
         write_buckets(transforms, use_msc, rank, buckets, _PipeResults(write_fd), after_write)
         code = 0
     except BaseException as exc:  # the parent reports a writer that ended without results

@@ -169,11 +169,15 @@ def test_async_save_kill_resume_sigterm_and_no_process_outlives_a_job(tmp_path):
     a = Job(tmp_path, "a", [*common, "--save", str(ckpt), "--async-save"], {STALL_ASYNC_SAVE_ENV: "6"})
     a.wait_for("the save of iteration 6 held in flight", lambda: "holding its save back" in a.text)
     a.wait_for("iteration 9 trained while the save of 6 is pending", lambda: 9 in a.iterations())
+    a.wait_for("the final save waiting for the save of 6", lambda: "background save of iteration 6" in a.text)
     assert (ckpt / TRACKER_FILE).read_text() == "3" and _complete(ckpt) == [3]
     assert list((ckpt / "iter_0000006").glob("*.distcp")), "iteration 6's files are written"
+    killed = time.monotonic()
     os.kill(a.rank(0), signal.SIGKILL)
     assert a.end() != 0
+    after_kill = time.monotonic() - killed
     assert (ckpt / TRACKER_FILE).read_text() == "3" and _complete(ckpt) == [3]
+    assert json.loads((ckpt / "iter_0000003" / "args.json").read_text())["async_save"] is True
     duration_a = time.monotonic() - started
 
     # B: resume from 3 (the partial iteration 6 is ignored, then rewritten), synchronous saves, to the end.
@@ -207,4 +211,7 @@ def test_async_save_kill_resume_sigterm_and_no_process_outlives_a_job(tmp_path):
     for it in range(1, stopped + 1):
         assert interrupted[it] == pytest.approx(straight[it], rel=1e-6, abs=0), f"iteration {it}"
     duration_c = time.monotonic() - started - duration_a - duration_b
-    print(f"durations: A {duration_a:.0f} s, B {duration_b:.0f} s, C {duration_c:.0f} s")
+    print(
+        f"durations: A {duration_a:.0f} s (ended {after_kill:.0f} s after the kill), "
+        f"B {duration_b:.0f} s, C {duration_c:.0f} s"
+    )
