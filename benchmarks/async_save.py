@@ -1,8 +1,8 @@
 """Step time while a checkpoint is being written: synchronous saves vs --async-save, in one run.
 
     python benchmarks/async_save.py                                    # CPU: diff-tiny, 100288 vocabulary
-    torchrun --nproc_per_node 8 benchmarks/async_save.py --model diff-3b --bf16 \\
-        --use-distributed-optimizer --num-layers 8 --save-dir /lustre/tmp        # a GPU node
+    torchrun --nproc_per_node 8 benchmarks/async_save.py --model diff-3b --mock-data --bf16 \\
+        --use-distributed-optimizer --save-dir /lustre/$USER/tmp                  # a GPU node
 
 One training run (pretrain_diff.py's Trainer: its `train_step` and `CheckpointManager`, on mock data) that
 saves every --save-interval steps, alternating synchronous saves and --async-save ones, so both meet the
@@ -13,8 +13,9 @@ the poll that finalizes a background save, and a save. Steps that overlap a save
 - async: the step that saves (planning, the host copy of the tensors) and every following step until the
   poll after one of them finds every rank's files written and finalizes the save.
 Normal steps: all others after --warmup. Prints the normal step time (median) and, per mode, the mean time
-of the overlapping steps and its ratio to normal. The goal (async overlapped steps within 1.2x of normal,
-where sync stalls for the whole write) is reported, never asserted.
+of the overlapping steps and its ratio to normal, with the process's minor page faults per step (after
+a fork, each page training changes is copied once: copy-on-write). The goal (async overlapped steps
+within 1.2x of normal, where sync stalls for the whole write) is reported, never asserted.
 Other arguments are pretrain_diff.py's (defaults on CPU: CPU_FLAGS). On CPU the run uses one thread
 (torch.set_num_threads(1)), leaving the host's other core to the writer as a GPU rank leaves its CPU cores.
 """
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,7 +50,11 @@ def main() -> int:
     parser.add_argument("--saves", type=int, default=8, help="saves in all, alternating sync and async")
     parser.add_argument("--save-interval", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out")
-    parser.add_argument("--save-dir", default=None, help="where checkpoints go (default: a temporary dir)")
+    parser.add_argument(
+        "--save-dir",
+        default=None,
+        help="where checkpoints go (default: a temporary dir; needed with torchrun)",
+    )
     bench, flags = parser.parse_known_args()
 
     import torch
@@ -65,18 +72,28 @@ def main() -> int:
     if not flags:
         raise SystemExit("give the pretrain_diff.py flags of the model to time (no default on GPU)")
     steps = bench.warmup + bench.saves * bench.save_interval + 1
-    with tempfile.TemporaryDirectory(prefix="async_save_", dir=bench.save_dir) as workdir:
+    load = os.getloadavg()  # other work on the host: a loaded CPU host gives the writer no free core
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1 and bench.save_dir is None:
+        raise SystemExit("give --save-dir: a directory every rank sees (the file system checkpoints go to)")
+    workdir = (
+        tempfile.mkdtemp(prefix="async_save_", dir=bench.save_dir)
+        if ranks == 1
+        else os.path.join(bench.save_dir, "async_save_bench")
+    )
+    try:
         argv = [*flags, "--train-iters", str(steps + 1), "--save", workdir]
         trainer = Trainer(RunConfig.from_args(resolve_args(argv)), callbacks=[])
         manager, log = trainer.checkpoints, trainer.log
         manager.log = lambda line: None  # the per-save lines would interleave with the table
         trainer.model.train()
         times: list[float] = []
+        faults: list[int] = []  # minor page faults of this process per step (copy-on-write after a fork)
         overlaps: dict[str, set[int]] = {"sync": set(), "async": set()}
         background: int | None = None  # the step that started the pending async save
         saved = 0
         for step in range(steps):
-            start = time.perf_counter()
+            start, start_faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             trainer.train_step()
             if background is not None:
                 overlaps["async"].add(step)
@@ -93,22 +110,36 @@ def main() -> int:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)
         manager.wait()
+    finally:
+        if int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     busy = overlaps["sync"] | overlaps["async"]
-    normal = statistics.median(t for i, t in enumerate(times) if i >= bench.warmup and i not in busy)
+    quiet = [i for i in range(bench.warmup, steps) if i not in busy]
+    normal = statistics.median(times[i] for i in quiet)
     log(f"{' '.join(flags)}: {steps} steps, {saves_line(bench)}")
-    log(f"normal step: {normal * 1000:.0f} ms (median of {steps - bench.warmup - len(busy)} steps)")
-    log(f"{'mode':<6} {'saves':>5} {'overlapped steps':>17} {'mean ms':>8} {'ratio':>6}   per save (ms)")
+    log(f"host: {os.cpu_count()} CPUs, load average {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    normal_faults = statistics.median(faults[i] for i in quiet)
+    log(
+        f"normal step: {normal * 1000:.0f} ms, {normal_faults / 1000:.0f}K page faults "
+        f"(medians of {len(quiet)} steps)"
+    )
+    log(
+        f"{'mode':<6} {'saves':>5} {'overlapped steps':>17} {'mean ms':>8} {'ratio':>6} {'faults':>7}"
+        f"   per save (ms)"
+    )
     ratios = {}
     for mode in ("sync", "async"):
         over = sorted(overlaps[mode])
         mean = statistics.mean(times[i] for i in over)
         ratios[mode] = mean / normal
         per_save = _per_save(over, times)
+        over_faults = statistics.mean(faults[i] for i in over) / 1000
         log(
             f"{mode:<6} {bench.saves // 2 + (mode == 'sync') * (bench.saves % 2):>5} {len(over):>17} "
-            f"{mean * 1000:>8.0f} {ratios[mode]:>5.2f}x   {per_save}"
+            f"{mean * 1000:>8.0f} {ratios[mode]:>5.2f}x {over_faults:>6.0f}K   {per_save}"
         )
     verdict = "met" if ratios["async"] <= GOAL else "not met"
     log(
