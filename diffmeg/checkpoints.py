@@ -18,11 +18,15 @@ import os
 import pickle
 import shutil
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes, is_disk_full
+
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 ARGS_FILE = "args.json"
@@ -109,7 +113,7 @@ def begin_checkpoint(
     state: dict,
     args: argparse.Namespace | dict,
     expected_bytes: int | None = None,
-):
+) -> AsyncRequest:
     """The first part of saving `state` as `{root}/iter_N`, on every rank: rank 0 clears an unfinished
     earlier save of the same iteration, rank 0 writes the common state, all ranks plan their tensors' files.
 

@@ -269,10 +269,10 @@ class CheckpointManager:
 
     With --async-save a save returns once it is planned and a writer process is forked from this rank (its
     copy-on-write memory is the snapshot; `diffmeg.compat.checkpoint_writer`, which also makes it die with
-    the rank); the files are written beside training, and the save is finalized (index,
-    metadata, args.json, then the tracker) on all ranks together by `poll` (every step, once every rank's
-    files are written) or `wait` (blocking: before the next save and at the end of training). Every
-    method here that may finalize is collective: all ranks call it at the same step.
+    the rank). The files are written beside training; the save is finalized (index, metadata, args.json,
+    then the tracker) on all ranks together by `poll` (every step, once every rank's files are written) or
+    `wait` (blocking: before the next save and at the end of training). Every method here that may
+    finalize is collective: all ranks call it at the same step.
     """
 
     def __init__(self, run: RunConfig, log: Callable[[str], None] = _rank0_print) -> None:
