@@ -19,7 +19,8 @@ Here:
   are copied to host first), and the writes run beside training without sharing its GIL (a thread cannot:
   `torch.save` holds the GIL while it writes, measured to stall the training thread for seconds). The
   writer is killed by the kernel when its rank dies (PR_SET_PDEATHSIG), writes its files itself (no
-  further forks) and reports its results through a pipe.
+  further forks) and reports its results through a pipe. A writer that dies without results fails the
+  save (one line at its finalize); a fork that fails (ENOMEM) writes synchronously instead.
 The planning, the file layout and the finalize functions (`.metadata`, `metadata.json`) are megatron-core's.
 `tests/compat/test_checkpoint_writer.py` checks the megatron-core internals this relies on, so an upgrade
 that changes them fails there.
@@ -213,12 +214,20 @@ class ForkAsyncCaller(AsyncCaller):
         if async_req.async_fn is None:
             return  # nothing to write on this rank
         transforms, use_msc, rank, buckets, self.results_queue = _writer_args(async_req)
-        args = (transforms, use_msc, rank, _to_host(buckets), self.after_write)
+        staged = _to_host(buckets)
+        args = (transforms, use_msc, rank, staged, self.after_write)
         read_fd, write_fd = os.pipe()
         for stream in (sys.stdout, sys.stderr):  # else the child would print their buffers again
             stream.flush()
         parent = os.getpid()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # e.g. ENOMEM under strict overcommit: write now instead, said in one line
+            os.close(read_fd)
+            os.close(write_fd)
+            print(f" cannot fork the checkpoint writer ({exc.strerror}): writing synchronously", flush=True)
+            write_buckets(transforms, use_msc, rank, staged, self.results_queue, self.after_write)
+            return
         if pid == 0:
             _writer_main(parent, read_fd, write_fd, args)
         os.close(write_fd)

@@ -1,23 +1,28 @@
-"""diffmeg.compat.checkpoint_writer: megatron-core's torch_dist saves, sync and async, written by threads.
+"""diffmeg.compat.checkpoint_writer: megatron-core's torch_dist saves, sync (threads) and async (a writer).
 
 The first test pins the megatron-core 0.16.1 internals the writer relies on, so an upgrade that changes
-them fails here and names what to revisit. The others: no save starts a process, what is written loads
-back, and an async save (a forked writer) writes the tensors as they were when it was scheduled.
+them fails here and names what to revisit. The others: a sync save starts no process, an async one one
+writer that is reaped and writes the tensors as they were when it was scheduled, what is written loads
+back, a writer that dies is a failed save (one line), and a failed fork writes at once.
 """
 
 from __future__ import annotations
 
 import inspect
 import multiprocessing
+import os
 import queue
+import signal
 import time
 
 import psutil
+import pytest
 import torch
 
 from diffmeg.checkpoints import begin_checkpoint, checkpoint_path, load_sharded, write_checkpoint
 from diffmeg.compat import checkpoint_writer
 from diffmeg.compat.checkpoint_writer import AsyncSaves, use_in_process_results_queue
+from diffmeg.errors import DiffmegError
 
 
 def _state(values: torch.Tensor) -> dict:
@@ -103,3 +108,26 @@ def test_a_sync_save_starts_no_process_an_async_one_a_writer_that_writes_a_snaps
     assert not writer.is_running()  # reaped
     assert {p.pid for p in me.children(recursive=True)} == children and not multiprocessing.active_children()
     assert filesystem_async._results_queue.empty()
+
+
+def test_a_writer_that_dies_is_a_failed_save_and_a_failed_fork_writes_at_once(
+    single_rank_parallel_state, tmp_path, monkeypatch
+):
+    weight = torch.arange(1000, dtype=torch.float32)
+    monkeypatch.setattr(checkpoint_writer, "write_buckets", lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+    saves = AsyncSaves()
+    saves.schedule_async_request(begin_checkpoint(str(tmp_path), 1, _state(weight), {}))
+    with pytest.raises(
+        DiffmegError, match=r"cannot save iteration 1 .*writer process \d+ ended with signal 9"
+    ):
+        saves.maybe_finalize_async_calls(blocking=True)
+    assert not (tmp_path / "iter_0000001").exists()
+    monkeypatch.undo()
+
+    def no_fork():
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    saves.schedule_async_request(begin_checkpoint(str(tmp_path), 2, _state(weight), {}))
+    assert saves.maybe_finalize_async_calls(blocking=False) == [1]  # written already
+    assert torch.equal(_load(tmp_path, 2), weight)
