@@ -43,9 +43,9 @@ ARGUMENTS_FILE = "arguments.json"
 """The full resolved arguments of the latest run, written at start into the run directory (--save)."""
 
 STALL_ASYNC_SAVE_ENV = "DIFFMEG_TEST_STALL_ASYNC_SAVE"
-"""Test hook, never for real runs: "N" or "N:SECONDS". With --async-save, rank 0's background writer of
-iteration N's checkpoint stops once its files are written, before it reports them (for SECONDS, else until
-it is killed), so a test can signal or kill a job at a known point while that save is in flight."""
+"""Test hook, never for real runs: "N" or "N:PATH". With --async-save, rank 0's background writer of
+iteration N's checkpoint stops once its files are written, before it reports them (until PATH exists, else
+until it is killed), so a test can signal or kill a job at a known point while that save is in flight."""
 
 # megatron-core's distributed optimizer without TE/apex saves and reloads exactly in this format
 # (same TP/PP; DP may change); the default `fully_sharded_model_space` fails without them.
@@ -248,17 +248,18 @@ def _complete_list(root: str) -> str:
 def _stall_hook(iteration: int, log: Callable[[str], None]) -> Callable[[], None] | None:
     """The `STALL_ASYNC_SAVE_ENV` test hook for this iteration's background write, if it names it."""
     value = os.environ.get(STALL_ASYNC_SAVE_ENV, "")
-    target, _, seconds = value.partition(":")
+    target, _, release = value.partition(":")
     if not target or int(target) != iteration or torch.distributed.get_rank() != 0:
         return None
 
     def stall() -> None:
-        how_long = f"{float(seconds):g} s" if seconds else "until the process ends"
+        until = f"until {release} exists" if release else "until it is killed"
         log(
             f" test hook {STALL_ASYNC_SAVE_ENV}: iteration {iteration}'s files are written; holding its save "
-            f"back {how_long}"
+            f"back {until}"
         )
-        time.sleep(float(seconds) if seconds else 1e9)
+        while not (release and os.path.exists(release)):
+            time.sleep(0.1)
 
     return stall
 

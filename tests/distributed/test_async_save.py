@@ -9,8 +9,8 @@ a pipe, to its end) and each followed by a check that no process it started is l
 - B (finished): resumes A from iteration 3 with synchronous saves and trains to 9: the same losses as A,
   which ran 4..9 uninterrupted (exact resume after a kill during an async save).
 - C (interrupted): --async-save; SIGTERM reaches both ranks while rank 0's writer of iteration 2 is held
-  back for a few seconds: the run waits for it, saves where it stopped, exits 0; its losses are A's (an
-  async save does not disturb training).
+  back (until the test releases it, once the stop is seen waiting): the run waits for it, saves where it
+  stopped, exits 0; its losses are A's (an async save does not disturb training).
 The job's processes are found by a tag in their environment (every process a rank starts inherits it).
 """
 
@@ -191,20 +191,23 @@ def test_async_save_kill_resume_sigterm_and_no_process_outlives_a_job(tmp_path):
         assert resumed[it] == pytest.approx(straight[it], rel=1e-6, abs=0), f"iteration {it}"
     duration_b = time.monotonic() - started - duration_a
 
-    # C: SIGTERM to both ranks while the save of 2 is held back 3 s: it is waited for, then the stop saves.
-    ckpt_c = tmp_path / "ckpt_c"
+    # C: SIGTERM to both ranks while the save of 2 is held back: the stop waits for it, then saves.
+    ckpt_c, release = tmp_path / "ckpt_c", tmp_path / "release_c"
     c = Job(
         tmp_path,
         "c",
         [*common[:1], "--save-interval", "2", "--train-iters", "9", "--save", str(ckpt_c), "--async-save"],
-        {STALL_ASYNC_SAVE_ENV: "2:3"},
+        {STALL_ASYNC_SAVE_ENV: f"2:{release}"},
     )
     c.wait_for("the save of iteration 2 held back", lambda: "holding its save back" in c.text)
     for rank in (0, 1):
         os.kill(c.rank(rank), signal.SIGTERM)
+    c.wait_for("the stop waiting for the save of 2", lambda: "background save of iteration 2" in c.text)
+    assert not (ckpt_c / TRACKER_FILE).exists()  # nothing finalized yet
+    release.touch()
     assert c.end() == 0, c.text[-3000:]
     stopped = int(c.text.split(" exiting at iteration ")[1].split()[0])
-    assert "(SIGTERM)" in c.text and "waiting for the background save of iteration 2" in c.text
+    assert "(SIGTERM)" in c.text
     assert (ckpt_c / TRACKER_FILE).read_text() == str(stopped) and _complete(ckpt_c)[:1] == [2]
     assert stopped in _complete(ckpt_c) and stopped < 9
     interrupted = read_losses(tmp_path, "c")
