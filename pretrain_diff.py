@@ -37,5 +37,5 @@ def main(argv: list[str] | None = None) -> int:
         runtime.teardown()
 
 
-if __name__ == "__main__":  # the dist-checkpoint writer uses a spawn context: this guard is required
+if __name__ == "__main__":  # importable without side effects (tests import main)
     sys.exit(main())

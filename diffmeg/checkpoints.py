@@ -2,8 +2,9 @@
 
 Layout (Megatron-LM's): `{root}/iter_{N:07d}/` holds one megatron-core distributed checkpoint plus the
 resolved arguments as `args.json`; `{root}/latest_checkpointed_iteration.txt` names the newest complete
-one. `write_checkpoint` is the one writer: the tracker is replaced atomically and only after every rank
-finished, so a run killed mid-save resumes from the previous checkpoint. Model weights are layout-free
+one. `begin_checkpoint` is the one writer (`write_checkpoint` runs it at once, training's --async-save in
+the background): the tracker is replaced atomically and only after every rank finished, so a run killed
+mid-save resumes from the previous checkpoint. Model weights are layout-free
 (one global key per tensor, layers stacked), so any TP/PP layout reads what any other wrote; the offline
 readers here build the single-rank (TP=PP=1) model a checkpoint's arguments describe.
 """
@@ -16,11 +17,15 @@ import json
 import os
 import pickle
 import shutil
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes, is_disk_full
+
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 ARGS_FILE = "args.json"
@@ -89,21 +94,45 @@ def write_checkpoint(
     args: argparse.Namespace | dict,
     expected_bytes: int | None = None,
 ) -> str:
-    """Save `state` (a megatron-core sharded state dict plus common entries) as `{root}/iter_N`.
+    """Save `state` (a megatron-core sharded state dict plus common entries) as `{root}/iter_N`, now.
 
-    Called on every rank of the job (or by one process in a single-process group). Rank 0 clears an
-    unfinished earlier save of the same iteration; `args.json` and then the tracker are written only
-    after every rank's data is on disk. Returns the iteration directory.
+    Called on every rank of the job (or by one process in a single-process group): `begin_checkpoint`, then
+    its request executed at once (`diffmeg.compat.checkpoint_writer.run_now`). Returns the iteration
+    directory; a failure raises the one line of `begin_checkpoint`.
+    """
+    from diffmeg.compat.checkpoint_writer import run_now
 
-    A save that fails (a full disk above all) raises one `DiffmegError` line naming the directory, the free
-    space and the checkpoint's size (`expected_bytes`, the caller's estimate, else what was written); rank 0
-    removes the partial `iter_N` and the tracker keeps naming the previous checkpoint.
+    run_now(begin_checkpoint(root, iteration, state, args, expected_bytes))
+    return checkpoint_path(root, iteration)
+
+
+def begin_checkpoint(
+    root: str,
+    iteration: int,
+    state: dict,
+    args: argparse.Namespace | dict,
+    expected_bytes: int | None = None,
+) -> AsyncRequest:
+    """The first part of saving `state` as `{root}/iter_N`, on every rank: rank 0 clears an unfinished
+    earlier save of the same iteration, rank 0 writes the common state, all ranks plan their tensors' files.
+
+    Returns megatron-core's `AsyncRequest`: its `async_fn` writes this rank's files (now, or in the background
+    with --async-save), then its one finalize function, called on all ranks once every rank's files are
+    written, writes the index (`.metadata`), `metadata.json`, `args.json` and, last, the tracker. So the
+    tracker names an iteration only when every rank's part of it is on disk.
+
+    A save that fails (a full disk above all), here or at the finalize, raises one `DiffmegError` line naming
+    the directory, the free space and the checkpoint's size (`expected_bytes`, the caller's estimate, else
+    what was written); rank 0 removes the partial `iter_N` and the tracker keeps naming the previous one.
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+    from diffmeg.compat.checkpoint_writer import use_in_process_results_queue
+
     path = checkpoint_path(root, iteration)
     rank = torch.distributed.get_rank()
+    use_in_process_results_queue()  # no helper process for the writer's results
     try:
         if rank == 0:
             os.makedirs(root, exist_ok=True)
@@ -111,16 +140,24 @@ def write_checkpoint(
                 shutil.rmtree(path)
             os.makedirs(path)
         torch.distributed.barrier()
-        dist_checkpointing.save(state, path)
-        torch.distributed.barrier()
-        if rank == 0:
-            with open(os.path.join(path, ARGS_FILE), "w") as f:
-                json.dump(_json_args(args), f, indent=2, default=str)
-            write_tracker(root, iteration)
+        request = dist_checkpointing.save(state, path, async_sharded_save=True)
     except (Exception, CheckpointException) as exc:  # no collective here: the other ranks may be elsewhere
         raise _failed_save(root, path, iteration, exc, expected_bytes, rank == 0) from exc
-    torch.distributed.barrier()
-    return path
+    steps = list(request.finalize_fns)  # megatron-core's: the index and metadata.json, then a barrier
+
+    def finalize() -> None:
+        try:
+            for step in steps:
+                step()
+            if rank == 0:
+                with open(os.path.join(path, ARGS_FILE), "w") as f:
+                    json.dump(_json_args(args), f, indent=2, default=str)
+                write_tracker(root, iteration)
+        except (Exception, CheckpointException) as exc:
+            raise _failed_save(root, path, iteration, exc, expected_bytes, rank == 0) from exc
+        torch.distributed.barrier()
+
+    return request._replace(finalize_fns=[finalize])
 
 
 def _failed_save(

@@ -34,6 +34,8 @@
 #   OVERLAP=1          overlap data-parallel communication with compute where DP x CP > 1:
 #                      --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer
 #   GPU_MEMORY_GIB=80  the GPU memory the memory plan must fit (--gpu-memory-gib), e.g. 141 on H200
+#   ASYNC_SAVE=1       --async-save: checkpoints are written in the background while training goes on
+#                      (the tracker moves once every rank's files are written); 0: every save stalls the job
 #   DATA_PATH          a dataset prefix or a blend "w1 prefix1 w2 prefix2 ..." (docs/data.md); required
 #                      unless EXTRA_ARGS has --mock-data or --data-path ("builtin" = the embedded corpus).
 #                      Relative paths here and below mean the directory sbatch was run from.
@@ -222,6 +224,7 @@ diffmeg_launch() {
         args+=(--overlap-grad-reduce)
         [ "${DIST_OPTIMIZER:-1}" = 1 ] && args+=(--overlap-param-gather)
     fi
+    [ "${ASYNC_SAVE:-1}" = 1 ] && args+=(--async-save)
     case ${PRECISION:-bf16} in
         bf16) args+=(--bf16) ;;
         fp16) args+=(--fp16) ;;
@@ -280,7 +283,7 @@ diffmeg_launch() {
     echo >>"$job_dir/command.sh"
     local knobs='NODES|GPUS_PER_NODE|TP|PP|CP|DP|MICRO_BATCH|SEQUENCE_PARALLEL|DIST_OPTIMIZER|PRECISION'
     knobs+='|GPU_MEMORY_GIB|CE_CHUNK_SIZE'
-    knobs+='|OVERLAP'
+    knobs+='|OVERLAP|ASYNC_SAVE'
     knobs+='|RECOMPUTE|DATA_PATH|RUNS_ROOT|RUN_NAME|RUN_DIR|CKPT_DIR|TB_DIR|INIT_CKPT|CONTAINER_[A-Z_]*|PYTHON'
     knobs+='|SRUN_ARGS|EXTRA_ARGS|AUTO_REQUEUE|MAX_RESTARTS|[A-Z]*_INTERVAL|EVAL_ITERS|ARCH|DIFFMEG_[A-Z_]*'
     knobs+='|SLURM_[A-Z_]*'

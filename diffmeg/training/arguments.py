@@ -221,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints in the background while training continues (Megatron-LM's flag; the "
+        "tracker names a checkpoint once every rank's files are written)",
+    )
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument(
@@ -542,6 +548,8 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
             f"--cross-entropy-chunk-size {chunk} saves no memory: a rank's micro-batch has only {tokens} "
             "tokens, so the loss runs in one chunk (and recomputes it)"
         )
+    if explicit.get("async_save") and args.save is None:
+        notes.append("--async-save has no effect without --save")
     if args.mock_data and "data_path" in explicit:
         notes.append("--data-path is ignored: --mock-data generates the data")
     return notes

@@ -32,8 +32,17 @@ if TYPE_CHECKING:
     from diffmeg.training.run_config import RunConfig
 
 
+class BackgroundWrites(Protocol):
+    """Checkpoint saves still being written (`diffmeg.training.checkpointing.CheckpointManager`)."""
+
+    def poll(self) -> None:
+        """Finalize a background save once every rank has written its files; never waits for them."""
+
+
 class TrainerControl(Protocol):
     """The Trainer as its callbacks see it (`diffmeg.training.trainer.Trainer` implements this)."""
+
+    checkpoints: BackgroundWrites
 
     def request_stop(self, reason: str, interrupted: bool = False) -> None:
         """Save (with --save) and stop after this step; `interrupted`: Ctrl-C (the exit status says so)."""
@@ -172,11 +181,22 @@ class ExitInterval(Callback):
             trainer.request_stop(f"--exit-interval {self.interval}")
 
 
+class BackgroundSaves(Callback):
+    """--async-save: after every step, finalize the checkpoint written in the background once every rank's
+    files are on disk, so the tracker moves soon after (Megatron-LM checks every iteration too)."""
+
+    def on_step_end(self, trainer: TrainerControl, out: StepOutput) -> None:
+        trainer.checkpoints.poll()
+
+
 def default_callbacks(run: RunConfig, is_logging_rank: bool) -> list[Callback]:
     """The callbacks of a pretrain_diff.py run; the NaN guard comes before the logger (no NaN is logged)."""
-    return [
+    callbacks = [
         NanGuard(),
         MetricsLogger(run.logging.tensorboard_dir, run.logging.metrics_file, enabled=is_logging_rank),
         SignalHandler(),
         ExitInterval(run.training.exit_interval),
     ]
+    if run.checkpoint.async_save and run.checkpoint.save is not None:
+        callbacks.append(BackgroundSaves())
+    return callbacks

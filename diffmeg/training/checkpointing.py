@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,12 +27,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from diffmeg.checkpoints import (
     TRACKER_FILE,
     WEIGHTS_ONLY_KEY,
+    begin_checkpoint,
     checkpoint_path,
     iteration_dirs,
     load_sharded,
     read_tracker,
-    write_checkpoint,
 )
+from diffmeg.compat.checkpoint_writer import AsyncSaves, run_now
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
 from diffmeg.training import collectives
@@ -40,9 +42,24 @@ from diffmeg.training.run_config import RunConfig, TrainingConfig
 ARGUMENTS_FILE = "arguments.json"
 """The full resolved arguments of the latest run, written at start into the run directory (--save)."""
 
+STALL_ASYNC_SAVE_ENV = "DIFFMEG_TEST_STALL_ASYNC_SAVE"
+"""Test hook, never for real runs: "N" or "N:PATH". With --async-save, rank 0's background writer of
+iteration N's checkpoint stops once its files are written, before it reports them (until PATH exists, else
+until it is killed), so a test can signal or kill a job at a known point while that save is in flight."""
+
 # megatron-core's distributed optimizer without TE/apex saves and reloads exactly in this format
 # (same TP/PP; DP may change); the default `fully_sharded_model_space` fails without them.
 DISTOPT_SHARDING = "dp_reshardable"
+
+
+@dataclass
+class PendingSave:
+    """An --async-save checkpoint being written in the background."""
+
+    iteration: int
+    path: str
+    started: float
+    """time.perf_counter() when training went on."""
 
 
 @dataclass
@@ -252,9 +269,36 @@ def _complete_list(root: str) -> str:
     return ", ".join(map(str, found)) if found else "none"
 
 
+def _stall_hook(iteration: int, log: Callable[[str], None]) -> Callable[[], None] | None:
+    """The `STALL_ASYNC_SAVE_ENV` test hook for this iteration's background write, if it names it."""
+    value = os.environ.get(STALL_ASYNC_SAVE_ENV, "")
+    target, _, release = value.partition(":")
+    if not target or int(target) != iteration or torch.distributed.get_rank() != 0:
+        return None
+
+    def stall() -> None:
+        until = f"until {release} exists" if release else "until it is killed"
+        log(
+            f" test hook {STALL_ASYNC_SAVE_ENV}: iteration {iteration}'s files are written; holding its save "
+            f"back {until}"
+        )
+        while not (release and os.path.exists(release)):
+            time.sleep(0.1)
+
+    return stall
+
+
 class CheckpointManager:
     """Resuming and saving for the Trainer: where the run starts (`resolve`), whether --save can take a
-    checkpoint (`check_save_target`, `check_room`), loading (`load`), and saves (`due`, `save`)."""
+    checkpoint (`check_save_target`, `check_room`), loading (`load`), and saves (`due`, `save`).
+
+    With --async-save a save returns once it is planned and a writer process is forked from this rank (its
+    copy-on-write memory is the snapshot; `diffmeg.compat.checkpoint_writer`, which also makes it die with
+    the rank). The files are written beside training; the save is finalized (index, metadata, args.json,
+    then the tracker) on all ranks together by `poll` (every step, once every rank's files are written) or
+    `wait` (blocking: before the next save and at the end of training). Every method here that may
+    finalize is collective: all ranks call it at the same step.
+    """
 
     def __init__(self, run: RunConfig, log: Callable[[str], None] = _rank0_print) -> None:
         self.run = run
@@ -264,6 +308,9 @@ class CheckpointManager:
         """The iteration of --load to resume from; None: start from scratch (or --pretrained-checkpoint)."""
         self.checkpoint_bytes: int | None = None
         """About one checkpoint's size (from the model size, then measured): for disk-full messages."""
+        self.pending: PendingSave | None = None
+        """The --async-save checkpoint being written, not yet finalized (at most one)."""
+        self._background: AsyncSaves | None = None
 
     # ------------------------------------------------------------------------------------------ start
 
@@ -428,7 +475,10 @@ class CheckpointManager:
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
     ) -> str:
-        """Write `iter_N` on all ranks, then mark it latest. Returns the checkpoint directory."""
+        """Write `iter_N` on all ranks, then mark it latest; with --async-save in the background (the
+        tracker moves when `poll` or `wait` finalizes it). A pending save is finished first. Returns the
+        checkpoint directory."""
+        self.wait()
         args = self.run.to_args()
         state = _state_dict(model, optimizer, scheduler, is_loading=False, with_rng=True)
         state.update(
@@ -437,13 +487,49 @@ class CheckpointManager:
             layout=_layout(),
             args=json.dumps(vars(args), default=str),
         )
-        path = write_checkpoint(
-            self.config.save, iteration, state, args, expected_bytes=self.checkpoint_bytes
-        )
+        request = begin_checkpoint(self.config.save, iteration, state, args, self.checkpoint_bytes)
+        path = checkpoint_path(self.config.save, iteration)
+        if not self.config.async_save:
+            run_now(request)
+            self._saved(iteration, path)
+            return path
+        if self._background is None:
+            self._background = AsyncSaves()
+        self._background.after_write = _stall_hook(iteration, self.log)
+        self._background.schedule_async_request(request)
+        self.pending = PendingSave(iteration, path, time.perf_counter())
+        self.log(f" saving checkpoint at iteration {iteration} to {path} in the background (--async-save)")
+        return path
+
+    def poll(self) -> None:
+        """Finalize the pending --async-save checkpoint if every rank's files are written (one small
+        all-reduce while a save is pending, none otherwise)."""
+        if self.pending is not None:
+            self._finalize(blocking=False)
+
+    def wait(self) -> None:
+        """Finalize the pending --async-save checkpoint, waiting for its files (before a new save, before
+        exiting: at the end of training, --exit-interval, SIGTERM/SIGUSR1)."""
+        if self.pending is not None:
+            self.log(f" waiting for the background save of iteration {self.pending.iteration} to finish")
+            self._finalize(blocking=True)
+
+    def _finalize(self, blocking: bool) -> None:
+        pending = self.pending
+        try:
+            done = self._background.maybe_finalize_async_calls(blocking=blocking)
+        except BaseException:
+            self.pending = None  # a failed save is never retried: its error line says what is kept
+            raise
+        if done:
+            self.pending = None
+            self._saved(pending.iteration, pending.path, time.perf_counter() - pending.started)
+
+    def _saved(self, iteration: int, path: str, background_s: float | None = None) -> None:
         if torch.distributed.get_rank() == 0:
             self.checkpoint_bytes = directory_bytes(path) or self.checkpoint_bytes  # measured from now on
-        self.log(f" saved checkpoint at iteration {iteration} to {path}")
-        return path
+        how = f" (written in the background in {background_s:.1f} s)" if background_s is not None else ""
+        self.log(f" saved checkpoint at iteration {iteration} to {path}{how}")
 
 
 def load_pretrained_weights(root: str, model: torch.nn.Module | list[torch.nn.Module]) -> int:

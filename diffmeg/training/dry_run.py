@@ -107,7 +107,12 @@ def dry_run_summary(args: argparse.Namespace) -> dict:
         "memory_per_gpu_gib": estimate_memory(args, on_gpu=True).as_gib(),
         "features": features(args),
         "data": {"data_path": args.data_path, "mock_data": args.mock_data, "split": args.split},
-        "checkpointing": {"save": args.save, "load": args.load, "save_interval": args.save_interval},
+        "checkpointing": {
+            "save": args.save,
+            "load": args.load,
+            "save_interval": args.save_interval,
+            "async_save": args.async_save and args.save is not None,
+        },
     }
 
 
@@ -174,7 +179,20 @@ def features(args: argparse.Namespace) -> dict[str, str]:
         "overlap_param_gather": params_,
         "interleaved_pipeline": pipeline,
         "chunked_cross_entropy": chunked_loss_feature(args),
+        "async_save": async_save_feature(args),
     }
+
+
+def async_save_feature(args: argparse.Namespace) -> str:
+    """`--async-save`: whether a checkpoint save stalls training for the whole write."""
+    if args.save is None:
+        return "off: nothing is saved (--save)"
+    if args.async_save:
+        return (
+            "on: a forked writer writes each checkpoint while training continues; the tracker names it once "
+            "every rank's files are complete"
+        )
+    return "off: every save stalls training until all its files are written (--async-save)"
 
 
 def diff_version(args: argparse.Namespace) -> int:

@@ -173,6 +173,8 @@ class CheckpointConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
+    async_save: bool = False
+    """Write checkpoints in the background (megatron-core's async torch_dist save) while training goes on."""
     ckpt_step: int | None = None
     """Resume from this iteration of --load instead of the tracker's (Megatron-LM's --ckpt-step)."""
     no_load_optim: bool = False

@@ -9,7 +9,8 @@ micro-batches), `evaluate()` the validation loss, `train()` the loop. Around the
 Host syncs: a step leaves its loss on the device; the pending losses come to the host once per logging
 interval (and before a save or a stop), with the logged lambdas and loss scale, in one copy. The signal
 check's one-flag all-reduce per step is the only other host read in the loop (megatron-core's own
-optimizer step reads its grad norm and overflow flag every step anyway).
+optimizer step reads its grad norm and overflow flag every step anyway), plus, with --async-save, one
+while a checkpoint is being written in the background.
 """
 
 from __future__ import annotations
@@ -363,6 +364,7 @@ class Trainer:
                 if self.stop_reason is not None:
                     self.log(f" exiting at iteration {it} ({self.stop_reason})")
                     break
+            self.checkpoints.wait()  # an --async-save checkpoint still being written
             ddp.finish_param_gather(self.model)  # a caller of train() reads the final weights
         finally:
             self._call("on_train_end")

@@ -71,6 +71,7 @@ CASES += [
             "DIST_OPTIMIZER": "0",
             "SEQUENCE_PARALLEL": "1",
             "EXTRA_ARGS": "--cp-comm-type p2p",
+            "ASYNC_SAVE": "0",
         },
     ),
     (
@@ -141,7 +142,7 @@ def check_common(
     assert config["data"]["data_path"] == DATA.split()
     assert config["data"]["mock_data"] is False
     ckpt = f"{RUNS}/{run_name}/checkpoints"
-    assert config["checkpointing"]["save"] == ckpt
+    assert config["checkpointing"]["save"] == ckpt and config["checkpointing"]["async_save"] is True
     srun = _srun_line(head)
     nodes, gpus = world // 8, 8
     assert f"srun --kill-on-bad-exit=1 --nodes={nodes} --ntasks={world} --ntasks-per-node={gpus} " in srun
@@ -264,7 +265,7 @@ def test_3b_64k(resolved, arch):
     assert f" --load {RUNS}/{arch}-3b-64k/checkpoints " in srun
     assert f" --pretrained-checkpoint {RUNS}/{arch}-3b-1T/checkpoints " in srun
     assert "--recompute-granularity full" in srun
-    # The loss in chunks of 2048 tokens: at most 1/8 of the whole logits' peak, the plan at most 18 GiB (issue 23).
+    # The loss in chunks of 2048 tokens: at most 1/8 of the whole logits' peak; the plan at most 18 GiB.
     assert " --cross-entropy-chunk-size 2048 " in srun
     loss = re.fullmatch(
         r"on: the loss peaks at ([\d.]+) GiB over chunks of 2048 tokens instead of ([\d.]+) GiB over the "
@@ -321,6 +322,9 @@ def test_a_plan_over_the_gpu_memory_is_reported_with_the_knobs_that_shrink_it(ru
     assert _messages(proc, "note:") == [
         "note: --cp-comm-type p2p has no effect: --context-parallel-size is 1"
     ]
+    # ASYNC_SAVE=0: synchronous saves.
+    assert resolved["fp32_no_distopt"][1]["checkpointing"]["async_save"] is False
+    assert " --async-save " not in _srun_line(resolved["fp32_no_distopt"][0])
     # The same plan fits a 141 GB GPU.
     head, config = resolved["fp32_on_h200"]
     assert " --gpu-memory-gib 141 " in _srun_line(head) and config["checks"]["memory_fits"] is True

@@ -106,6 +106,7 @@ def test_datasets_found_are_counted_from_their_files(tmp_path, capsys):
         (["--train-iters", "5", "--train-tokens", "999999"], "--train-tokens is ignored: --train-iters 5"),
         (["--fp8-recipe", "tensorwise"], "--fp8-recipe has no effect without --fp8-format"),
         (["--save-interval", "5"], "--save-interval has no effect without --save"),
+        (["--async-save"], "--async-save has no effect without --save"),
         (["--mock-data", "--data-path", "x"], "--data-path is ignored: --mock-data"),
         (
             ["--no-diff-attention", "--lambda-init", "0.5"],
@@ -140,6 +141,11 @@ def test_flags_that_take_effect_get_no_note(capsys):
     )
     assert summary["parallel"]["sequence_parallel"] is True
     assert summary["checks"]["notes"] == [] and not [x for x in err if x.startswith("note:")]
+    summary, err = _dry(["--model", "diff-tiny", "--save", "ckpt", "--async-save"], capsys)
+    assert summary["checkpointing"]["async_save"] is True and summary["checks"]["notes"] == []
+    assert summary["features"]["async_save"].startswith("on: a forked writer")
+    unsaved = _dry(["--model", "diff-tiny", "--async-save"], capsys)[0]
+    assert unsaved["features"]["async_save"] == "off: nothing is saved (--save)"
 
 
 def test_pretrain_diff_dry_run_prints_json_then_its_warnings(tmp_path):

@@ -1,0 +1,169 @@
+"""Step time while a checkpoint is being written: synchronous saves vs --async-save, in one run.
+
+    python benchmarks/async_save.py                                    # CPU: diff-tiny, 100288 vocabulary
+    torchrun --nproc_per_node 8 benchmarks/async_save.py --model diff-3b --mock-data --bf16 \\
+        --use-distributed-optimizer --save-dir /lustre/$USER/tmp                  # a GPU node
+
+One training run (pretrain_diff.py's Trainer: its `train_step` and `CheckpointManager`, on mock data) that
+saves every --save-interval steps, alternating synchronous saves and --async-save ones, so both meet the
+same machine (a shared or noisy host changes speed over minutes: alternating keeps the comparison fair).
+A step's time is its wall time from one step's start to the next's, with what the loop does after it:
+the poll that finalizes a background save, and a save. Steps that overlap a save:
+- sync: the step that saves (it waits for the whole write);
+- async: the step that saves (planning, the host copy of the tensors) and every following step until the
+  poll after one of them finds every rank's files written and finalizes the save.
+Normal steps: all others after --warmup. Prints the normal step time (median) and, per mode, the mean time
+of the overlapping steps and its ratio to normal, with the process's minor page faults per step (after
+a fork, each page training changes is copied once: copy-on-write). The goal (async overlapped steps
+within 1.2x of normal, where sync stalls for the whole write) is reported, never asserted.
+Other arguments are pretrain_diff.py's (defaults on CPU: CPU_FLAGS). On CPU the run uses one thread
+(torch.set_num_threads(1)), leaving the host's other core to the writer as a GPU rank leaves its CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+GOAL = 1.2
+CPU_FLAGS = [
+    "--model", "diff-tiny", "--mock-data", "--vocab-size", "100288", "--seq-length", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "2", "--lr-warmup-iters", "2", "--eval-iters", "0",
+]  # fmt: skip
+"""A small network with a large vocabulary: 54M parameters, a 0.6 GB checkpoint (weights and Adam)."""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--saves", type=int, default=8, help="saves in all, alternating sync and async")
+    parser.add_argument("--save-interval", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out")
+    parser.add_argument(
+        "--save-dir",
+        default=None,
+        help="where checkpoints go (default: a temporary dir; needed with torchrun)",
+    )
+    bench, flags = parser.parse_known_args()
+
+    import torch
+
+    from diffmeg import runtime
+    from diffmeg.training.arguments import resolve_args
+    from diffmeg.training.run_config import RunConfig
+    from diffmeg.training.trainer import Trainer
+
+    runtime.setup()
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        torch.set_num_threads(1)
+    flags = flags or (CPU_FLAGS if on_cpu else [])
+    if not flags:
+        raise SystemExit("give the pretrain_diff.py flags of the model to time (no default on GPU)")
+    steps = bench.warmup + bench.saves * bench.save_interval + 1
+    load = os.getloadavg()  # other work on the host: a loaded CPU host gives the writer no free core
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1 and bench.save_dir is None:
+        raise SystemExit("give --save-dir: a directory every rank sees (the file system checkpoints go to)")
+    workdir = (
+        tempfile.mkdtemp(prefix="async_save_", dir=bench.save_dir)
+        if ranks == 1
+        else os.path.join(bench.save_dir, "async_save_bench")
+    )
+    try:
+        argv = [*flags, "--train-iters", str(steps + 1), "--save", workdir]
+        trainer = Trainer(RunConfig.from_args(resolve_args(argv)), callbacks=[])
+        manager, log = trainer.checkpoints, trainer.log
+        manager.log = lambda line: None  # the per-save lines would interleave with the table
+        trainer.model.train()
+        times: list[float] = []
+        faults: list[int] = []  # minor page faults of this process per step (copy-on-write after a fork)
+        overlaps: dict[str, set[int]] = {"sync": set(), "async": set()}
+        background: int | None = None  # the step that started the pending async save
+        saved = 0
+        for step in range(steps):
+            start, start_faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            trainer.train_step()
+            if background is not None:
+                overlaps["async"].add(step)
+                manager.poll()
+                if manager.pending is None:
+                    background = None
+            if step >= bench.warmup and (step - bench.warmup + 1) % bench.save_interval == 0:
+                mode = "sync" if saved % 2 == 0 else "async"
+                manager.config.async_save = mode == "async"
+                manager.save(step, 0, trainer.model, trainer.optimizer, trainer.scheduler)
+                overlaps[mode].add(step)
+                background = step if mode == "async" else None
+                saved += 1
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)
+        manager.wait()
+    finally:
+        if int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    busy = overlaps["sync"] | overlaps["async"]
+    quiet = [i for i in range(bench.warmup, steps) if i not in busy]
+    normal = statistics.median(times[i] for i in quiet)
+    log(f"{' '.join(flags)}: {steps} steps, {saves_line(bench)}")
+    log(f"host: {os.cpu_count()} CPUs, load average {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    normal_faults = statistics.median(faults[i] for i in quiet)
+    log(
+        f"normal step: {normal * 1000:.0f} ms, {normal_faults / 1000:.0f}K page faults "
+        f"(medians of {len(quiet)} steps)"
+    )
+    log(
+        f"{'mode':<6} {'saves':>5} {'overlapped steps':>17} {'mean ms':>8} {'ratio':>6} {'faults':>7}"
+        f"   per save (ms)"
+    )
+    ratios = {}
+    for mode in ("sync", "async"):
+        over = sorted(overlaps[mode])
+        mean = statistics.mean(times[i] for i in over)
+        ratios[mode] = mean / normal
+        per_save = _per_save(over, times)
+        over_faults = statistics.mean(faults[i] for i in over) / 1000
+        log(
+            f"{mode:<6} {bench.saves // 2 + (mode == 'sync') * (bench.saves % 2):>5} {len(over):>17} "
+            f"{mean * 1000:>8.0f} {ratios[mode]:>5.2f}x {over_faults:>6.0f}K   {per_save}"
+        )
+    verdict = "met" if ratios["async"] <= GOAL else "not met"
+    log(
+        f"goal: async overlapped steps within {GOAL}x of normal: {verdict} ({ratios['async']:.2f}x; "
+        f"sync: {ratios['sync']:.2f}x)"
+    )
+    runtime.teardown()
+    return 0
+
+
+def saves_line(bench: argparse.Namespace) -> str:
+    return f"a save every {bench.save_interval} after {bench.warmup} warmup steps, sync and async in turn"
+
+
+def _per_save(steps: list[int], times: list[float]) -> str:
+    """The overlapped steps of each save, grouped where consecutive: '1234+980 | 2211'."""
+    groups: list[list[int]] = []
+    for step in steps:
+        if groups and step == groups[-1][-1] + 1:
+            groups[-1].append(step)
+        else:
+            groups.append([step])
+    return " | ".join("+".join(f"{times[i] * 1000:.0f}" for i in g) for g in groups)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
