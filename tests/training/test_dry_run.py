@@ -182,6 +182,7 @@ def test_features_say_what_the_run_uses_and_what_each_buys(capsys):
     )
 
     pp = ["--model", "diff-tiny", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+    pp += ["--seq-length", "2048"]  # activations of GiB, not the 3-decimal rounding of the plan's figures
     plain = _dry(pp, capsys, world_size=2)[0]  # 4 micro-batches of 2: bubble 1/4
     assert plain["features"]["interleaved_pipeline"].startswith(
         "off: pipeline bubble (PP - 1) / micro-batches = 0.250"
