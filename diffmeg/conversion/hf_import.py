@@ -86,10 +86,12 @@ class HFModelFolder:
             del block
 
 
-def open_hf_folder(directory: str) -> HFModelFolder:
-    """Read config.json and the tensor headers; refuse a folder whose weights do not fit its config."""
+def open_hf_folder(directory: str, config: dict[str, Any] | None = None) -> HFModelFolder:
+    """Read config.json and the tensor headers; refuse a folder whose weights do not fit its config.
+
+    `config`: the folder's config already normalised by the caller (upcycling reads Mistral as Llama)."""
     reader = HFCheckpointReader(directory)
-    config = reader.normalized_config()
+    config = reader.normalized_config() if config is None else config
     layout, tied = layout_from_hf_config(config)
     stored = reader.shapes()
     tied = tied and "lm_head.weight" not in stored
