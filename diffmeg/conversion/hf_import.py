@@ -164,12 +164,16 @@ def resolved_pretrain_args(
 
 def analysis_args(folder: HFModelFolder, seq_length: int | None = None) -> argparse.Namespace:
     """A folder's arguments as the evaluation and analysis tools read a checkpoint's: resolved as an
-    import would record them, with `tokenizer_type` cl100k_base when the vocabulary holds cl100k's ids,
-    else "null" (ids of no tokenizer)."""
+    import would record them, with the folder's own tokenizer when it has one (not diffmeg's cl100k_base
+    export), else `tokenizer_type` cl100k_base when the vocabulary holds cl100k's ids, else "null" (ids
+    of no tokenizer)."""
+    from diffmeg.conversion.tokenizer_io import folder_tokenizer
     from diffmeg.data.tokenizer import CL100K_N_VOCAB
 
-    args = resolved_pretrain_args(folder.layout, folder.config, seq_length=seq_length)
-    args.tokenizer_type = "cl100k_base" if folder.layout.vocab_size >= CL100K_N_VOCAB else "null"
+    tokenizer = folder_tokenizer(folder.directory)
+    args = resolved_pretrain_args(folder.layout, folder.config, tokenizer.flags(), seq_length=seq_length)
+    if tokenizer.source is None:
+        args.tokenizer_type = "cl100k_base" if folder.layout.vocab_size >= CL100K_N_VOCAB else "null"
     args.hf_model_type = folder.layout.model_type
     return args
 

@@ -164,6 +164,25 @@ def resolve_tokenizer_args(args: argparse.Namespace) -> None:
         )
 
 
+def text_tokenizer(args: Mapping | argparse.Namespace, tokenizer_file: str | None = None):
+    """The tokenizer that writes text as a checkpoint's ids (evaluation, generation): its recorded Hugging
+    Face tokenizer folder, else cl100k_base (`tokenizer_file`, else the recorded BPE file, else the
+    environment's). Never cl100k_base for a model of another vocabulary."""
+    values = vars(args) if isinstance(args, argparse.Namespace) else args
+    record = record_of_args(values)
+    if record.type == HF_TOKENIZER:
+        folder = values.get("tokenizer_model")
+        if not folder or not os.path.isdir(folder):
+            raise DiffmegError(
+                f"the model reads the ids of the Hugging Face tokenizer {folder}, which is gone; restore "
+                f"that folder (its tokenizer files)"
+            )
+        return build_tokenizer(HF_TOKENIZER, tokenizer_model=folder)
+    if record.type == NULL:
+        raise DiffmegError("the model reads ids of no tokenizer (mock or `--tokenizer-type null` data)")
+    return build_tokenizer(CL100K, tokenizer_file=tokenizer_file or values.get("tokenizer_file"))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Datasets
 

@@ -30,6 +30,7 @@ from tests.conversion.helpers import (
     refused,
 )
 from tests.conversion.upcycle_helpers import llama_folder, tiny_llama_layout, upcycled, write_llama_folder
+from tests.tools.helpers import run_tool
 
 LAYOUTS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1), "gqa-r3": (6, 2)}  # (n heads, g KV heads)
 
@@ -131,8 +132,9 @@ def test_hf_round_trip_of_an_upcycled_llama_is_bit_exact(
     tmp_path_factory, tmp_path, single_rank_parallel_state
 ):
     """upcycle -> mcore-to-hf -> hf-to-mcore gives the upcycled weights bit for bit; the export carries the
-    source's tokenizer files unchanged (not cl100k_base) and its ids, and transformers' DIFF V2 (remote
-    code) computes the source Llama's float64 logits."""
+    source's tokenizer files unchanged (not cl100k_base) and its ids; the evaluation tools read the source
+    folder, the checkpoint and the export with that tokenizer and measure one function; transformers' DIFF
+    V2 (remote code) computes the source Llama's float64 logits."""
     from diffmeg.checkpoints import load_model_weights, read_checkpoint_args
 
     source = llama_folder(tmp_path_factory, "llama-gqa-tied", tied=True)
@@ -161,6 +163,21 @@ def test_hf_round_trip_of_an_upcycled_llama_is_bit_exact(
     theirs = dict(back.named_parameters())
     for name, value in original.named_parameters():
         assert torch.equal(theirs[name], value), name
+
+    # The evaluation tools read all three with the source's tokenizer and find one function.
+    for k in range(3):
+        (tmp_path / f"doc{k}.txt").write_text(" ".join(f"the quick brown fox {k} {i}" for i in range(40)))
+    proc = run_tool(
+        "eval_long_context", "--load", source, ckpt, exported, "--text-files", tmp_path / "doc*.txt",
+        "--max-length", "48", "--output-dir", tmp_path / "nll", "--no-plot",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "nll" / "summary.json").read_text())
+    nll = [entry["final_cumulative_nll"] for entry in summary["checkpoints"]]
+    assert summary["documents"] and all(
+        e["args"]["tokenizer_type"] == "HuggingFaceTokenizer" for e in summary["checkpoints"]
+    )
+    assert nll[1] == pytest.approx(nll[0], rel=1e-6) and nll[2] == pytest.approx(nll[0], rel=1e-6)
 
     tokens = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (1, 33)]
     llama = hf_outputs(tmp_path / "llama", source, tokens, dtype="float64")
