@@ -125,6 +125,7 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
         atomic_output_dir,
         check_output_path,
         release_freed_memory,
+        save_hf_tokenizer,
         save_remote_code,
     )
     from diffmeg.conversion.hf_config import (
@@ -186,7 +187,9 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
         save_remote_code(layout, out)
         ids = generation_config_dict(tokenizer.eos_token_id, tokenizer.bos_token_id)
         transformers.GenerationConfig(**ids).save_pretrained(out)
-        wrote_tokenizer = tokenizer.write(out)
+        if tokenizer.fast is not None:
+            save_hf_tokenizer(tokenizer.fast, out)
+        wrote_tokenizer = tokenizer.copy_files(out) or tokenizer.fast is not None
     print(
         f"wrote {args.save}: {layout.architecture}, {layout.num_layers} layers, {_dtype_name(dtype)}, "
         f"{len(shards)} shard(s), {writer.total_bytes / 1e9:.3f} GB"

@@ -80,17 +80,13 @@ class ExportTokenizer:
     note: str | None = None
     """Why no tokenizer is written (for stderr)."""
 
-    def write(self, directory: str) -> bool:
-        """Write the tokenizer files into the export; False when there are none."""
-        if self.files_from is not None:
-            copy_tokenizer_files(self.files_from, directory)
-            return True
-        if self.fast is not None:
-            from diffmeg.conversion.checkpoint_io import save_hf_tokenizer
-
-            save_hf_tokenizer(self.fast, directory)
-            return True
-        return False
+    def copy_files(self, directory: str) -> bool:
+        """Copy a Hugging Face tokenizer's files into the export; False when it has none (the fast
+        cl100k_base tokenizer is written with `checkpoint_io.save_hf_tokenizer`)."""
+        if self.files_from is None:
+            return False
+        copy_tokenizer_files(self.files_from, directory)
+        return True
 
 
 def export_tokenizer(
