@@ -5,8 +5,8 @@
 # pretrain_diff.py on the embedded corpus (cl100k_base tokenizer needed). Results: OUT/results.json,
 # OUT/upcycle_val_loss.png and OUT/tables.md (the section of docs/results.md, from tools/upcycle_results.py).
 #
-#   bash examples/upcycle.sh                  # the full run (about 30 minutes of 2 idle cores, est.)
-#   UPCYCLE_SMOKE=1 bash examples/upcycle.sh  # every step at a few iterations, one seed (what CI runs)
+#   bash examples/upcycle.sh                  # the full run (47 minutes here on 2 busy cores: docs/results.md)
+#   UPCYCLE_SMOKE=1 bash examples/upcycle.sh  # every step at 2 iterations, one seed (about a minute; CI runs it)
 #
 # Steps: (1) transformer-tiny (4 layers, hidden 256, 8 heads of 32, the preset's schedule) for
 # UPCYCLE_PRETRAIN_ITERS; (2) upcycle its checkpoint: DIFF V2 with 8 output heads (16 query heads over 8
