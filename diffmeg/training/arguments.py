@@ -262,7 +262,7 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
     if ns.use_checkpoint_args:
         from diffmeg.training.checkpoint_args import checkpoint_model_args
 
-        values.update(checkpoint_model_args(ns.load, ns.pretrained_checkpoint))
+        values.update(checkpoint_model_args(ns.load, ns.pretrained_checkpoint, typed=explicit))
     values.update(explicit)
     if "train_tokens" in explicit and "train_iters" not in explicit:
         values["train_iters"] = None  # a token budget typed by the user beats the preset's iteration count

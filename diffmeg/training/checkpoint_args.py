@@ -9,6 +9,7 @@ on the command line still win).
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 from diffmeg.checkpoints import read_checkpoint_args, read_tracker
 from diffmeg.errors import DiffmegError
@@ -36,13 +37,19 @@ MODEL_ARGS = (
 a default for the run's own)."""
 
 
-def checkpoint_model_args(load: str | None, pretrained: str | None) -> dict[str, object]:
-    """The MODEL_ARGS of the checkpoint a run with these `--load` / `--pretrained-checkpoint` starts from."""
+def checkpoint_model_args(
+    load: str | None, pretrained: str | None, typed: Collection[str] = ()
+) -> dict[str, object]:
+    """The MODEL_ARGS of the checkpoint a run with these `--load` / `--pretrained-checkpoint` starts from.
+
+    `typed`: the flags given on the command line (they win); a typed `--tokenizer-type` also drops the
+    checkpoint's tokenizer folder, so the run is checked against the checkpoint as the user asked."""
     for root in (load, pretrained):
         if root is not None and os.path.isdir(root) and read_tracker(root) is not None:
             args, _ = read_checkpoint_args(root)
             values = vars(args)
-            return {name: values[name] for name in MODEL_ARGS if name in values}
+            names = [n for n in MODEL_ARGS if not (n == "tokenizer_model" and "tokenizer_type" in typed)]
+            return {name: values[name] for name in names if name in values}
     raise DiffmegError(
         "--use-checkpoint-args needs a checkpoint to read: --load or --pretrained-checkpoint holding one "
         f"(latest_checkpointed_iteration.txt); got --load {load}, --pretrained-checkpoint {pretrained}"

@@ -168,15 +168,15 @@ class Trainer:
                 tokenizer_model=d.tokenizer_model,
                 vocab_size=m.vocab_size,
             )
-            if tokenizer.vocab_size > m.vocab_size:
-                raise DiffmegError(
-                    f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
-                )
         source = self.checkpoints.source_args()
-        if source is not None:
+        if source is not None:  # first: a checkpoint of another tokenizer is the mistake to name
             where, args = source
             run = record_of(tokenizer) if tokenizer is not None else TokenizerRecord(NULL)
             check_checkpoint(args, run, where)
+        if tokenizer is not None and tokenizer.vocab_size > m.vocab_size:
+            raise DiffmegError(
+                f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
+            )
         return tokenizer
 
     def _count_parameters(self) -> int:

@@ -187,6 +187,31 @@ def test_hf_round_trip_of_an_upcycled_llama_is_bit_exact(
         assert max_relative_error(ours, theirs) < 1e-12  # one RoPE table, exact head pairs
 
 
+def test_training_refuses_cl100k_for_an_upcycled_llama(tmp_path_factory, tmp_path):
+    """pretrain_diff.py from the upcycled checkpoint with cl100k_base (a flag beside
+    --use-checkpoint-args wins) stops before building anything, naming the tokenizer to use."""
+    from tests.distributed.runner import run_pretrain
+
+    ckpt = upcycled(
+        tmp_path_factory,
+        llama_folder(tmp_path_factory, "llama-gqa-tied", tied=True),
+        "upcycled-llama-gqa-tied",
+    )
+    argv = ["--use-checkpoint-args", "--pretrained-checkpoint", str(ckpt), "--tokenizer-type", "cl100k_base"]
+    proc = run_pretrain([*argv, "--lr", "1e-4", "--train-iters", "1", "--seq-length", "32"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {ckpt}/iter_0000000 holds a model of the ids of the Hugging Face tokenizer "
+        f"{ckpt}/tokenizer (vocabulary {_fingerprint(ckpt)[:12]}), but this run uses cl100k_base; "
+        f"continue it with --tokenizer-type HuggingFaceTokenizer --tokenizer-model {ckpt}/tokenizer "
+        "(and data tokenized with it)"
+    )
+
+
+def _fingerprint(ckpt) -> str:
+    return json.loads((ckpt / "iter_0000000" / "args.json").read_text())["tokenizer_fingerprint"]
+
+
 @pytest.mark.parametrize(
     "model_type, changes, message",
     [
