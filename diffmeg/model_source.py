@@ -56,10 +56,12 @@ class CheckpointInfo:
 
     @property
     def tokenizer(self) -> str:
-        """The vocabulary its token ids mean: mock data and `--tokenizer-type null` ids are not cl100k's."""
+        """The vocabulary its token ids mean: "mock" (mock data and `--tokenizer-type null` ids),
+        "HuggingFaceTokenizer" (a model's own, `args["tokenizer_model"]`) or "cl100k_base"."""
         if self.args.get("mock_data") or self.args.get("tokenizer_type") == "null":
             return "mock"
-        return "cl100k_base"
+        hf = self.args.get("tokenizer_type") == "HuggingFaceTokenizer"
+        return "HuggingFaceTokenizer" if hf else "cl100k_base"
 
 
 def read_checkpoint_info(root: str, iteration: int | None = None) -> CheckpointInfo:

@@ -1,19 +1,24 @@
-"""Convert between pretrain_diff.py checkpoints and Hugging Face DiffLlama / Llama folders.
+"""Convert pretrain_diff.py checkpoints to and from Hugging Face folders; upcycle a Transformer into DIFF V2.
 
     python tools/convert_checkpoint.py mcore-to-hf --load ckpt/ --save hf/ [--iteration N]
         [--dtype bf16|fp16|fp32] [--tokenizer-file cl100k_base.tiktoken] [--overwrite]
     python tools/convert_checkpoint.py hf-to-mcore --load hf/ --save ckpt/ [--dtype bf16|fp16|fp32]
         [--tensor-model-parallel-size N] [--pipeline-model-parallel-size N] [--overwrite]
         [-- PRETRAIN_DIFF_FLAGS ...]
+    python tools/convert_checkpoint.py upcycle --load hf/llama_or_transformer_ckpt --save ckpt/diff2 \
+        [--dtype bf16|fp16|fp32] [--overwrite] [-- PRETRAIN_DIFF_FLAGS ...]
 
 DIFF checkpoints become transformers' DiffLlamaForCausalLM, Transformer baselines (--no-diff-attention)
-LlamaForCausalLM, and back. Both directions stream one layer at a time (memory: about two layers,
-whatever the depth) and print a progress line per layer. mcore-to-hf reads any TP/PP layout
-(checkpoints are layout-free) and writes config.json, model-*.safetensors shards with their index,
-generation_config.json and the cl100k_base tokenizer with tiktoken's ids. hf-to-mcore writes a
+LlamaForCausalLM, DIFF V2 a LLaMA-layout folder with its modeling file, and back. All directions stream
+one layer at a time (memory: about two layers, whatever the depth) and print a progress line per layer.
+mcore-to-hf reads any TP/PP layout (checkpoints are layout-free) and writes config.json,
+model-*.safetensors shards with their index, generation_config.json and the tokenizer (cl100k_base with
+tiktoken's ids, or the Hugging Face tokenizer the model was trained with). hf-to-mcore writes a
 weights-only checkpoint (iteration 0, in the source's dtype unless --dtype) that
 `pretrain_diff.py --load ckpt/ --finetune` continues from, at any TP/PP; flags after `--` are recorded
-in its args.json as a pretrain_diff.py run would resolve them. See docs/conversion.md.
+in its args.json as a pretrain_diff.py run would resolve them. upcycle turns a Transformer (a Hugging Face
+Llama / Mistral folder or a transformer-* checkpoint) into a weights-only DIFF V2 checkpoint with the same
+logits, keeping its tokenizer. See docs/conversion.md.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--tokenizer-file", default=None, help="cl100k_base BPE file (else the checkpoint's / env)"
     )
+    e.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer (else recorded)")
     e.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     e.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="per safetensors file (5GB)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing --save folder")
@@ -73,25 +79,30 @@ def build_parser() -> argparse.ArgumentParser:
         "hf-to-mcore", help="Hugging Face DiffLlama / Llama folder -> pretrain_diff.py checkpoint"
     )
     i.add_argument("--load", required=True, help="folder with config.json and safetensors weights")
-    i.add_argument("--save", required=True, help="output checkpoint directory")
-    i.add_argument("--tensor-model-parallel-size", type=int, default=1, help="recorded in args.json")
-    i.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="recorded in args.json")
-    i.add_argument("--seq-length", type=int, default=None, help="default: max_position_embeddings")
-    i.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the source's (e.g. bf16)")
-    i.add_argument("--overwrite", action="store_true", help="replace an existing --save directory")
+    u = sub.add_parser(
+        "upcycle", help="Transformer (HF Llama folder or transformer-* checkpoint) -> DIFF V2 checkpoint"
+    )
+    u.add_argument("--load", required=True, help="HF Llama / Mistral folder or Transformer checkpoint")
+    for q in (i, u):  # both write a weights-only checkpoint
+        q.add_argument("--save", required=True, help="output checkpoint directory")
+        q.add_argument("--tensor-model-parallel-size", type=int, default=1, help="recorded in args.json")
+        q.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="recorded in args.json")
+        q.add_argument("--seq-length", type=int, default=None, help="default: max_position_embeddings")
+        q.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the source's")
+        q.add_argument("--overwrite", action="store_true", help="replace an existing --save directory")
     return p
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    """Our flags, and the pretrain_diff.py flags given after `--` (hf-to-mcore only)."""
+    """Our flags, and the pretrain_diff.py flags given after `--` (hf-to-mcore and upcycle)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
-    if extra and args.command != "hf-to-mcore":
-        raise DiffmegError("flags after `--` are pretrain_diff.py flags for hf-to-mcore only")
+    if extra and args.command == "mcore-to-hf":
+        raise DiffmegError("flags after `--` are pretrain_diff.py flags for hf-to-mcore and upcycle only")
     return args, extra
 
 
@@ -103,52 +114,6 @@ def _torch_dtype(name: str):
 
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
-
-
-class Progress:
-    """One stderr line per layer converted: layers done, time per layer, elapsed time and the ETA."""
-
-    def __init__(self, label: str, layers: int) -> None:
-        self.label, self.layers = label, layers
-        self.restart()
-
-    def restart(self) -> None:
-        """Time layers from now (after the tensors outside the layers, which take as long as several)."""
-        self.start = time.perf_counter()
-
-    def layer_done(self, done: int) -> None:
-        elapsed = time.perf_counter() - self.start
-        per_layer = elapsed / done
-        print(
-            f"{self.label}: layer {done}/{self.layers}, {per_layer:.1f} s/layer, elapsed {_clock(elapsed)}, "
-            f"ETA {_clock(per_layer * (self.layers - done))}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def _export_tokenizer(args: argparse.Namespace, ckpt_args: argparse.Namespace, layout):
-    """The fast tokenizer to write, or None (with the reason on stderr) when the model has no cl100k vocab."""
-    from diffmeg.data.tokenizer import CL100K_N_VOCAB, load_tokenizer
-
-    if args.no_tokenizer:
-        return None
-    if layout.vocab_size < CL100K_N_VOCAB:
-        print(
-            f"note: vocabulary {layout.vocab_size} < cl100k_base's {CL100K_N_VOCAB} (a mock-data model): "
-            f"writing no tokenizer",
-            file=sys.stderr,
-        )
-        return None
-    from diffmeg.conversion.tokenizer_export import build_fast_tokenizer
-
-    tokenizer = load_tokenizer(args.tokenizer_file or getattr(ckpt_args, "tokenizer_file", None))
-    return build_fast_tokenizer(tokenizer.encoding, model_max_length=layout.max_position_embeddings)
 
 
 def mcore_to_hf(args: argparse.Namespace) -> None:
@@ -170,8 +135,9 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
         transformers_config_class,
     )
     from diffmeg.conversion.mapping import GLOBALS, HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf
+    from diffmeg.conversion.progress import Progress, clock
     from diffmeg.conversion.safetensors_io import SafetensorsShardWriter
-    from diffmeg.data.tokenizer import CL100K_N_VOCAB, EOD_ID
+    from diffmeg.conversion.tokenizer_io import export_tokenizer
 
     start = time.perf_counter()
     check_output_path(args.save, args.overwrite, args.load)
@@ -179,18 +145,26 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
     layout = layout_from_args(reader.args)
     reader.check(layout)
     dtype = _torch_dtype(args.dtype) if args.dtype else reader.dtype
-    eod = EOD_ID if layout.vocab_size >= CL100K_N_VOCAB else None
+    tokenizer = export_tokenizer(
+        vars(reader.args),
+        layout.vocab_size,
+        layout.max_position_embeddings,
+        tokenizer_file=args.tokenizer_file,
+        tokenizer_model=args.tokenizer_model,
+        skip=args.no_tokenizer,
+    )
+    if tokenizer.note:
+        print(f"note: {tokenizer.note}", file=sys.stderr)
     config = transformers_config_class(layout)(
         **hf_config_dict(
             layout,
             dtype=str(dtype).removeprefix("torch."),
-            bos_token_id=eod,
-            eos_token_id=eod,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
             initializer_range=float(getattr(reader.args, "init_method_std", 0.02)),
             lambda_std=float(getattr(reader.args, "lambda_std", 0.1)),
         )
     )
-    tokenizer = _export_tokenizer(args, reader.args, layout)
     shapes = hf_model_shapes(layout)
     plan = [(name, shape, dtype) for name, shape in shapes.items()]
     needed = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
@@ -211,14 +185,16 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
         shards = writer.close()
         config.save_pretrained(out)
         save_remote_code(layout, out)
-        transformers.GenerationConfig(**generation_config_dict(eod, eod)).save_pretrained(out)
-        if tokenizer is not None:
-            save_hf_tokenizer(tokenizer, out)
+        ids = generation_config_dict(tokenizer.eos_token_id, tokenizer.bos_token_id)
+        transformers.GenerationConfig(**ids).save_pretrained(out)
+        if tokenizer.fast is not None:
+            save_hf_tokenizer(tokenizer.fast, out)
+        wrote_tokenizer = tokenizer.copy_files(out) or tokenizer.fast is not None
     print(
         f"wrote {args.save}: {layout.architecture}, {layout.num_layers} layers, {_dtype_name(dtype)}, "
         f"{len(shards)} shard(s), {writer.total_bytes / 1e9:.3f} GB"
-        f"{', tokenizer' if tokenizer is not None else ''} (from {reader.path}) in "
-        f"{_clock(time.perf_counter() - start)}"
+        f"{', tokenizer' if wrote_tokenizer else ''} (from {reader.path}) in "
+        f"{clock(time.perf_counter() - start)}"
     )
 
 
@@ -228,20 +204,24 @@ def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
     from diffmeg.conversion.hf_config import pretrain_flags
     from diffmeg.conversion.hf_import import open_hf_folder, resolved_pretrain_args
     from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of
+    from diffmeg.conversion.progress import Progress, clock
+    from diffmeg.conversion.tokenizer_io import folder_tokenizer
     from diffmeg.runtime import single_process
 
     start = time.perf_counter()
     check_output_path(args.save, args.overwrite, args.load)
     folder = open_hf_folder(args.load)
     layout = folder.layout
+    tokenizer = folder_tokenizer(args.load)  # the model keeps its tokenizer (copied into the checkpoint)
     resolved = resolved_pretrain_args(
         layout,
         folder.config,
-        extra,
+        [*tokenizer.flags(), *extra],
         seq_length=args.seq_length,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
     )
+    tokenizer.record(resolved, args.save)
     dtype = _torch_dtype(args.dtype) if args.dtype else folder.dtype
     single_process()
     with atomic_output_dir(args.save, needed_bytes=layout.mcore_parameters() * dtype.itemsize) as out:
@@ -257,21 +237,53 @@ def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
             else:
                 progress.restart()
         writer.close()
+        tokenizer.copy_into(out)
     flags = pretrain_flags(layout) + ["--seq-length", str(resolved.seq_length)]
     print(
         f"wrote {args.save} ({layout.architecture} -> iteration 0, weights only, {_dtype_name(dtype)}) in "
-        f"{_clock(time.perf_counter() - start)}; continue training with:"
+        f"{clock(time.perf_counter() - start)}; continue training with:"
     )
     print(f"  python pretrain_diff.py {shlex.join(flags)} --load {shlex.quote(args.save)} --finetune ...")
+
+
+def upcycle(args: argparse.Namespace, extra: list[str]) -> None:
+    """A Transformer (HF Llama-family folder or transformer-* checkpoint) -> weights-only DIFF V2."""
+    from diffmeg.conversion.checkpoint_io import check_output_path
+    from diffmeg.conversion.progress import Progress
+    from diffmeg.conversion.upcycle_io import open_upcycle_source, upcycled_args, write_upcycled
+
+    start = time.perf_counter()
+    check_output_path(args.save, args.overwrite, args.load)
+    source = open_upcycle_source(args.load)
+    layout, resolved = upcycled_args(
+        source,
+        args.save,
+        extra,
+        seq_length=args.seq_length,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    dtype = _torch_dtype(args.dtype) if args.dtype else source.dtype
+    print(f"upcycling {args.load}: {source.description}", file=sys.stderr, flush=True)
+    write_upcycled(source, args.save, resolved, dtype, Progress("upcycle", layout.num_layers))
+    from diffmeg.conversion.progress import clock
+
+    print(
+        f"wrote {args.save} (DIFF V2: {layout.num_heads} heads -> {2 * layout.num_heads} query heads over "
+        f"{layout.num_kv_heads} KV heads; iteration 0, weights only, {_dtype_name(dtype)}) in "
+        f"{clock(time.perf_counter() - start)}; continue training with:"
+    )
+    print(
+        f"  python pretrain_diff.py --use-checkpoint-args --pretrained-checkpoint {shlex.quote(args.save)} "
+        f"--load RUN/checkpoints --save RUN/checkpoints --lr ... --train-tokens ... --data-path ..."
+    )
 
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
-    if args.command == "mcore-to-hf":
-        mcore_to_hf(args)
-    else:
-        hf_to_mcore(args, extra)
+    {"mcore-to-hf": lambda: mcore_to_hf(args), "hf-to-mcore": lambda: hf_to_mcore(args, extra),
+     "upcycle": lambda: upcycle(args, extra)}[args.command]()  # fmt: skip
     return 0
 
 

@@ -4,8 +4,9 @@ r"""Generate text from a pretrain_diff.py checkpoint (any TP/PP it was saved at)
     python tools/generate.py --load ckpt/ --prompt "Once" --max-new-tokens 64 --temperature 0.8 --top-p 0.95 \
         --seed 0 --json
 
-Stops at <|endoftext|> (100257). --json prints one object: prompt, prompt_ids, output_ids, output_text,
-stop_reason ("eod" or "length").
+Stops at <|endoftext|> (100257), or at its own tokenizer's end of sequence for a model imported or upcycled
+from Hugging Face. --json prints one object: prompt, prompt_ids, output_ids, output_text, stop_reason
+("eod" or "length").
 """
 
 from __future__ import annotations
@@ -63,14 +64,21 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     ckpt_args, _ = read_checkpoint_args(args.load, args.iteration)  # fails fast on a wrong --load
-    tokenizer = load_tokenizer(args.tokenizer_file or getattr(ckpt_args, "tokenizer_file", None))
-    prompt_ids = tokenizer.tokenize(args.prompt)
+    eod = EOD_ID
+    if getattr(ckpt_args, "tokenizer_type", None) == "HuggingFaceTokenizer":  # an imported / upcycled model
+        from diffmeg.data.tokenizers import text_tokenizer
+
+        tokenizer = text_tokenizer(ckpt_args)
+        eod, prompt_ids = tokenizer.eod, tokenizer.encode_documents([args.prompt])[0]  # its own bos
+    else:
+        tokenizer = load_tokenizer(args.tokenizer_file or getattr(ckpt_args, "tokenizer_file", None))
+        prompt_ids = tokenizer.tokenize(args.prompt)
     check_length(ckpt_args, len(prompt_ids), args.max_new_tokens)
     model, _ = load_model(args.load, args.iteration)
     result = generate(
-        model, prompt_ids, args.max_new_tokens, sampling, eod_id=EOD_ID, use_cache=not args.no_cache
+        model, prompt_ids, args.max_new_tokens, sampling, eod_id=eod, use_cache=not args.no_cache
     )
-    text = decode(tokenizer, result.output_ids, EOD_ID)
+    text = decode(tokenizer, result.output_ids, eod)
     if args.json:
         record = {
             "prompt": args.prompt,

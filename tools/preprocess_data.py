@@ -1,9 +1,13 @@
-r"""Tokenize JSONL / text corpora with cl100k_base into megatron-core indexed datasets.
+r"""Tokenize JSONL / text corpora with cl100k_base (or a Hugging Face tokenizer) into megatron-core
+indexed datasets.
 
     python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' --output-prefix data/corpus \
         --append-eod --workers 16 --tokenizer-file cl100k_base.tiktoken
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/llama --append-eod \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model hf/llama   # an upcycled Llama's own tokenizer
 
-writes data/corpus_text_document.bin/.idx (one per --json-keys key); pass
+writes data/corpus_text_document.bin/.idx (one per --json-keys key) and .tokenizer.json (which tokenizer:
+pretrain_diff.py refuses data of another vocabulary); pass
 ``--data-path data/corpus_text_document`` to pretrain_diff.py. Under ``mpirun``/``srun`` every
 rank tokenizes its slice of the input into ``{prefix}-rankRRRRR-of-NNNNN_{key}_document``; merge
 those with tools/merge_datasets.py. See diffmeg/data/preprocess.py for formats and ordering.
@@ -30,7 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize (default: text)")
     p.add_argument(
-        "--append-eod", action="store_true", help="append <|endoftext|> (100257) to every document"
+        "--append-eod",
+        action="store_true",
+        help="append the end-of-document token to every document (cl100k_base: <|endoftext|> = 100257; a "
+        "Hugging Face tokenizer: its eos token)",
     )
     p.add_argument("--workers", type=int, default=1, help="encoding processes in total (default 1)")
     p.add_argument("--partitions", type=int, default=1, help="parallel reader/writer processes (default 1)")
@@ -38,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tokenizer-file", default=None, help=f"cl100k_base.tiktoken (else ${TOKENIZER_FILE_ENV})"
     )
+    p.add_argument(
+        "--tokenizer-type",
+        choices=["cl100k_base", "HuggingFaceTokenizer"],
+        default="cl100k_base",
+        help="HuggingFaceTokenizer: the folder --tokenizer-model (documents get its special tokens: <s> ...)",
+    )
+    p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer or model folder")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed lines")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     return cli.parse(p, argv)

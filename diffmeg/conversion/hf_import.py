@@ -76,10 +76,12 @@ class HFModelFolder:
             del block
 
 
-def open_hf_folder(directory: str) -> HFModelFolder:
-    """Read config.json and the tensor headers; refuse a folder whose weights do not fit its config."""
+def open_hf_folder(directory: str, config: dict[str, Any] | None = None) -> HFModelFolder:
+    """Read config.json and the tensor headers; refuse a folder whose weights do not fit its config.
+
+    `config`: the folder's config already normalised by the caller (upcycling reads Mistral as Llama)."""
     reader = HFCheckpointReader(directory)
-    config = reader.normalized_config()
+    config = reader.normalized_config() if config is None else config
     layout, tied = layout_from_hf_config(config)
     stored = reader.shapes()
     tied = tied and "lm_head.weight" not in stored
@@ -152,12 +154,16 @@ def resolved_pretrain_args(
 
 def analysis_args(folder: HFModelFolder, seq_length: int | None = None) -> argparse.Namespace:
     """A folder's arguments as the evaluation and analysis tools read a checkpoint's: resolved as an
-    import would record them, with `tokenizer_type` cl100k_base when the vocabulary holds cl100k's ids,
-    else "null" (ids of no tokenizer)."""
+    import would record them, with the folder's own tokenizer when it has one (not diffmeg's cl100k_base
+    export), else `tokenizer_type` cl100k_base when the vocabulary holds cl100k's ids, else "null" (ids
+    of no tokenizer)."""
+    from diffmeg.conversion.tokenizer_io import folder_tokenizer
     from diffmeg.data.tokenizer import CL100K_N_VOCAB
 
-    args = resolved_pretrain_args(folder.layout, folder.config, seq_length=seq_length)
-    args.tokenizer_type = "cl100k_base" if folder.layout.vocab_size >= CL100K_N_VOCAB else "null"
+    tokenizer = folder_tokenizer(folder.directory)
+    args = resolved_pretrain_args(folder.layout, folder.config, tokenizer.flags(), seq_length=seq_length)
+    if tokenizer.source is None:
+        args.tokenizer_type = "cl100k_base" if folder.layout.vocab_size >= CL100K_N_VOCAB else "null"
     args.hf_model_type = folder.layout.model_type
     return args
 

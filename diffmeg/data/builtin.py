@@ -8,7 +8,9 @@ definitions in source order.
 
 It is written as JSONL and tokenized with ``--append-eod`` into
 ``$DIFFMEG_CACHE_DIR/builtin/<key>/builtin_text_document`` (``~/.cache/diffmeg`` by default),
-where ``<key>`` hashes this generator's version, the tokenizer and the bytes of every source file
+where ``<key>`` hashes this generator's version, the tokenizer (cl100k_base, or a Hugging Face
+tokenizer's vocabulary: a run with ``--tokenizer-type HuggingFaceTokenizer`` gets the corpus in its ids)
+and the bytes of every source file
 it reads: another Python version gets its own cache entry and an unchanged one is reused. Builds
 are serialised with a file lock, and under torch.distributed rank 0 builds before the others look.
 """
@@ -190,9 +192,12 @@ def builtin_corpus(tokenizer=None, cache_dir: str | None = None) -> str:
 
 
 def _get_or_build(tokenizer, cache_dir: str | None) -> str:
+    from diffmeg.data.hf_tokenizer import HF_TOKENIZER, HFTokenizer
+
+    hf = isinstance(tokenizer, HFTokenizer)  # a Hugging Face tokenizer: an entry per vocabulary
     source = getattr(tokenizer, "source", None)
-    tokenizer_file = None if source in (None, "<tiktoken cache>") else source
-    directory = _entry_dir(cache_dir, "cl100k_base")
+    tokenizer_file = None if hf or source in (None, "<tiktoken cache>") else source
+    directory = _entry_dir(cache_dir, f"hf-{tokenizer.fingerprint}" if hf else "cl100k_base")
     prefix = output_prefix(os.path.join(directory, "builtin"), "text")
     if exists(prefix):
         return prefix
@@ -206,7 +211,7 @@ def _get_or_build(tokenizer, cache_dir: str | None) -> str:
             file=sys.stderr,
             flush=True,
         )
-        jsonl = os.path.join(directory, "builtin.jsonl")
+        jsonl = builtin_jsonl(cache_dir) if hf else os.path.join(directory, "builtin.jsonl")
         if not os.path.isfile(jsonl):
             write_jsonl(jsonl)
         cfg = PreprocessConfig(
@@ -216,6 +221,8 @@ def _get_or_build(tokenizer, cache_dir: str | None) -> str:
             workers=1,
             log_interval=0,
             tokenizer_file=tokenizer_file,
+            tokenizer_type=HF_TOKENIZER if hf else "cl100k_base",
+            tokenizer_model=source if hf else None,
             overwrite=True,
         )
         preprocess(cfg, log=lambda line: None)

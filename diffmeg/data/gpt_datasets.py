@@ -94,6 +94,10 @@ def build_gpt_datasets(
 
         builtin = builtin_corpus(tokenizer=tokenizer)
         prefixes = [builtin if p == BUILTIN else p for p in prefixes]
+    if tokenizer is not None:  # ids made with another vocabulary would train silently on wrong tokens
+        from diffmeg.data.tokenizers import check_datasets, record_of
+
+        check_datasets(prefixes, record_of(tokenizer))
     check_splits_nonempty(prefixes, split)
     config = GPTDatasetConfig(
         random_seed=seed,

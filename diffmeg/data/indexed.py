@@ -320,11 +320,16 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str, overwrite: bool 
         raise DiffmegError(f"{masked[0]} has a loss mask but {unmasked} has none; merge only one kind")
     if masked:  # the masks first, as every masked writer does
         merge_datasets([loss_mask_prefix(p) for p in prefixes], loss_mask_prefix(output_prefix), overwrite)
+    from diffmeg.data.tokenizers import common_record, write_dataset_record
+
+    record = common_record(prefixes)  # one tokenizer's ids, or a one-line refusal
     dtype = _IndexReader(get_idx_path(prefixes[0]), multimodal=False).dtype
     with IndexedWriter(output_prefix, dtype=dtype) as writer:  # a full disk: DiskFullError
         for prefix in prefixes:
             writer.add_dataset(prefix)
         writer.commit()
+    if record is not None:
+        write_dataset_record(output_prefix, record)
     return writer
 
 

@@ -48,7 +48,7 @@ from diffmeg.data.indexed import (
     check_can_write,
     remove_stale_temporaries,
 )
-from diffmeg.data.tokenizer import EOD_ID, load_tokenizer
+from diffmeg.data.tokenizers import record_of, write_dataset_record
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes
 
@@ -230,6 +230,10 @@ class PreprocessConfig:
     log_interval: int = 1000
     """Print progress every this many documents (0: only the summary)."""
     tokenizer_file: str | None = None
+    """cl100k_base's BPE file (else $DIFFMEG_TOKENIZER_FILE)."""
+    tokenizer_type: str = "cl100k_base"
+    """cl100k_base, or HuggingFaceTokenizer (the folder `tokenizer_model`)."""
+    tokenizer_model: str | None = None
     skip_bad_lines: bool = False
     """Skip (and count) malformed lines instead of stopping at the first."""
     overwrite: bool = False
@@ -275,17 +279,20 @@ def preprocess(
     prefixes = {key: output_prefix(base, key) for key in cfg.json_keys}
     check_can_write(prefixes.values(), cfg.overwrite)
     remove_stale_temporaries(prefixes.values(), log=lambda line: log(tag_for(rank, world_size) + line))
-    tokenizer = load_tokenizer(cfg.tokenizer_file)  # fail fast, before any process starts
+    tokenizer = text_tokenizer(cfg)  # fail fast, before any process starts
     segments = split_segments([Segment(f, 0, f.size) for f in files], world_size)[rank]
     tag = tag_for(rank, world_size)
     progress = _Progress(sum(s.nbytes for s in segments), cfg.log_interval, log, tag)
     start = time.time()
     if cfg.partitions == 1:
         with _Writers(prefixes) as writers:
-            skipped = _encode_part(segments, writers, cfg, tokenizer.source, cfg.workers, progress.update)
+            skipped = _encode_part(segments, writers, cfg, tokenizer, cfg.workers, progress.update)
             writers.commit()
     else:
-        skipped = _run_partitions(segments, prefixes, cfg, tokenizer.source, progress)
+        skipped = _run_partitions(segments, prefixes, cfg, tokenizer, progress)
+    record = record_of(tokenizer)
+    for prefix in prefixes.values():  # which ids these are: training checks them against its tokenizer
+        write_dataset_record(prefix, record)
     result = _result(prefixes, skipped, progress.done_bytes, time.time() - start)
     log(
         f"{tag}done: {result.documents} documents, {result.tokens} tokens, "
@@ -295,8 +302,28 @@ def preprocess(
         + (f"; skipped {result.skipped} bad lines" if cfg.skip_bad_lines else "")
     )
     for prefix in prefixes.values():
-        log(f"{tag}wrote {prefix}.bin/.idx")
+        log(f"{tag}wrote {prefix}.bin/.idx ({record.describe()})")
     return result
+
+
+def text_tokenizer(cfg: PreprocessConfig):
+    """The tokenizer of `cfg` (cl100k_base or a Hugging Face folder; `null` reads no text)."""
+    from diffmeg.data.tokenizers import NULL, build_tokenizer
+
+    if cfg.tokenizer_type == NULL:
+        raise DiffmegError("--tokenizer-type null reads token ids; preprocessing text needs a tokenizer")
+    return build_tokenizer(
+        cfg.tokenizer_type, tokenizer_file=cfg.tokenizer_file, tokenizer_model=cfg.tokenizer_model
+    )
+
+
+def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Documents as stored (before the end-of-document id): cl100k_base's plain encoding (no special
+    tokens), a Hugging Face tokenizer's encoding with its special tokens (e.g. Llama's `<s>` first)."""
+    encode_documents = getattr(tokenizer, "encode_documents", None)
+    if encode_documents is not None:
+        return encode_documents(texts)
+    return [tokenizer.encoding.encode_ordinary(text) for text in texts]
 
 
 def tag_for(rank: int, world_size: int) -> str:
@@ -426,14 +453,12 @@ def _iter_batches(segments: list[Segment]) -> Iterator[_Batch]:
 _WORKER: dict = {}
 
 
-def _init_worker_process(
-    tokenizer_source: str | None, keys: list[str], append_eod: bool, parent: int
-) -> None:
+def _init_worker_process(tokenizer, keys: list[str], append_eod: bool, parent: int) -> None:
     # Ctrl-C and termination are handled by the parent, which terminates the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     die_with_parent(parent)
-    _init_worker(tokenizer_source, keys, append_eod)
+    _init_worker(tokenizer, keys, append_eod)
 
 
 def die_with_parent(parent: int) -> None:
@@ -451,26 +476,29 @@ def die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _init_worker(tokenizer_source: str | None, keys: list[str], append_eod: bool) -> None:
-    source = None if tokenizer_source == "<tiktoken cache>" else tokenizer_source
-    _WORKER.update(encoding=load_tokenizer(source).encoding, keys=keys, append_eod=append_eod)
+def _init_worker(tokenizer, keys: list[str], append_eod: bool) -> None:
+    # Forked workers inherit the tokenizer; spawned ones get it pickled (it reloads from its file).
+    _WORKER.update(tokenizer=tokenizer, keys=keys, append_eod=append_eod)
 
 
 def _encode_batch(batch: _Batch) -> tuple[int, int, list[tuple[int, str]], dict, int]:
     """Parse and tokenize one batch; returns its bad lines instead of raising on them."""
     number, first, kind, records, nbytes = batch
-    encoding, keys, append_eod = _WORKER["encoding"], _WORKER["keys"], _WORKER["append_eod"]
+    tokenizer, keys, append_eod = _WORKER["tokenizer"], _WORKER["keys"], _WORKER["append_eod"]
     ids: dict[str, list[int]] = {k: [] for k in keys}
     lengths: dict[str, list[int]] = {k: [] for k in keys}
+    texts_by_key: dict[str, list[str]] = {k: [] for k in keys}
     bad: list[tuple[int, str]] = []
     for offset, record in enumerate(records):
         texts = _texts(record, kind, keys, first + offset, bad)
         if texts is None:
             continue
         for key, text in zip(keys, texts, strict=True):
-            tokens = encoding.encode_ordinary(text)
+            texts_by_key[key].append(text)
+    for key in keys:
+        for tokens in encode_texts(tokenizer, texts_by_key[key]):
             if append_eod:
-                tokens.append(EOD_ID)
+                tokens.append(tokenizer.eod)
             ids[key].extend(tokens)
             lengths[key].append(len(tokens))
     arrays = {k: (np.array(ids[k], dtype=np.int32), np.array(lengths[k], dtype=np.int64)) for k in keys}
@@ -531,12 +559,12 @@ def _encode_part(
     segments: list[Segment],
     writers: _Writers,
     cfg: PreprocessConfig,
-    tokenizer_source: str | None,
+    tokenizer,
     workers: int,
     report: Callable[[int, int], None],
 ) -> int:
     """Encode ``segments`` in order into ``writers``; returns the number of skipped lines."""
-    init_args = (tokenizer_source, cfg.json_keys, cfg.append_eod)
+    init_args = (tokenizer, cfg.json_keys, cfg.append_eod)
     skipped = 0
     pool = None
     try:
@@ -571,7 +599,7 @@ def _run_partitions(
     segments: list[Segment],
     prefixes: dict[str, str],
     cfg: PreprocessConfig,
-    tokenizer_source: str | None,
+    tokenizer,
     progress: _Progress,
 ) -> int:
     """Encode ``cfg.partitions`` slices in parallel processes into scratch shards, then merge."""
@@ -589,7 +617,7 @@ def _run_partitions(
             {key: os.path.join(scratch, f"part{i:05d}_{key}") for key in prefixes} for i in range(len(parts))
         ]
         for i, part in enumerate(parts):
-            args = (i, part, part_prefixes[i], cfg, tokenizer_source, workers, messages, os.getpid())
+            args = (i, part, part_prefixes[i], cfg, tokenizer, workers, messages, os.getpid())
             procs.append(ctx.Process(target=_partition_main, args=args, daemon=False))
             procs[-1].start()
         skipped, pending = 0, set(range(len(parts)))
@@ -631,7 +659,7 @@ def _partition_main(
     segments: list[Segment],
     prefixes: dict[str, str],
     cfg: PreprocessConfig,
-    tokenizer_source: str | None,
+    tokenizer,
     workers: int,
     messages,
     parent: int,
@@ -640,7 +668,7 @@ def _partition_main(
     try:
         with _Writers(prefixes) as writers:
             report = lambda docs, nbytes: messages.put(("progress", docs, nbytes))
-            skipped = _encode_part(segments, writers, cfg, tokenizer_source, workers, report)
+            skipped = _encode_part(segments, writers, cfg, tokenizer, workers, report)
             writers.commit()
         messages.put(("done", index, skipped))
     except DiskFullError as exc:

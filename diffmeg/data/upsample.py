@@ -135,6 +135,9 @@ def length_upsample(
         raise DiffmegError(
             f"inputs store different token types {sorted(d.name for d in dtypes)}; use one tokenizer"
         )
+    from diffmeg.data.tokenizers import common_record, write_dataset_record
+
+    record = common_record(inputs)  # one tokenizer's ids, or a one-line refusal
     uppers = np.array([b.max_length if b.max_length is not None else np.iinfo(np.int64).max for b in buckets])
 
     dtype = dtypes.pop().type
@@ -167,6 +170,8 @@ def length_upsample(
             bucket.weight = bucket.token_share = bucket.factor * bucket.tokens / mass
             if bucket.tokens:
                 writer.commit()
+                if record is not None:
+                    write_dataset_record(bucket.prefix, record)
             else:
                 writer.abort()
     except BaseException as exc:

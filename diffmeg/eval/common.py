@@ -63,10 +63,15 @@ def default_labels(infos: Sequence[CheckpointInfo]) -> list[str]:
 
 
 def eod_id(info: CheckpointInfo) -> int:
-    """The end-of-document token of the ids a checkpoint reads: cl100k's `<|endoftext|>`, or the last id
-    of a mock / `--tokenizer-type null` vocabulary (the convention of the generated corpora)."""
+    """The end-of-document token of the ids a checkpoint reads: cl100k's `<|endoftext|>`, a Hugging Face
+    tokenizer's end of sequence, or the last id of a mock / `--tokenizer-type null` vocabulary (the
+    convention of the generated corpora)."""
     from diffmeg.data.tokenizer import EOD_ID
 
+    if info.tokenizer == "HuggingFaceTokenizer":
+        from diffmeg.data.tokenizers import text_tokenizer
+
+        return text_tokenizer(info.args).eod
     return EOD_ID if info.tokenizer == "cl100k_base" else info.vocab_size - 1
 
 

@@ -226,12 +226,13 @@ class HarnessConfig(common.EvalConfig):
 
 
 def text_of(info, tokenizer_file: str | None):
-    """How the checkpoint's ids are written as text: cl100k_base, or whitespace-separated ids."""
+    """How the checkpoint's ids are written as text: its tokenizer (cl100k_base or its Hugging Face
+    tokenizer), or whitespace-separated ids."""
     if info.tokenizer == "mock":
         return IdText(info.vocab_size)
-    from diffmeg.data.tokenizer import load_tokenizer
+    from diffmeg.data.tokenizers import text_tokenizer
 
-    return load_tokenizer(tokenizer_file)
+    return text_tokenizer(info.args, tokenizer_file)
 
 
 def _metrics(task_results: dict) -> dict[str, float]:

@@ -403,15 +403,16 @@ class LongContextConfig(EvalConfig):
 def _document_source(cfg: LongContextConfig, info: CheckpointInfo) -> DocumentSource:
     if cfg.data_prefix is not None:
         return IndexedDocuments(cfg.data_prefix)
-    from diffmeg.data.tokenizer import PADDED_VOCAB_SIZE, load_tokenizer
+    from diffmeg.data.tokenizer import PADDED_VOCAB_SIZE
+    from diffmeg.data.tokenizers import text_tokenizer
 
-    if info.tokenizer != "cl100k_base" or info.vocab_size < PADDED_VOCAB_SIZE:
+    if info.tokenizer == "mock" or (info.tokenizer == "cl100k_base" and info.vocab_size < PADDED_VOCAB_SIZE):
         raise DiffmegError(
             f"--text-files are tokenized with cl100k_base, but {info.root} was trained on {info.tokenizer} "
             f"ids with vocab {info.vocab_size}; evaluate it on an indexed dataset with --data-prefix"
         )
     paths = expand_text_files(cfg.text_files or [])
-    return TextDocuments(paths, load_tokenizer(cfg.tokenizer_file))
+    return TextDocuments(paths, text_tokenizer(info.args, cfg.tokenizer_file))  # cl100k_base or its own
 
 
 def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:

@@ -161,9 +161,9 @@ def run_quantize_eval(cfg: QuantizeEvalConfig, log: common.Log = common.stderr) 
     mock = infos[0].tokenizer == "mock"
     tokenizer = None
     if cfg.choices and not mock:
-        from diffmeg.data.tokenizer import load_tokenizer
+        from diffmeg.data.tokenizers import text_tokenizer
 
-        tokenizer = load_tokenizer(cfg.tokenizer_file)
+        tokenizer = text_tokenizer(infos[0].args, cfg.tokenizer_file)
     items = read_choices(cfg.choices, infos[0].vocab_size, tokenizer) if cfg.choices else []
     windows = list(_windows(cfg, infos[0].vocab_size, mock, length))
     rows, checkpoints = [], []

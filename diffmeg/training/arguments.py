@@ -210,10 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--tokenizer-type",
-        choices=["cl100k_base", "null"],
+        choices=["cl100k_base", "HuggingFaceTokenizer", "null"],
         default=None,
         help="null: the data are token ids below --vocab-size with no tokenizer (generated corpora; "
-        "the default with --mock-data)",
+        "the default with --mock-data); HuggingFaceTokenizer: the folder --tokenizer-model (a model "
+        "imported or upcycled from Hugging Face keeps its tokenizer)",
+    )
+    g.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="Hugging Face tokenizer folder (with --tokenizer-type HuggingFaceTokenizer)",
     )
     g.add_argument("--num-workers", type=int, default=0)
 
@@ -237,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="initialise weights from this checkpoint when --load holds none yet (continued training, "
         "e.g. the 64K extension); a requeued job then resumes from --load",
+    )
+    g.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="take the model's shape and tokenizer from the args.json of the checkpoint the run starts from "
+        "(--load's latest, else --pretrained-checkpoint's), e.g. an upcycled or imported model; flags win",
     )
     g.add_argument(
         "--ckpt-step",
@@ -292,6 +304,10 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
     values.update({k: v for k, v in DEFAULTS.items() if values.get(k) is None})
     if ns.model is not None:
         values.update(get_preset(ns.model))
+    if ns.use_checkpoint_args:
+        from diffmeg.training.checkpoint_args import checkpoint_model_args
+
+        values.update(checkpoint_model_args(ns.load, ns.pretrained_checkpoint, typed=explicit))
     values.update(explicit)
     if "train_tokens" in explicit and "train_iters" not in explicit:
         values["train_iters"] = None  # a token budget typed by the user beats the preset's iteration count
@@ -333,6 +349,9 @@ def _derive(args: argparse.Namespace) -> None:
         args.tokenizer_type = "null" if args.mock_data else "cl100k_base"
     if args.tokenizer_type == "null" and not args.mock_data and args.vocab_size is None:
         raise DiffmegError("--tokenizer-type null needs --vocab-size (one more than the largest token id)")
+    from diffmeg.data.tokenizers import resolve_tokenizer_args
+
+    resolve_tokenizer_args(args)  # HuggingFaceTokenizer: the folder loads; its fingerprint, its vocab size
     if args.vocab_size is None:
         if args.mock_data:
             args.vocab_size = 1024

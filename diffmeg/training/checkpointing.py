@@ -31,6 +31,7 @@ from diffmeg.checkpoints import (
     checkpoint_path,
     iteration_dirs,
     load_sharded,
+    read_checkpoint_args,
     read_tracker,
 )
 from diffmeg.compat.checkpoint_writer import AsyncSaves, run_now
@@ -357,6 +358,18 @@ class CheckpointManager:
             )
         self.load_iteration = latest
         return latest
+
+    def source_args(self) -> tuple[str, dict] | None:
+        """(where, args.json) of the checkpoint `load` will read: --load's iteration, else the latest of
+        --pretrained-checkpoint; None when the run starts from scratch."""
+        pretrained = self.config.pretrained_checkpoint
+        if self.load_iteration is not None:
+            args, path = read_checkpoint_args(self.config.load, self.load_iteration)
+        elif pretrained is not None and read_tracker(pretrained) is not None:
+            args, path = read_checkpoint_args(pretrained)
+        else:
+            return None
+        return f"checkpoint {path}", vars(args)
 
     def _fresh(self, root: str) -> None:
         if self.config.pretrained_checkpoint is None:  # else the pretrained weights' line says where from

@@ -1,7 +1,8 @@
 """`pretrain_diff.py --dry-run`: the resolved run as JSON, and the checks a user wants before queueing.
 
 Besides the configuration, a dry run checks what would stop or doom the real run, one line each:
-- data: every `--data-path` dataset must have its `.bin` and `.idx` (all missing ones named in one error);
+- data: every `--data-path` dataset must have its `.bin` and `.idx` (all missing ones named in one error)
+  and hold ids of the run's tokenizer (its `.tokenizer.json` record, diffmeg.data.tokenizers);
 - memory: the per-GPU plan (training/memory.py) against `--gpu-memory-gib` (default 80, an H100): a plan
   over it, or within 10% of it (the CUDA context, NCCL buffers and allocator fragmentation live there),
   gets a `warning:` line saying which settings shrink it. A warning, not an error: the plan is an
@@ -106,12 +107,19 @@ def dry_run_summary(args: argparse.Namespace) -> dict:
         "flops_per_step": train_flops_per_iteration(args),
         "memory_per_gpu_gib": estimate_memory(args, on_gpu=True).as_gib(),
         "features": features(args),
-        "data": {"data_path": args.data_path, "mock_data": args.mock_data, "split": args.split},
+        "data": {
+            "data_path": args.data_path,
+            "mock_data": args.mock_data,
+            "split": args.split,
+            "tokenizer_type": args.tokenizer_type,
+            "tokenizer_model": getattr(args, "tokenizer_model", None),
+        },
         "checkpointing": {
             "save": args.save,
             "load": args.load,
             "save_interval": args.save_interval,
             "async_save": args.async_save and args.save is not None,
+            "pretrained_checkpoint": args.pretrained_checkpoint,
         },
     }
 
@@ -274,6 +282,9 @@ def check_data(args: argparse.Namespace) -> dict[str, int]:
             "A dataset is the prefix of a .bin/.idx pair written by tools/preprocess_data.py"
         )
     parse_data_path(args.data_path)  # the blend weights
+    from diffmeg.data.tokenizers import check_datasets, record_of_args
+
+    check_datasets(list(found), record_of_args(args))  # ids of this run's tokenizer (their records)
     return found
 
 

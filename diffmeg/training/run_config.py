@@ -163,6 +163,10 @@ class DataConfig:
     data_cache_path: str | None = None
     tokenizer_file: str | None = None
     tokenizer_type: str = "cl100k_base"
+    tokenizer_model: str | None = None
+    """The Hugging Face tokenizer folder of `--tokenizer-type HuggingFaceTokenizer`."""
+    tokenizer_fingerprint: str | None = None
+    """Derived: sha256 of that tokenizer's vocabulary (checked against checkpoints and datasets)."""
     num_workers: int = 0
 
 
@@ -182,6 +186,8 @@ class CheckpointConfig:
     finetune: bool = False
     pretrained_checkpoint: str | None = None
     """Weights to start from when --load holds no checkpoint yet (continued training)."""
+    use_checkpoint_args: bool = False
+    """The model's shape and tokenizer came from the checkpoint the run starts from (args.json)."""
 
 
 @dataclass(kw_only=True)

@@ -149,17 +149,31 @@ class Trainer:
             print(line, flush=True)
 
     def _tokenizer(self):
+        """The run's tokenizer (None with mock data), after checking that the checkpoint it starts from
+        was trained on the same vocabulary (the datasets are checked when they are built)."""
+        from diffmeg.data.tokenizers import (
+            NULL,
+            TokenizerRecord,
+            build_tokenizer,
+            check_checkpoint,
+            record_of,
+        )
+
         d, m = self.run.data, self.run.model
-        if d.mock_data:
-            return None
-        if d.tokenizer_type == "null":
-            from diffmeg.data.tokenizer import IdTokenizer
-
-            return IdTokenizer(m.vocab_size)
-        from diffmeg.data.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(d.tokenizer_file)
-        if tokenizer.vocab_size > m.vocab_size:
+        tokenizer = None
+        if not d.mock_data:
+            tokenizer = build_tokenizer(
+                d.tokenizer_type,
+                tokenizer_file=d.tokenizer_file,
+                tokenizer_model=d.tokenizer_model,
+                vocab_size=m.vocab_size,
+            )
+        source = self.checkpoints.source_args()
+        if source is not None:  # first: a checkpoint of another tokenizer is the mistake to name
+            where, args = source
+            run = record_of(tokenizer) if tokenizer is not None else TokenizerRecord(NULL)
+            check_checkpoint(args, run, where)
+        if tokenizer is not None and tokenizer.vocab_size > m.vocab_size:
             raise DiffmegError(
                 f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )

@@ -168,14 +168,17 @@ def random_hf(factory, name: str, config: dict, seed: int = 0) -> tuple[Path, di
     return path, torch.load(path.parent / f"{path.name}-hf.pt")
 
 
-def hf_outputs(tmp: Path, model_dir: Path, prompts: list[torch.Tensor], generate: int = 0) -> dict:
-    """fp32 logits (and greedy continuations) of `AutoModelForCausalLM.from_pretrained(model_dir)`."""
+def hf_outputs(
+    tmp: Path, model_dir: Path, prompts: list[torch.Tensor], generate: int = 0, dtype: str = "float32"
+) -> dict:
+    """Logits (fp32, or `dtype`) and greedy continuations of `from_pretrained(model_dir)`."""
     tmp.mkdir(parents=True, exist_ok=True)
     prompt_file, out_file = tmp / "prompts.pt", tmp / "hf_out.pt"
     torch.save(prompts, prompt_file)
     hf_helper(
-        "run", "--model", model_dir, "--prompts", prompt_file, "--out", out_file, "--generate", generate
-    )
+        "run", "--model", model_dir, "--prompts", prompt_file, "--out", out_file, "--generate", generate,
+        "--dtype", dtype,
+    )  # fmt: skip
     return torch.load(out_file)
 
 

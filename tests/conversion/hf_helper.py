@@ -5,12 +5,12 @@ torch.distributed, `from_pretrained` leaves DiffLlama's RoPE `inv_freq` buffer u
 docs/conversion.md), which would make every comparison meaningless.
 
     python hf_helper.py random --out DIR --config JSON --seed S [--prompts IN.pt --results OUT.pt]
-    python hf_helper.py run --model DIR --prompts IN.pt --out OUT.pt [--generate N]
+    python hf_helper.py run --model DIR --prompts IN.pt --out OUT.pt [--generate N] [--dtype float64]
 
 `random` saves a random DiffLlama (or Llama: "model_type": "llama" in the config) as safetensors
 (and, with --prompts, runs it reloaded like `run`);
-`run` writes {"logits": [fp32 logits per prompt], "generated": [greedy ids per prompt] (if asked),
-"class": model class name}.
+`run` writes {"logits": [logits per prompt, fp32 unless --dtype], "generated": [greedy ids per prompt] (if
+asked), "class": model class name}.
 """
 
 from __future__ import annotations
@@ -43,17 +43,18 @@ def make_random(out: str, config: dict, seed: int) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def run(model_dir: str, prompts: list[torch.Tensor], generate: int) -> dict:
+def run(model_dir: str, prompts: list[torch.Tensor], generate: int, dtype: str = "float32") -> dict:
     from transformers import AutoModelForCausalLM
 
     # trust_remote_code: DIFF V2 folders carry their modeling file (auto_map); others ignore it
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, trust_remote_code=True
+        model_dir, dtype=getattr(torch, dtype), trust_remote_code=True
     ).eval()
     result: dict = {"class": type(model).__name__, "logits": [], "generated": []}
     with torch.no_grad():
         for ids in prompts:
-            result["logits"].append(model(ids.unsqueeze(0)).logits[0].float())  # [s, V]
+            logits = model(ids.unsqueeze(0)).logits[0]  # [s, V]
+            result["logits"].append(logits if dtype == "float64" else logits.float())
             if generate:
                 out = model.generate(
                     ids.unsqueeze(0),
@@ -80,13 +81,14 @@ def main() -> None:
     g.add_argument("--prompts", required=True)
     g.add_argument("--out", required=True)
     g.add_argument("--generate", type=int, default=0)
+    g.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     args = p.parse_args()
     if args.cmd == "random":
         make_random(args.out, json.loads(args.config), args.seed)
         if args.prompts:
             torch.save(run(args.out, torch.load(args.prompts), 0), args.results)
     else:
-        torch.save(run(args.model, torch.load(args.prompts), args.generate), args.out)
+        torch.save(run(args.model, torch.load(args.prompts), args.generate, args.dtype), args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from diffmeg.conversion.hf_config import hf_config_dict
-from diffmeg.conversion.layout import DiffLayout
+from diffmeg.conversion.layout import DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.conversion.mapping import HF_LAYER_PREFIX
 from tests.conftest import REPO_ROOT
 from tests.tools.helpers import tool_env
@@ -25,9 +25,9 @@ from tests.tools.helpers import tool_env
 SHALLOW, DEEP = 2, 12
 
 
-def layout(layers: int) -> DiffLayout:
+def layout(layers: int, cls: type[ModelLayout] = DiffLayout) -> ModelLayout:
     """12.8 MB of fp32 per layer, a small embedding: the layers dominate the model."""
-    return DiffLayout(
+    return cls(
         num_layers=layers, hidden_size=512, ffn_hidden_size=1408, num_heads=4, num_kv_heads=4, head_dim=64,
         vocab_size=512, max_position_embeddings=128, rotary_base=10000.0, norm_eps=1e-5,
     )  # fmt: skip
@@ -37,14 +37,15 @@ def layer_bytes() -> int:
     return sum(4 * torch.Size(s).numel() for s in layout(1).hf_layer_shapes().values())
 
 
-def write_random_diffllama(path: Path, layers: int) -> None:
-    """A DiffLlama folder as transformers saves one (config.json, one safetensors file per 4 layers)."""
+def write_random_diffllama(path: Path, layers: int, cls: type[ModelLayout] = DiffLayout) -> None:
+    """A DiffLlama (or `cls`: Llama) folder as transformers saves one (config.json, a safetensors file per
+    4 layers)."""
     from safetensors.torch import save_file
 
-    model = layout(layers)
+    model = layout(layers, cls)
     path.mkdir()
     config = {
-        "model_type": "diffllama",
+        "model_type": model.model_type,
         **hf_config_dict(model, dtype="float32", bos_token_id=None, eos_token_id=None),
     }
     (path / "config.json").write_text(json.dumps(config))
@@ -137,3 +138,18 @@ def test_peak_memory_is_flat_in_depth_and_the_round_trip_exact(tmp_path):
         assert back[key].dtype == value.dtype and torch.equal(
             back[key].view(torch.uint8), value.view(torch.uint8)
         ), key
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from Linux's /proc")
+def test_upcycling_streams(tmp_path):
+    """Upcycling a 12-layer Llama peaks less than two (upcycled) layers above a 2-layer one."""
+    for layers in (SHALLOW, DEEP):
+        write_random_diffllama(tmp_path / f"llama{layers}", layers, LlamaLayout)
+    shallow, deep = peaks_of(
+        [
+            ["upcycle", "--load", str(tmp_path / f"llama{n}"), "--save", str(tmp_path / f"up{n}")]
+            for n in (SHALLOW, DEEP)
+        ]
+    )
+    upcycled_layer = layer_bytes() + 4 * 512 * 4 * 64  # the query rows twice, lambda_proj
+    assert deep - shallow < 2 * upcycled_layer, f"peak grew {(deep - shallow) / 1e6:.0f} MB"

@@ -47,6 +47,7 @@ def test_concurrent_first_build(built):
         "builtin.jsonl",
         "builtin_text_document.bin",
         "builtin_text_document.idx",
+        "builtin_text_document.tokenizer.json",  # which ids: cl100k_base
     ]
     assert seconds < 60
 
