@@ -86,7 +86,8 @@ def main() -> int:
         trainer = Trainer(RunConfig.from_args(resolve_args(argv)), callbacks=[])
         manager, log = trainer.checkpoints, trainer.log
         manager.log = lambda line: None  # the per-save lines would interleave with the table
-        trainer.model.train()
+        for chunk in trainer.model:  # the model chunks (one, or one per virtual pipeline stage)
+            chunk.train()
         times: list[float] = []
         faults: list[int] = []  # minor page faults of this process per step (copy-on-write after a fork)
         overlaps: dict[str, set[int]] = {"sync": set(), "async": set()}

@@ -109,7 +109,8 @@ def test_dry_run_refuses_data_of_another_tokenizer_and_a_missing_init_ckpt(sourc
 # The CPU override of test_sbatch.py, with the tiny model's own data instead of mock data.
 TINY = (
     "--seq-length 64 --train-iters 4 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "
-    "--context-parallel-size 1 --micro-batch-size 1 --global-batch-size 2 --log-interval 1 --eval-iters 0"
+    "--context-parallel-size 1 --micro-batch-size 1 --global-batch-size 2 --log-interval 1 --eval-iters 0 "
+    "--split 969,30,0"
 )
 
 
