@@ -485,10 +485,13 @@ class WriterCaller(AsyncCaller):
         logger.debug("checkpoint writer %d started", self.proc.pid)
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        self.unfinished += 1
         after_write, self.after_write = self.after_write, None
-        if async_req.async_fn is None:
-            return  # nothing to write on this rank
+        if async_req.async_fn is not None:  # else nothing to write on this rank
+            self._schedule(async_req, after_write)
+        self.unfinished += 1  # once scheduled: megatron-core's queue holds it from now on
+
+    def _schedule(self, async_req: AsyncRequest, after_write: Callable[[], None] | None) -> None:
+        """Copy the save's tensors and plan into the buffer and hand them to the writer."""
         transforms, use_msc, rank, buckets, results_queue = _writer_args(async_req)
         self._collect(block=True)  # the buffer is free once the previous save is written
         layout, end = _layout(buckets, use_msc)
