@@ -94,8 +94,8 @@ def main() -> int:
         times: list[float] = []
         faults: list[int] = []  # minor page faults of this process per step
         in_save: dict[str, list[float]] = {"sync": [], "async": []}  # seconds in manager.save
-        writer_cpu: list[float] = []  # CPU seconds of the writer process per async save
-        writer, writer_start = None, 0.0
+        writer_cpu: list[tuple[float, float]] = []  # (user, system) CPU seconds of the writer per async save
+        writer, writer_start = None, (0.0, 0.0)
         overlaps: dict[str, set[int]] = {"sync": set(), "async": set()}
         background: int | None = None  # the step that started the pending async save
         saved = 0
@@ -107,13 +107,13 @@ def main() -> int:
                 manager.poll()
                 if manager.pending is None:
                     background = None
-                    writer_cpu.append(_cpu_seconds(writer) - writer_start)
+                    writer_cpu.append(_cpu_since(writer, writer_start))
             if step >= bench.warmup and (step - bench.warmup + 1) % bench.save_interval == 0:
                 mode = "sync" if saved % 2 == 0 else "async"
                 manager.config.async_save = mode == "async"
                 if mode == "async":
                     writer = _only_child()  # started with the run (a new one if it died)
-                    writer_start = _cpu_seconds(writer)
+                    writer_start = _cpu_since(writer)
                 save_start = time.perf_counter()
                 manager.save(step, 0, trainer.model, trainer.optimizer, trainer.scheduler)
                 in_save[mode].append(time.perf_counter() - save_start)
@@ -126,7 +126,7 @@ def main() -> int:
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)
         manager.wait()
         if background is not None:
-            writer_cpu.append(_cpu_seconds(writer) - writer_start)
+            writer_cpu.append(_cpu_since(writer, writer_start))
         manager.close()
     finally:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -158,8 +158,14 @@ def main() -> int:
             f"{mean * 1000:>8.0f} {ratios[mode]:>5.2f}x {over_faults:>6.0f}K "
             f"{statistics.mean(in_save[mode]) * 1000:>7.0f} ms   {per_save}"
         )
+    calls = " | ".join(f"{t * 1000:.0f}" for t in in_save["async"])
+    log(f"async save() calls (ms): {calls} (planning, the copy into the buffer; the first allocates it)")
     if writer_cpu:
-        log(f"writer process: {statistics.mean(writer_cpu):.2f} s CPU per async save (user + system)")
+        user, system = (statistics.mean(t[i] for t in writer_cpu) for i in (0, 1))
+        log(
+            f"writer process: {user + system:.2f} s CPU per async save ({user:.2f} s user, "
+            f"{system:.2f} s system)"
+        )
     verdict = "met" if ratios["async"] <= GOAL else "not met"
     log(
         f"goal: async overlapped steps within {GOAL}x of normal: {verdict} ({ratios['async']:.2f}x; "
@@ -177,9 +183,10 @@ def _only_child():
     return child
 
 
-def _cpu_seconds(process) -> float:
+def _cpu_since(process, start: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+    """(user, system) CPU seconds of `process` since `start`."""
     times = process.cpu_times()
-    return times.user + times.system
+    return times.user - start[0], times.system - start[1]
 
 
 def saves_line(bench: argparse.Namespace) -> str:
