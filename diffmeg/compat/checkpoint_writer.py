@@ -7,7 +7,9 @@ of them ends with the rank:
   job's stdout. A SIGKILLed rank leaves them running (the Manager is shut down only by its parent's exit
   handlers), so whatever reads the job's output to its end (`| tee`, a test) waits forever (issue 23, item 5).
 - `write_preloaded_data_multiproc` forks one writer per file on every save (sync or async), and
-  `TemporalAsyncCaller` forks the rank per async save: a SIGKILLed rank's writers write on.
+  `TemporalAsyncCaller` forks the rank per async save: a SIGKILLed rank's writers write on. Its
+  `PersistentAsyncCaller` is a multiprocessing `spawn` process fed through multiprocessing queues (with
+  the resource tracker), which nothing ties to its rank's life either.
 
 Here:
 - the results queue is a `queue.Queue` (`use_in_process_results_queue`): no Manager, no resource tracker;
@@ -16,14 +18,14 @@ Here:
 - an async save (`WriterCaller`, the one caller of megatron-core's `AsyncCallsQueue`, which keeps the
   cross-rank completion check and the finalize functions) goes to ONE persistent writer process per rank,
   a plain `subprocess` of a small entry (`serve`) started once: the training process is never forked (a
-  fork per save made training copy every page it wrote while the fork lived, ~0.9 GB per save measured on
-  CPU, and forks a process that runs CUDA and NCCL). The snapshot is a host buffer in shared memory
-  (`SnapshotBuffer`: a memfd, created once, grown when a checkpoint needs more, freed with the last
-  process that maps it, so nothing is left on disk or in /dev/shm), mapped by the rank and the writer. A
-  save copies this rank's tensors into it (one copy on CPU; a device-to-host copy on CUDA, into the buffer
-  registered as pinned memory when CUDA allows it), writes the plan there too (megatron-core's write
-  buckets with each tensor replaced by its place in the buffer) and sends the writer its place over a
-  pipe; training goes on. The writer rebuilds the tensors as views of its mapping, writes the files with
+  fork per save made training copy every page it wrote while the fork lived, measured on CPU in
+  docs/benchmarks.md, and forked a process that runs CUDA and NCCL). The snapshot is a host buffer in
+  shared memory (`SnapshotBuffer`: a memfd, created once, grown when a checkpoint needs more, freed with
+  the last process that maps it, so nothing is left on disk or in /dev/shm), mapped by the rank and the
+  writer. A save copies this rank's tensors into it (one copy on CPU; a device-to-host copy on CUDA, into
+  the buffer registered as pinned memory when CUDA allows it), writes the plan there too (megatron-core's
+  write buckets with each tensor replaced by its place in the buffer) and sends the writer its place over
+  a pipe; training goes on. The writer rebuilds the tensors as views of its mapping, writes the files with
   `write_preloaded_data` (no further processes) and sends the results back over a second pipe. A save
   while the previous one is being written waits for it first (the buffer is then free again).
 - The writer dies with its rank: the kernel SIGKILLs it when the thread that started it ends
