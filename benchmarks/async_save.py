@@ -10,14 +10,17 @@ same machine (a shared or noisy host changes speed over minutes: alternating kee
 A step's time is its wall time from one step's start to the next's, with what the loop does after it:
 the poll that finalizes a background save, and a save. Steps that overlap a save:
 - sync: the step that saves (it waits for the whole write);
-- async: the step that saves (planning, the host copy of the tensors) and every following step until the
-  poll after one of them finds every rank's files written and finalizes the save.
+- async: the step that saves (planning, the copy of the tensors into the writer's shared buffer) and every
+  following step until the poll after one of them finds every rank's files written and finalizes the save.
 Normal steps: all others after --warmup. Prints the normal step time (median) and, per mode, the mean time
-of the overlapping steps and its ratio to normal, with the process's minor page faults per step (after
-a fork, each page training changes is copied once: copy-on-write). The goal (async overlapped steps
-within 1.2x of normal, where sync stalls for the whole write) is reported, never asserted.
-Other arguments are pretrain_diff.py's (defaults on CPU: CPU_FLAGS). On CPU the run uses one thread
-(torch.set_num_threads(1)), leaving the host's other core to the writer as a GPU rank leaves its CPU cores.
+of the overlapping steps and its ratio to normal, the process's minor page faults per step, the time the
+save call itself took (sync: the whole save; async: planning and the copy) and, for async, the CPU time
+of the writer process per save (the work that competes with training for the host's cores). The goal
+(async overlapped steps within 1.2x of normal, where sync stalls for the whole write) is reported, never
+asserted. The run is an --async-save run (its writer process starts with it, as in training) whose every
+other save is made synchronous. Other arguments are pretrain_diff.py's (defaults on CPU: CPU_FLAGS). On CPU
+the run uses one thread (torch.set_num_threads(1)), leaving the host's other core to the writer as a GPU
+rank leaves its CPU cores.
 """
 
 from __future__ import annotations
@@ -82,14 +85,17 @@ def main() -> int:
         else os.path.join(bench.save_dir, "async_save_bench")
     )
     try:
-        argv = [*flags, "--train-iters", str(steps + 1), "--save", workdir]
+        argv = [*flags, "--train-iters", str(steps + 1), "--save", workdir, "--async-save"]
         trainer = Trainer(RunConfig.from_args(resolve_args(argv)), callbacks=[])
         manager, log = trainer.checkpoints, trainer.log
         manager.log = lambda line: None  # the per-save lines would interleave with the table
         for chunk in trainer.model:  # the model chunks (one, or one per virtual pipeline stage)
             chunk.train()
         times: list[float] = []
-        faults: list[int] = []  # minor page faults of this process per step (copy-on-write after a fork)
+        faults: list[int] = []  # minor page faults of this process per step
+        in_save: dict[str, list[float]] = {"sync": [], "async": []}  # seconds in manager.save
+        writer_cpu: list[tuple[float, float]] = []  # (user, system) CPU seconds of the writer per async save
+        writer, writer_start = None, (0.0, 0.0)
         overlaps: dict[str, set[int]] = {"sync": set(), "async": set()}
         background: int | None = None  # the step that started the pending async save
         saved = 0
@@ -101,10 +107,16 @@ def main() -> int:
                 manager.poll()
                 if manager.pending is None:
                     background = None
+                    writer_cpu.append(_cpu_since(writer, writer_start))
             if step >= bench.warmup and (step - bench.warmup + 1) % bench.save_interval == 0:
                 mode = "sync" if saved % 2 == 0 else "async"
                 manager.config.async_save = mode == "async"
+                if mode == "async":
+                    writer = _only_child()  # started with the run (a new one if it died)
+                    writer_start = _cpu_since(writer)
+                save_start = time.perf_counter()
                 manager.save(step, 0, trainer.model, trainer.optimizer, trainer.scheduler)
+                in_save[mode].append(time.perf_counter() - save_start)
                 overlaps[mode].add(step)
                 background = step if mode == "async" else None
                 saved += 1
@@ -113,6 +125,9 @@ def main() -> int:
             times.append(time.perf_counter() - start)
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)
         manager.wait()
+        if background is not None:
+            writer_cpu.append(_cpu_since(writer, writer_start))
+        manager.close()
     finally:
         if int(os.environ.get("RANK", "0")) == 0:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -129,7 +144,7 @@ def main() -> int:
     )
     log(
         f"{'mode':<6} {'saves':>5} {'overlapped steps':>17} {'mean ms':>8} {'ratio':>6} {'faults':>7}"
-        f"   per save (ms)"
+        f" {'in save()':>10}   per save (ms)"
     )
     ratios = {}
     for mode in ("sync", "async"):
@@ -140,7 +155,16 @@ def main() -> int:
         over_faults = statistics.mean(faults[i] for i in over) / 1000
         log(
             f"{mode:<6} {bench.saves // 2 + (mode == 'sync') * (bench.saves % 2):>5} {len(over):>17} "
-            f"{mean * 1000:>8.0f} {ratios[mode]:>5.2f}x {over_faults:>6.0f}K   {per_save}"
+            f"{mean * 1000:>8.0f} {ratios[mode]:>5.2f}x {over_faults:>6.0f}K "
+            f"{statistics.mean(in_save[mode]) * 1000:>7.0f} ms   {per_save}"
+        )
+    calls = " | ".join(f"{t * 1000:.0f}" for t in in_save["async"])
+    log(f"async save() calls (ms): {calls} (planning, the copy into the buffer; the first allocates it)")
+    if writer_cpu:
+        user, system = (statistics.mean(t[i] for t in writer_cpu) for i in (0, 1))
+        log(
+            f"writer process: {user + system:.2f} s CPU per async save ({user:.2f} s user, "
+            f"{system:.2f} s system)"
         )
     verdict = "met" if ratios["async"] <= GOAL else "not met"
     log(
@@ -149,6 +173,20 @@ def main() -> int:
     )
     runtime.teardown()
     return 0
+
+
+def _only_child():
+    """The writer process: the one child of this process (psutil, a megatron-core requirement)."""
+    import psutil
+
+    (child,) = psutil.Process().children()
+    return child
+
+
+def _cpu_since(process, start: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+    """(user, system) CPU seconds of `process` since `start`."""
+    times = process.cpu_times()
+    return times.user - start[0], times.system - start[1]
 
 
 def saves_line(bench: argparse.Namespace) -> str:

@@ -117,29 +117,23 @@ def test_an_intact_checkpoint_has_no_damaged_file(single_rank_parallel_state, tm
     assert checkpoints.damaged_file(str(tmp_path / "iter_0000005")) is None
 
 
-def test_disk_full_in_a_background_write_is_one_line_at_its_finalize(
-    single_rank_parallel_state, tmp_path, monkeypatch
-):
-    """--async-save: the write fails in the writer thread; finalizing it (on every rank) raises the same
-    one line, the partial iter_N is removed and the tracker keeps the previous checkpoint."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
+def test_disk_full_in_a_background_write_is_one_line_at_its_finalize(single_rank_parallel_state, tmp_path):
+    """--async-save: the write fails in the writer process (its files lead to /dev/full: the kernel's own
+    ENOSPC); finalizing it (on every rank) raises the same one line, the partial iter_N is removed and the
+    tracker keeps the previous checkpoint."""
     from diffmeg.compat.checkpoint_writer import AsyncSaves
 
     root = tmp_path / "ckpt"
     write_checkpoint(str(root), 1, _state(1), {})
-
-    def full_disk(transforms, stream, data, *args, **kwargs):
-        stream.write(b"\0" * 512)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(filesystem_async, "_write_item", full_disk)
     saves = AsyncSaves()
     request = checkpoints.begin_checkpoint(str(root), 2, _state(2), {}, expected_bytes=2**20)
+    for path, _, _ in request.async_fn_args[1]:  # megatron-core's write buckets: one file each
+        os.symlink("/dev/full", path)
     saves.schedule_async_request(request)
     assert (root / "iter_0000002").is_dir()
     with pytest.raises(DiffmegError) as err:
         saves.maybe_finalize_async_calls(blocking=True)
+    saves.close()
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"disk full while saving iteration 2 to {root}")
     assert "removed the partial iter_0000002, the latest checkpoint is still iteration 1" in message

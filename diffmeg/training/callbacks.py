@@ -38,6 +38,9 @@ class BackgroundWrites(Protocol):
     def poll(self) -> None:
         """Finalize a background save once every rank has written its files; never waits for them."""
 
+    def close(self) -> None:
+        """Stop the background writer (after the last save was waited for)."""
+
 
 class TrainerControl(Protocol):
     """The Trainer as its callbacks see it (`diffmeg.training.trainer.Trainer` implements this)."""
@@ -187,6 +190,9 @@ class BackgroundSaves(Callback):
 
     def on_step_end(self, trainer: TrainerControl, out: StepOutput) -> None:
         trainer.checkpoints.poll()
+
+    def on_train_end(self, trainer: TrainerControl) -> None:
+        trainer.checkpoints.close()  # the writer process ends with training, not only with the process
 
 
 def default_callbacks(run: RunConfig, is_logging_rank: bool) -> list[Callback]:

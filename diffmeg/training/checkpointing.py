@@ -34,7 +34,7 @@ from diffmeg.checkpoints import (
     read_checkpoint_args,
     read_tracker,
 )
-from diffmeg.compat.checkpoint_writer import AsyncSaves, run_now
+from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite, run_now
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
 from diffmeg.training import collectives
@@ -270,35 +270,32 @@ def _complete_list(root: str) -> str:
     return ", ".join(map(str, found)) if found else "none"
 
 
-def _stall_hook(iteration: int, log: Callable[[str], None]) -> Callable[[], None] | None:
-    """The `STALL_ASYNC_SAVE_ENV` test hook for this iteration's background write, if it names it."""
+def _stall_hook(iteration: int) -> HoldAfterWrite | None:
+    """The `STALL_ASYNC_SAVE_ENV` test hook for this iteration's background write, if it names it (it runs
+    in the writer process, which prints its line to the job's output)."""
     value = os.environ.get(STALL_ASYNC_SAVE_ENV, "")
     target, _, release = value.partition(":")
     if not target or int(target) != iteration or torch.distributed.get_rank() != 0:
         return None
-
-    def stall() -> None:
-        until = f"until {release} exists" if release else "until it is killed"
-        log(
-            f" test hook {STALL_ASYNC_SAVE_ENV}: iteration {iteration}'s files are written; holding its save "
-            f"back {until}"
-        )
-        while not (release and os.path.exists(release)):
-            time.sleep(0.1)
-
-    return stall
+    until = f"until {release} exists" if release else "until it is killed"
+    message = (
+        f" test hook {STALL_ASYNC_SAVE_ENV}: iteration {iteration}'s files are written; holding its save "
+        f"back {until}"
+    )
+    return HoldAfterWrite(message, release or None)
 
 
 class CheckpointManager:
     """Resuming and saving for the Trainer: where the run starts (`resolve`), whether --save can take a
     checkpoint (`check_save_target`, `check_room`), loading (`load`), and saves (`due`, `save`).
 
-    With --async-save a save returns once it is planned and a writer process is forked from this rank (its
-    copy-on-write memory is the snapshot; `diffmeg.compat.checkpoint_writer`, which also makes it die with
-    the rank). The files are written beside training; the save is finalized (index, metadata, args.json,
-    then the tracker) on all ranks together by `poll` (every step, once every rank's files are written) or
-    `wait` (blocking: before the next save and at the end of training). Every method here that may
-    finalize is collective: all ranks call it at the same step.
+    With --async-save a save returns once it is planned and this rank's tensors are copied into a shared
+    host buffer (the snapshot), which this rank's one writer process, started with the manager and dying
+    with the rank, writes to files (`diffmeg.compat.checkpoint_writer`). The files are written beside
+    training; the save is finalized (index, metadata, args.json, then the tracker) on all ranks together by
+    `poll` (every step, once every rank's files are written) or `wait` (blocking: before the next save and
+    at the end of training). Every method here that may finalize is collective: all ranks call it at the
+    same step. `close` stops the writer (at the end of training).
     """
 
     def __init__(self, run: RunConfig, log: Callable[[str], None] = _rank0_print) -> None:
@@ -312,6 +309,9 @@ class CheckpointManager:
         self.pending: PendingSave | None = None
         """The --async-save checkpoint being written, not yet finalized (at most one)."""
         self._background: AsyncSaves | None = None
+        if self.config.async_save and self.config.save is not None:
+            self._background = AsyncSaves()
+            self._background.start()  # its imports run while the model is built
 
     # ------------------------------------------------------------------------------------------ start
 
@@ -508,7 +508,7 @@ class CheckpointManager:
             return path
         if self._background is None:
             self._background = AsyncSaves()
-        self._background.after_write = _stall_hook(iteration, self.log)
+        self._background.after_write = _stall_hook(iteration)
         self._background.schedule_async_request(request)
         self.pending = PendingSave(iteration, path, time.perf_counter())
         self.log(f" saving checkpoint at iteration {iteration} to {path} in the background (--async-save)")
@@ -526,6 +526,14 @@ class CheckpointManager:
         if self.pending is not None:
             self.log(f" waiting for the background save of iteration {self.pending.iteration} to finish")
             self._finalize(blocking=True)
+
+    def close(self) -> None:
+        """Stop the --async-save writer process and free its buffer (not collective). Called at the end of
+        training, after `wait`; a save still pending then (training failed) is abandoned: its checkpoint is
+        never finalized, the tracker keeps naming the previous one."""
+        if self._background is not None:
+            self._background.close(abort=True)  # no finalize here: the other ranks may be elsewhere
+            self._background, self.pending = None, None
 
     def _finalize(self, blocking: bool) -> None:
         pending = self.pending

@@ -197,8 +197,8 @@ def async_save_feature(args: argparse.Namespace) -> str:
         return "off: nothing is saved (--save)"
     if args.async_save:
         return (
-            "on: a forked writer writes each checkpoint while training continues; the tracker names it once "
-            "every rank's files are complete"
+            "on: a writer process per rank writes each checkpoint from a host snapshot while training "
+            "continues; the tracker names it once every rank's files are complete"
         )
     return "off: every save stalls training until all its files are written (--async-save)"
 

@@ -19,8 +19,10 @@ def test_async_save_benchmark_prints_both_modes(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert re.search(r"^normal step: \d+ ms, \d+K page faults \(medians of \d+ steps\)$", proc.stdout, re.M)
-    assert re.search(r"^sync +1 +1 +\d+ +[\d.]+x +\d+K +\d+$", proc.stdout, re.M), proc.stdout
-    assert re.search(r"^async +1 +\d+ +\d+ +[\d.]+x", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^sync +1 +1 +\d+ +[\d.]+x +\d+K +\d+ ms +\d+$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^async +1 +\d+ +\d+ +[\d.]+x +\d+K +\d+ ms +\d+", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^async save\(\) calls \(ms\): \d+ \(", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^writer process: [\d.]+ s CPU per async save \([\d.]+ s user", proc.stdout, re.M)
     assert re.search(
         r"^goal: async overlapped steps within 1.2x of normal: (met|not met) \(", proc.stdout, re.M
     )

@@ -143,7 +143,7 @@ def test_flags_that_take_effect_get_no_note(capsys):
     assert summary["checks"]["notes"] == [] and not [x for x in err if x.startswith("note:")]
     summary, err = _dry(["--model", "diff-tiny", "--save", "ckpt", "--async-save"], capsys)
     assert summary["checkpointing"]["async_save"] is True and summary["checks"]["notes"] == []
-    assert summary["features"]["async_save"].startswith("on: a forked writer")
+    assert summary["features"]["async_save"].startswith("on: a writer process per rank")
     unsaved = _dry(["--model", "diff-tiny", "--async-save"], capsys)[0]
     assert unsaved["features"]["async_save"] == "off: nothing is saved (--save)"
 
