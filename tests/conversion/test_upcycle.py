@@ -127,7 +127,7 @@ def test_upcycled_logits_equal_the_source_in_float64(name, tmp_path_factory, sin
     assert target_args.tie_embeddings_and_output_weights == layout.tied
     ours = _logits(target_args, upcycle_blocks(source_blocks(), layout), tokens)
     err = max_relative_error(ours, theirs)
-    assert err < 1e-12, err  # measured: 8e-16 to 1.1e-15
+    assert err < 1e-12, err  # measured: 8e-16 to 1.2e-15
     if hf:
         reference = hf_outputs(tmp_path_factory.mktemp(f"{name}-hf"), folder, [tokens], dtype="float64")
         assert reference["class"] == "LlamaForCausalLM"
