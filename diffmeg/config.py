@@ -74,6 +74,11 @@ class DiffTransformerConfig(TransformerConfig):
     megatron-core's TEDotProductAttention with its own CP (`diffmeg.parallel.te_attention`; needs TE). The
     baseline passes the value to megatron-core as is (None = p2p)."""
 
+    share_embeddings_and_output_weights: bool = False
+    """Tie the output layer to the word embedding (one [vocab, hidden] matrix, megatron-core's GPTModel
+    option; `--tie-embeddings-and-output-weights`). False: the output layer is a matrix of its own, the
+    default of every preset and of args.json files that predate the flag."""
+
     cross_entropy_chunk_size: int | None = None
     """Tokens per chunk of the training loss's output projection and cross entropy
     (`diffmeg.cross_entropy`): the whole logits are never held, each chunk's are recomputed in backward.

@@ -6,6 +6,12 @@ seed and the parameter's *global* name (layer index from megatron-core's global 
 tensor-parallel shard is cut from the full tensor. Any TP/PP/DP layout therefore starts from the same
 model, which is what makes single-rank parity tests meaningful from a fresh start. The numbers are drawn
 on the CPU and copied to the parameter's device, so CPU and GPU runs of one seed start identically too.
+
+Tied embedding and output weights (`share_embeddings_and_output_weights`): with one pipeline stage the
+output layer has no weight of its own; with several, megatron-core keeps a copy of the embedding on the
+last stage (zero-filled, then all-reduced from the first stage when the model is built) and sums the two
+copies' gradients in `finalize_model_grads`. That copy is drawn here under the embedding's own global
+name, so both stages hold the embedding's exact values without any communication, as one rank does.
 """
 
 from __future__ import annotations
@@ -29,8 +35,14 @@ def _param_seed(seed: int, global_name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+_EMBEDDING = "embedding.word_embeddings.weight"
+_OUTPUT = "output_layer.weight"
+
+
 def global_parameter_names(model: torch.nn.Module) -> dict[str, str]:
-    """Map each local parameter name to a name that is the same under every PP layout."""
+    """Map each local parameter name to a name that is the same under every PP layout (a tied output
+    layer's copy of the embedding on the last pipeline stage is the embedding)."""
+    tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
     layer_prefix: dict[str, int] = {}
     for name, module in model.named_modules():
         if isinstance(module, TransformerLayer):
@@ -42,7 +54,7 @@ def global_parameter_names(model: torch.nn.Module) -> dict[str, str]:
                 names[name] = f"layers.{index}.{name[len(prefix) :]}"
                 break
         else:
-            names[name] = name
+            names[name] = _EMBEDDING if tied and name == _OUTPUT else name
     return names
 
 

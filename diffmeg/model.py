@@ -1,4 +1,5 @@
-"""megatron-core's `GPTModel` built from our specs: RMSNorm, SwiGLU, no biases, RoPE, untied output.
+"""megatron-core's `GPTModel` built from our specs: RMSNorm, SwiGLU, no biases, RoPE; the output layer is
+its own matrix, or tied to the word embedding (`config.share_embeddings_and_output_weights`).
 
 `config_from_args` is the one mapping of run flags (resolved arguments, a checkpoint's args.json) to the
 model config: training, the offline checkpoint readers and conversion all build through it.
@@ -77,6 +78,8 @@ def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
         context_parallel_size=args.context_parallel_size,
         cp_comm_type=getattr(args, "cp_comm_type", None),  # None in args saved before the flag existed
         sequence_parallel=args.sequence_parallel,
+        # absent from args saved before the flag existed: untied, as every run was then
+        share_embeddings_and_output_weights=bool(getattr(args, "tie_embeddings_and_output_weights", False)),
         deterministic_mode=getattr(args, "deterministic_mode", False),  # absent from older saved args
         use_cpu_initialization=not on_gpu,
         # megatron-core sets the TP attributes inside its init; diffmeg.init then redraws every parameter
@@ -165,7 +168,7 @@ def build_model(
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_base=rotary_base,
         parallel_output=True,
@@ -175,6 +178,14 @@ def build_model(
         model.cuda(torch.cuda.current_device())
     initialize_parameters(model, config, seed)
     return model
+
+
+def output_logits(model: GPTModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The output layer applied to final hidden states [s, b, h] -> logits [s, b, V / TP], with the
+    embedding's weight when the two are tied (the tied output layer holds no weight of its own)."""
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden, weight=weight)
+    return logits
 
 
 def lambda_parameters(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, torch.Tensor]:

@@ -156,7 +156,9 @@ def count_parameters(
     diff_version: int = 1,
 ) -> int:
     """Exact parameter count of the GPT model built from these sizes (for dry runs and tests); head
-    counts as on the command line (h output heads, g KV heads)."""
+    counts as on the command line (h output heads, g KV heads). `untie_embeddings` False: one matrix for
+    the embedding and the output layer (`--tie-embeddings-and-output-weights`; counted once, also where
+    pipeline parallelism keeps a copy of it on the last stage)."""
     from diffmeg.config import megatron_head_counts
 
     kv_heads = num_attention_heads if num_query_groups is None else num_query_groups

@@ -45,28 +45,13 @@ def test_loss_and_gradients_are_the_equations(chunk):
 
 
 def _models(cfg, chunk, tie=False):
-    """The float64 model of `cfg` without and with the chunked loss: same weights (same seed)."""
-    from diffmeg.init import initialize_parameters
-    from diffmeg.layer_specs import get_diff_block_spec
-    from diffmeg.model import DiffGPTModel
-
+    """The float64 model of `cfg` without and with the chunked loss: same weights (same seed); `tie`: the
+    output layer is the word embedding (`share_embeddings_and_output_weights`)."""
     out = []
     for size in (None, chunk):
-        c = dataclasses.replace(cfg, cross_entropy_chunk_size=size)
-        if tie:  # build_model unties; the tied layout is megatron-core's own GPTModel option
-            model = DiffGPTModel(
-                config=c,
-                transformer_layer_spec=get_diff_block_spec(c, use_te=False),
-                vocab_size=64,
-                max_sequence_length=16,
-                share_embeddings_and_output_weights=True,
-                position_embedding_type="rope",
-                rotary_base=500.0,
-            )
-            initialize_parameters(model, c, seed=3)
-            model = model.double()
-        else:
-            model = perturbed_model(c, torch.Generator().manual_seed(5), 0.5)
+        c = dataclasses.replace(cfg, cross_entropy_chunk_size=size, share_embeddings_and_output_weights=tie)
+        model = perturbed_model(c, torch.Generator().manual_seed(5), 0.5)
+        assert (model.output_layer.weight is None) == tie
         out.append(model)
     return out
 

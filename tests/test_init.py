@@ -61,3 +61,18 @@ def test_parameters_on_another_device_get_the_same_cpu_draw(single_rank_parallel
     assert devices == [torch.device("cpu")]
     assert torch.equal(init.draw_normal((6, 4), 0.02, init._param_seed(5, "output_layer.weight")),
                        _expected(5, "output_layer.weight", (6, 4), 0.02))  # fmt: skip
+
+
+def test_a_tied_last_stage_copy_is_the_embeddings_draw(single_rank_parallel_state):
+    """Tied weights: the output layer of a last pipeline stage without the embedding (megatron-core's copy,
+    summed with the first stage's gradients every step) starts as the first stage's embedding, bit for bit;
+    one stage holding both has no output-layer weight at all."""
+    from diffmeg.model import build_model
+    from tests.builders import make_config
+
+    cfg = make_config(heads=2, kv_heads=1, head_dim=8, layers=2, share_embeddings_and_output_weights=True)
+    whole = build_model(cfg, vocab_size=64, max_sequence_length=16, seed=11)
+    last = build_model(cfg, vocab_size=64, max_sequence_length=16, seed=11, pre_process=False)
+    assert whole.output_layer.weight is None and not hasattr(last, "embedding")
+    assert init.global_parameter_names(last)["output_layer.weight"] == "embedding.word_embeddings.weight"
+    assert torch.equal(last.output_layer.weight, whole.embedding.word_embeddings.weight)

@@ -81,19 +81,30 @@ def test_scaling_schedule():
 
 @pytest.mark.parametrize(
     "heads,kv_heads,kind",
-    [(2, 1, {}), (4, 2, {"diff_attention": False}), (4, 4, {"diff_version": 2}), (4, 2, {"diff_version": 2})],
-    ids=["diff", "transformer", "diff2", "diff2-gqa"],
+    [
+        (2, 1, {}),
+        (4, 2, {"diff_attention": False}),
+        (4, 4, {"diff_version": 2}),
+        (4, 2, {"diff_version": 2}),
+        (4, 2, {"diff_version": 2, "untie_embeddings": False}),
+    ],
+    ids=["diff", "transformer", "diff2", "diff2-gqa", "diff2-tied"],
 )
 def test_count_matches_built_model(single_rank_parallel_state, heads, kv_heads, kind):
-    """Hidden 64; heads as on the command line: DIFF 2 (4 sub-heads), baseline 4, DIFF V2 4 (8 queries)."""
+    """Hidden 64; heads as on the command line: DIFF 2 (4 sub-heads), baseline 4, DIFF V2 4 (8 queries);
+    tied: the embedding is the output layer, counted once (128 x 64 fewer)."""
     from diffmeg.model import build_model
 
     baseline = kind.get("diff_attention") is False  # tiny_config counts it as DIFF: 2h heads of d
     h, g = (heads // 2, kv_heads // 2) if baseline else (heads, kv_heads)
-    cfg = tiny_config(h, g, 16, layers=2, ffn=96, **kind)
+    tied = kind.get("untie_embeddings") is False
+    fields = {k: v for k, v in kind.items() if k != "untie_embeddings"}
+    cfg = tiny_config(h, g, 16, layers=2, ffn=96, share_embeddings_and_output_weights=tied, **fields)
     model = build_model(cfg, vocab_size=128, max_sequence_length=16)
     built = sum(p.numel() for p in model.parameters())
     assert built == count_parameters(2, 64, 96, 128, heads, 16, kv_heads, **kind)
+    if tied:
+        assert built == count_parameters(2, 64, 96, 128, heads, 16, kv_heads, **fields) - 128 * 64
     assert isinstance(next(model.parameters()), torch.Tensor)
 
 

@@ -170,9 +170,9 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
     needed = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
     with atomic_output_dir(args.save, needed_bytes=needed) as out:
         writer = SafetensorsShardWriter(out, args.max_shard_size, plan)
-        for key, hf_name in GLOBALS.items():  # one at a time: the embedding alone is several layers
+        for key in layout.mcore_global_shapes():  # one at a time: the embedding alone is several layers
             (tensor,) = reader.read_globals(layout, [key]).values()
-            writer.add({hf_name: tensor.to(dtype)})
+            writer.add({GLOBALS[key]: tensor.to(dtype)})  # tied: no output layer, no lm_head
             del tensor
             release_freed_memory()
         progress = Progress("mcore-to-hf", layout.num_layers)

@@ -118,6 +118,14 @@ class McoreCheckpointReader:
                 f"args.json describes the Transformer baseline (--no-diff-attention) but {self.path} holds "
                 f"differential-attention tensors (lambda vectors); its args.json does not match its weights"
             )
+        stored_output = self.stored_shape("output_layer.weight") is not None
+        if stored_output == layout.tied:  # a tied model's checkpoint holds the embedding only
+            says = "ties its output layer to the word embedding" if layout.tied else "has an output layer"
+            holds = "an output-layer tensor" if stored_output else "no output-layer tensor"
+            raise DiffmegError(
+                f"args.json describes a model that {says} but {self.path} holds {holds}; its args.json does "
+                f"not match its weights"
+            )
         expected = dict(layout.mcore_global_shapes())
         for local, shape in layout.mcore_layer_shapes().items():
             expected[checkpoint_key(local)] = (layout.num_layers, *shape)
@@ -157,8 +165,8 @@ class McoreCheckpointReader:
         return {name: by_key[key] for name, (key, _, _) in requests.items()}
 
     def read_globals(self, layout: ModelLayout, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """Embedding, final norm and output layer (or those of them named in `keys`), under their
-        state-dict keys."""
+        """Embedding, final norm and output layer (none when tied; or those of them named in `keys`), under
+        their state-dict keys."""
         shapes = layout.mcore_global_shapes()
         keys = list(shapes) if keys is None else list(keys)
         return self._load({key: (key, (0,) * len(shapes[key]), shapes[key]) for key in keys})

@@ -5,7 +5,7 @@ transformers' Llama, DIFF V2 (`--diff-version 2`) to diffmeg's `Diff2ForCausalLM
 shipped in the folder and named in config.json's `auto_map`). What they can express, checked before
 anything is written:
 - RMSNorm with one epsilon (`rms_norm_eps`), SwiGLU (silu), no biases, non-interleaved RoPE without
-  scaling, untied output layer (a tied folder is untied on import by copying the embedding).
+  scaling; a tied or untied output layer (`tie_word_embeddings` <-> `--tie-embeddings-and-output-weights`).
 - DiffLlama: lambda_init only as the paper's depth schedule `0.8 - 0.6 exp(-0.3 l)` with the 0-based
   layer index (transformers computes it from `layer_idx`; ours uses megatron-core's 1-based layer
   number minus one, the same values); a constant `--lambda-init` has no DiffLlama equivalent. Its
@@ -97,6 +97,7 @@ def layout_from_args(args: argparse.Namespace) -> ModelLayout:
         max_position_embeddings=int(args.max_position_embeddings),
         rotary_base=float(args.rotary_base),
         norm_eps=float(args.norm_epsilon),
+        tied=bool(getattr(args, "tie_embeddings_and_output_weights", False)),  # absent from old args: untied
     )
 
 
@@ -129,7 +130,7 @@ def hf_config_dict(
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
         "pad_token_id": None,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": layout.tied,
         "rope_parameters": {"rope_type": "default", "rope_theta": layout.rotary_base},
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -171,9 +172,9 @@ def check_model_type(config: Mapping[str, Any], where: str = "config.json") -> t
     return LAYOUTS[model_type]
 
 
-def layout_from_hf_config(config: Mapping[str, Any]) -> tuple[ModelLayout, bool]:
-    """(layout, tie_word_embeddings) of a DiffLlama or Llama config.json, refusing what our model cannot
-    express."""
+def layout_from_hf_config(config: Mapping[str, Any]) -> ModelLayout:
+    """The layout of a DiffLlama, Llama or DIFF V2 config.json (`tie_word_embeddings` included), refusing
+    what our model cannot express."""
     layout_class = check_model_type(config)
     if config.get("hidden_act", "silu") != "silu":
         raise DiffmegError(f"hidden_act {config['hidden_act']!r} is not supported; our MLP is SwiGLU (silu)")
@@ -208,8 +209,9 @@ def layout_from_hf_config(config: Mapping[str, Any]) -> tuple[ModelLayout, bool]
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         rotary_base=_rope_theta(config),
         norm_eps=eps,
+        tied=bool(config.get("tie_word_embeddings", False)),
     )
-    return layout, bool(config.get("tie_word_embeddings", False))
+    return layout
 
 
 def pretrain_flags(layout: ModelLayout) -> list[str]:
@@ -234,4 +236,6 @@ def pretrain_flags(layout: ModelLayout) -> list[str]:
         flags += ["--no-diff-attention"]
     if layout.num_kv_heads != layout.num_heads:
         flags.append("--group-query-attention")
+    if layout.tied:
+        flags.append("--tie-embeddings-and-output-weights")
     return flags

@@ -40,8 +40,6 @@ class HFModelFolder:
     reader: HFCheckpointReader
     config: dict[str, Any]
     layout: ModelLayout
-    tied: bool
-    """tie_word_embeddings without a stored lm_head: the embedding is copied into output_layer."""
 
     @property
     def directory(self) -> str:
@@ -57,9 +55,8 @@ class HFModelFolder:
         (the embedding alone is as large as several layers), then one layer at a time."""
         layout, reader = self.layout, self.reader
         # Nothing is kept between blocks: each is dropped here before the next is read.
-        for mcore_name, hf_name in GLOBALS.items():  # shapes were checked from the headers
-            if self.tied and hf_name == "lm_head.weight":
-                hf_name = "model.embed_tokens.weight"  # untied: the embedding read again, a copy of its own
+        for mcore_name in layout.mcore_global_shapes():  # shapes were checked from the headers
+            hf_name = GLOBALS[mcore_name]  # tied: no output layer, the embedding serves as one
             block = {mcore_name: reader.get([hf_name])[hf_name]}
             if dtype is not None:
                 block[mcore_name] = block[mcore_name].to(dtype)
@@ -82,24 +79,24 @@ def open_hf_folder(directory: str, config: dict[str, Any] | None = None) -> HFMo
     `config`: the folder's config already normalised by the caller (upcycling reads Mistral as Llama)."""
     reader = HFCheckpointReader(directory)
     config = reader.normalized_config() if config is None else config
-    layout, tied = layout_from_hf_config(config)
+    layout = layout_from_hf_config(config)
     stored = reader.shapes()
-    tied = tied and "lm_head.weight" not in stored
-    expected = {}
-    for name, shape in layout.hf_global_shapes().items():
-        if not (tied and name == "lm_head.weight"):
-            expected[name] = shape
+    expected = dict(layout.hf_global_shapes())
     for index in range(layout.num_layers):
         prefix = HF_LAYER_PREFIX.format(index)
         expected.update({prefix + k: shape for k, shape in layout.hf_layer_shapes().items()})
     check_shapes(stored, expected, directory)
-    extra = sorted(n for n in stored if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
+    # A tied folder may store lm_head anyway; transformers ties it to the embedding, and so does our model.
+    ignored = {"lm_head.weight"} if layout.tied else set()
+    extra = sorted(
+        n for n in stored if n not in expected and n not in ignored and not n.endswith(_IGNORED_SUFFIXES)
+    )
     if extra:
         raise DiffmegError(
             f"{directory}: config.json has model_type {layout.model_type!r} but the weights hold "
             f"{len(extra)} tensor(s) a {layout.hf_name} model does not have (first: {extra[0]!r})"
         )
-    return HFModelFolder(reader, config, layout, tied)
+    return HFModelFolder(reader, config, layout)
 
 
 def resolved_pretrain_args(

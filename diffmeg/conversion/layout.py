@@ -1,6 +1,7 @@
 """The sizes a megatron-core model and its Hugging Face counterpart must share.
 
-Two architectures, one base (`ModelLayout`: layers, widths, vocabulary, RoPE, epsilon, head counts):
+Two architectures, one base (`ModelLayout`: layers, widths, vocabulary, RoPE, epsilon, head counts, tied
+or untied output layer):
 
 - `DiffLayout`: a DIFF model <-> transformers' DiffLlama. h differential heads, g differential KV heads,
   head dim d. megatron-core sees 2h sub-heads and 2g query sub-groups of width d; DiffLlama sees
@@ -40,6 +41,9 @@ class ModelLayout:
     rotary_base: float
     norm_eps: float
     """Epsilon of every RMSNorm (Hugging Face models have one epsilon)."""
+    tied: bool = False
+    """The output layer is the word embedding (`--tie-embeddings-and-output-weights`, Hugging Face's
+    `tie_word_embeddings`): neither format stores an output-layer tensor (`output_layer` / `lm_head`)."""
 
     architecture = ""
     """transformers' class name (`config.json` "architectures")."""
@@ -91,12 +95,15 @@ class ModelLayout:
         return self._common_mcore_layer_shapes()
 
     def mcore_global_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shapes of the tensors outside the layers (embedding, final norm, untied output layer)."""
-        return {
+        """Shapes of the tensors outside the layers (embedding, final norm, the output layer unless tied)."""
+        shapes = {
             "embedding.word_embeddings.weight": (self.vocab_size, self.hidden_size),
             "decoder.final_layernorm.weight": (self.hidden_size,),
             "output_layer.weight": (self.vocab_size, self.hidden_size),
         }
+        if self.tied:
+            del shapes["output_layer.weight"]
+        return shapes
 
     def hf_attention_heads(self) -> tuple[int, int]:
         """(num_attention_heads, num_key_value_heads) as the Hugging Face config counts them."""
@@ -124,11 +131,15 @@ class ModelLayout:
         return sum(math.prod(s) for s in self.mcore_global_shapes().values()) + self.num_layers * per_layer
 
     def hf_global_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {
+        """Shapes of the Hugging Face tensors outside the layers (no `lm_head` when tied)."""
+        shapes = {
             "model.embed_tokens.weight": (self.vocab_size, self.hidden_size),
             "model.norm.weight": (self.hidden_size,),
             "lm_head.weight": (self.vocab_size, self.hidden_size),
         }
+        if self.tied:
+            del shapes["lm_head.weight"]
+        return shapes
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ GLOBALS = {
     "decoder.final_layernorm.weight": "model.norm.weight",
     "output_layer.weight": "lm_head.weight",
 }
-"""megatron-core -> Hugging Face names of the tensors outside the layers (the same in every architecture)."""
+"""megatron-core -> Hugging Face names of the tensors outside the layers (the same in every architecture;
+a tied layout has no output layer: `ModelLayout.mcore_global_shapes` names what it holds)."""
 
 
 def check_shapes(
@@ -243,30 +244,24 @@ def hf_layer_to_mcore(
 def mcore_globals_to_hf(
     tensors: Mapping[str, torch.Tensor], layout: ModelLayout, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Embedding, final norm and output layer -> Hugging Face names (no layout change)."""
+    """Embedding, final norm and output layer (none when tied) -> Hugging Face names (no layout change)."""
     check_shapes(tensors, layout.mcore_global_shapes(), "megatron-core model")
-    return {hf: _cast(tensors[mc], dtype) for mc, hf in GLOBALS.items()}
+    return {GLOBALS[mc]: _cast(tensors[mc], dtype) for mc in layout.mcore_global_shapes()}
 
 
 def hf_globals_to_mcore(
-    tensors: Mapping[str, torch.Tensor],
-    layout: ModelLayout,
-    dtype: torch.dtype | None = None,
-    tie_word_embeddings: bool = False,
+    tensors: Mapping[str, torch.Tensor], layout: ModelLayout, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """HF embedding, norm and lm_head -> megatron-core names; a tied lm_head is untied by copy."""
-    tensors = dict(tensors)
-    if tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # untied: a copy of its own
+    """HF embedding, norm and lm_head -> megatron-core names. A tied layout maps no lm_head (one stored
+    anyway is not read: transformers ties it to the embedding too)."""
     check_shapes(tensors, layout.hf_global_shapes(), f"{layout.hf_name} model")
-    return {mc: _cast(tensors[hf], dtype) for mc, hf in GLOBALS.items()}
+    return {mc: _cast(tensors[GLOBALS[mc]], dtype) for mc in layout.mcore_global_shapes()}
 
 
 def hf_model_shapes(layout: ModelLayout) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor's shape, in the order the exporter writes them: the tensors outside the
     layers, then layer by layer."""
-    globals_ = layout.hf_global_shapes()
-    shapes = {hf: globals_[hf] for hf in GLOBALS.values()}
+    shapes = dict(layout.hf_global_shapes())
     for index in range(layout.num_layers):
         prefix = HF_LAYER_PREFIX.format(index)
         shapes.update({prefix + k: shape for k, shape in layout.hf_layer_shapes().items()})
@@ -293,10 +288,9 @@ def hf_to_mcore(
     state_dict: Mapping[str, torch.Tensor],
     layout: ModelLayout,
     dtype: torch.dtype | None = None,
-    tie_word_embeddings: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """A whole HF state dict -> megatron-core TP=1 tensors, one block at a time."""
-    yield hf_globals_to_mcore(state_dict, layout, dtype, tie_word_embeddings)
+    yield hf_globals_to_mcore(state_dict, layout, dtype)
     for i in range(layout.num_layers):
         layer = layer_tensors(state_dict, HF_LAYER_PREFIX.format(i))
         prefix = MCORE_LAYER_PREFIX.format(i)

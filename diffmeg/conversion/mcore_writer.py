@@ -75,7 +75,7 @@ def build_skeleton_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.
         max_sequence_length=args.max_position_embeddings,
         pre_process=True,
         post_process=True,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_base=args.rotary_base,
         parallel_output=True,

@@ -8,7 +8,8 @@ A Transformer with h query heads over g KV heads of width d becomes a DIFF V2 mo
 - `linear_lambda` (lambda_proj) is zero, so lambda = sigmoid(0) = 0.5 for every token and head, and head
   i's output is attn_i - 0.5 attn_i = 0.5 attn_i (exact in floating point: a - a/2 is exact);
 - `linear_proj` (o_proj) is doubled (exact: a power of two), which undoes the 0.5;
-- every other tensor (embedding, norms, keys, values, MLP, output layer) is copied.
+- every other tensor (embedding, norms, keys, values, MLP, output layer) is copied; a tied source gives a
+  tied model (its output layer is the embedding, in both).
 
 The upcycled model's logits therefore equal the source's. Training separates the copies: the gradient
 of head 2i's query is g, that of 2i+1 is -0.5 g. (DIFF V1 cannot do this: its V is 2d wide and its
@@ -37,7 +38,7 @@ LAMBDA = "self_attention.linear_lambda.weight"
 
 def diff2_layout(source: LlamaLayout) -> Diff2Layout:
     """The DIFF V2 layout an upcycled `source` gets: h output heads = the source's heads, the same KV heads,
-    head dim, widths, vocabulary, positions, RoPE base and epsilon."""
+    head dim, widths, vocabulary, positions, RoPE base, epsilon and tied or untied output layer."""
     if not isinstance(source, LlamaLayout):
         raise DiffmegError(
             f"upcycling starts from a Transformer (Llama layout), not a {source.hf_name} model"
@@ -53,6 +54,7 @@ def diff2_layout(source: LlamaLayout) -> Diff2Layout:
         max_position_embeddings=source.max_position_embeddings,
         rotary_base=source.rotary_base,
         norm_eps=source.norm_eps,
+        tied=source.tied,
     )
 
 

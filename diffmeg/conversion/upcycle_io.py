@@ -8,9 +8,8 @@ The source is told apart by what the path holds:
   (its tensors and equations are Llama's); Qwen2 and anything else are refused in one line naming what
   our model cannot hold (Qwen2: the biases of q/k/v_proj). Read tensor by tensor (no memory map).
 
-The DIFF V2 model's shape, RoPE base, norm epsilon and vocabulary are the source's; a tied output layer
-is untied by copying the embedding (our output layer is always its own tensor; the logits are the
-same). The source's tokenizer stays the model's: a Hugging Face folder's tokenizer files are copied into
+The DIFF V2 model's shape, RoPE base, norm epsilon, vocabulary and tied or untied output layer are the
+source's. The source's tokenizer stays the model's: a Hugging Face folder's tokenizer files are copied into
 `{save}/tokenizer` and recorded (diffmeg.conversion.tokenizer_io); a checkpoint's tokenizer flags
 are carried over. Memory: one tensor outside the layers, or one layer and its upcycled copy, at a time.
 """
@@ -105,7 +104,7 @@ def _hf_source(path: str) -> UpcycleSource:
     if not isinstance(folder.layout, LlamaLayout):
         raise DiffmegError(f"{path} is not a Llama-family model")
     arch = (raw.get("architectures") or [raw.get("model_type")])[0]
-    tied = ", tied embeddings untied by copy" if folder.tied else ""
+    tied = ", output layer tied to the embedding" if folder.layout.tied else ""
     return UpcycleSource(
         path=path,
         description=f"Hugging Face {arch} folder{tied}",
@@ -141,7 +140,7 @@ def _checkpoint_data_flags(args: argparse.Namespace, path: str) -> tuple[list[st
 def _checkpoint_source(path: str) -> UpcycleSource:
     from diffmeg.conversion.checkpoint_io import McoreCheckpointReader
     from diffmeg.conversion.hf_config import layout_from_args
-    from diffmeg.conversion.mapping import GLOBALS, MCORE_LAYER_PREFIX
+    from diffmeg.conversion.mapping import MCORE_LAYER_PREFIX
 
     reader = McoreCheckpointReader(path)
     args = reader.args
@@ -156,7 +155,7 @@ def _checkpoint_source(path: str) -> UpcycleSource:
     data_flags, tokenizer = _checkpoint_data_flags(args, reader.path)
 
     def blocks(dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
-        for key in GLOBALS:  # one at a time: the embedding alone is as large as several layers
+        for key in layout.mcore_global_shapes():  # one at a time: the embedding alone is several layers
             yield {k: v.to(dtype) for k, v in reader.read_globals(layout, [key]).items()}
         for index in range(layout.num_layers):
             prefix = MCORE_LAYER_PREFIX.format(index)
@@ -164,7 +163,8 @@ def _checkpoint_source(path: str) -> UpcycleSource:
 
     return UpcycleSource(
         path=path,
-        description=f"pretrain_diff.py Transformer checkpoint ({os.path.basename(reader.path)})",
+        description=f"pretrain_diff.py Transformer checkpoint ({os.path.basename(reader.path)})"
+        + (", output layer tied to the embedding" if layout.tied else ""),
         layout=layout,
         dtype=reader.dtype,
         seq_length=int(args.seq_length),

@@ -26,6 +26,7 @@ import torch
 
 from diffmeg.errors import DiffmegError
 from diffmeg.eval import common
+from diffmeg.model import output_logits
 
 try:
     import lm_eval
@@ -124,9 +125,8 @@ class DiffmegLM(TemplateLM):
             hidden = final_hidden_states(self.model, ids)  # [s, b, h]
             for r, (i, (inputs, targets)) in enumerate(zip(batch, rows, strict=True)):
                 n = len(targets)
-                logits, _ = self.model.output_layer(
-                    hidden[len(inputs) - n : len(inputs), r : r + 1]
-                )  # [n, 1, V]
+                last = hidden[len(inputs) - n : len(inputs), r : r + 1]  # [n, 1, h]
+                logits = output_logits(self.model, last)  # [n, 1, V]
                 logp = torch.log_softmax(logits[:, 0].float(), dim=-1)  # [n, V]
                 target = torch.as_tensor(targets, device=self._device)
                 score = float(logp.gather(-1, target[:, None]).sum())

@@ -36,6 +36,7 @@ from diffmeg.eval.common import (
     stderr,
     write_json,
 )
+from diffmeg.model import output_logits
 from diffmeg.model_source import CheckpointInfo
 
 CSV_NAME = "long_context_nll.csv"
@@ -239,7 +240,8 @@ def _hidden_states_only(model: torch.nn.Module) -> Iterator[None]:
 @torch.no_grad()
 def final_hidden_states(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     """The final normed hidden states [s, b, h] of inputs [b, s] at positions 0..s-1: what the output
-    projection (`model.output_layer`) turns into logits, for callers that need only some positions."""
+    projection (`diffmeg.model.output_logits`) turns into logits, for callers that need only some
+    positions."""
     b, s = inputs.shape
     position_ids = torch.arange(s, device=inputs.device).unsqueeze(0).expand(b, s)
     with _hidden_states_only(model):
@@ -267,7 +269,7 @@ def per_token_nll(
     out = torch.empty(b, s, dtype=torch.float32, device=tokens.device)
     for start in range(0, s, chunk_size):
         stop = min(s, start + chunk_size)
-        logits, _ = model.output_layer(hidden[start:stop])  # [c, b, V]
+        logits = output_logits(model, hidden[start:stop])  # [c, b, V]
         out[:, start:stop] = model.compute_language_model_loss(labels[:, start:stop], logits.float())
         del logits
     return out

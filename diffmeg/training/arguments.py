@@ -114,9 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: Transformer Engine when installed and on GPU, else megatron-core local",
     )
     g.add_argument(
+        "--tie-embeddings-and-output-weights",
+        action="store_true",
+        help="one matrix for the word embedding and the output layer (Llama 3.2 1B/3B, many small models; "
+        "an upcycled or imported tied model records it). Default: untied, as every preset",
+    )
+    g.add_argument(
         "--untie-embeddings-and-output-weights",
         action="store_true",
-        help="accepted for Megatron-LM compatibility; output weights are always untied",
+        help="Megatron-LM's flag for diffmeg's default: the output layer is a matrix of its own (wins over "
+        "a tie taken from --use-checkpoint-args, for a checkpoint of its own)",
     )
 
     g = p.add_argument_group("parallelism")
@@ -309,6 +316,9 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
 
         values.update(checkpoint_model_args(ns.load, ns.pretrained_checkpoint, typed=explicit))
     values.update(explicit)
+    untie, tie = "untie_embeddings_and_output_weights", "tie_embeddings_and_output_weights"
+    if explicit.get(untie) and not explicit.get(tie):
+        values[tie] = False  # a typed untie beats a checkpoint's tie (--use-checkpoint-args)
     if "train_tokens" in explicit and "train_iters" not in explicit:
         values["train_iters"] = None  # a token budget typed by the user beats the preset's iteration count
     args = argparse.Namespace(**values)
@@ -447,6 +457,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_virtual_pipeline(args, pp, dp)
     if args.bf16 and args.fp16:
         raise DiffmegError("choose one of --bf16 and --fp16")
+    if getattr(args, "tie_embeddings_and_output_weights", False) and getattr(
+        args, "untie_embeddings_and_output_weights", False
+    ):
+        raise DiffmegError(
+            "--tie-embeddings-and-output-weights and --untie-embeddings-and-output-weights contradict each "
+            "other; keep one (untied is the default)"
+        )
     _validate_overlap(args)
     if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
         raise DiffmegError(

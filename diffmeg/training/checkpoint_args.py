@@ -30,6 +30,7 @@ MODEL_ARGS = (
     "diff_attention",
     "diff_version",
     "lambda_init",
+    "tie_embeddings_and_output_weights",
     "tokenizer_type",
     "tokenizer_model",
 )

@@ -371,6 +371,27 @@ class CheckpointManager:
             return None
         return f"checkpoint {path}", vars(args)
 
+    def check_output_layer(self) -> None:
+        """The checkpoint the run starts from ties (or unties) its output layer as this run does: a tied
+        checkpoint has no output-layer tensor to load, an untied one's would be dropped unseen."""
+        source = self.source_args()
+        if source is None:
+            return
+        where, args = source
+        saved = bool(args.get("tie_embeddings_and_output_weights", False))  # absent: untied, as then always
+        if saved == self.run.model.tie_embeddings_and_output_weights:
+            return
+        if saved:
+            raise DiffmegError(
+                f"{where} holds a model whose output layer is tied to its word embedding, but this run "
+                f"unties them; add --tie-embeddings-and-output-weights (or --use-checkpoint-args) and drop "
+                f"--untie-embeddings-and-output-weights"
+            )
+        raise DiffmegError(
+            f"{where} holds a model with an output layer of its own, but this run ties it to the word "
+            f"embedding; drop --tie-embeddings-and-output-weights"
+        )
+
     def _fresh(self, root: str) -> None:
         if self.config.pretrained_checkpoint is None:  # else the pretrained weights' line says where from
             self.log(f" no checkpoint in {root}, starting from scratch")

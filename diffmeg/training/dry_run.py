@@ -54,6 +54,7 @@ def dry_run_summary(args: argparse.Namespace) -> dict:
             "vocab_size": args.vocab_size,
             "rotary_base": args.rotary_base,
             "lambda_init": args.lambda_init if v1 else None,
+            "tie_embeddings_and_output_weights": tied(args),
             "transformer_impl": args.transformer_impl,
         },
         "parallel": {
@@ -102,6 +103,7 @@ def dry_run_summary(args: argparse.Namespace) -> dict:
             args.kv_channels,
             args.num_query_groups,
             diff_attention=args.diff_attention,
+            untie_embeddings=not tied(args),
             diff_version=version,
         ),
         "flops_per_step": train_flops_per_iteration(args),
@@ -122,6 +124,11 @@ def dry_run_summary(args: argparse.Namespace) -> dict:
             "pretrained_checkpoint": args.pretrained_checkpoint,
         },
     }
+
+
+def tied(args: argparse.Namespace) -> bool:
+    """The output layer is the word embedding (args.json files without the flag: untied)."""
+    return bool(getattr(args, "tie_embeddings_and_output_weights", False))
 
 
 def chunked_loss_feature(args: argparse.Namespace) -> str:

@@ -7,8 +7,9 @@ Per token and layer (forward, multiply-add = 2 FLOPs, causal attention counted a
                         2 * (s/2) * 2h d            baseline
   output projection     2 * 2h d * H
   SwiGLU MLP            2 * 3 H F
-plus the logits 2 H V once per token. Training = 3 x forward (backward is twice the forward); activation
-recompute is not counted (model FLOPs, as MFU is defined). DIFF's core is 1.5x the baseline's.
+plus the logits 2 H V once per token (tied or untied output weights alike). Training = 3 x forward
+(backward is twice the forward); activation recompute is not counted (model FLOPs, as MFU is defined).
+DIFF's core is 1.5x the baseline's.
 
 DIFF V2 (h output heads, 2h query heads of d, g KV heads):
   QKV projection        2 H (2h d + 2 g d)          Q twice the baseline's

@@ -138,9 +138,10 @@ def run_summary(run: RunConfig, num_parameters: int, arguments_file: str | None)
     )
     layout += f" CP {p.context_parallel_size}"
     where = f"arguments in {arguments_file}" if arguments_file else "arguments: --verbose prints them"
+    tied = " (output layer tied to the embedding)" if m.tie_embeddings_and_output_weights else ""
     return (
-        f" {name} ({m.architecture}): {_count(num_parameters)} parameters, {m.num_layers} layers, hidden "
-        f"{m.hidden_size}, {m.num_attention_heads} heads | {run.tokens_per_step:,} tokens/step (global batch "
-        f"{t.global_batch_size} x {m.seq_length}), {t.train_iters:,} iterations, {t.precision} "
+        f" {name} ({m.architecture}): {_count(num_parameters)} parameters{tied}, {m.num_layers} layers, "
+        f"hidden {m.hidden_size}, {m.num_attention_heads} heads | {run.tokens_per_step:,} tokens/step "
+        f"(global batch {t.global_batch_size} x {m.seq_length}), {t.train_iters:,} iterations, {t.precision} "
         f"| data: {data} | {ranks} ({layout}) | {where}"
     )

@@ -83,9 +83,12 @@ def parameters_per_rank(args: argparse.Namespace) -> int:
     replicated = 2 * H + (6 * d if args.diff_attention and not v2 else 0)
     per_layer = sharded // tp + replicated
     layers = args.num_layers // pp
+    # The last stage's output layer: its own matrix, or under tied weights megatron-core's copy of the
+    # embedding (with one stage, tied weights are one matrix).
     first = layers * per_layer + V * H // tp
     last = layers * per_layer + V * H // tp + H
-    return max(first, last) if pp > 1 else layers * per_layer + 2 * V * H // tp + H
+    output_layers = 1 if getattr(args, "tie_embeddings_and_output_weights", False) else 2
+    return max(first, last) if pp > 1 else layers * per_layer + output_layers * V * H // tp + H
 
 
 def _is_v2(args: argparse.Namespace) -> bool:

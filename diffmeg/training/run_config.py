@@ -56,8 +56,11 @@ class ModelConfig:
     lambda_std: float = 0.1
     diff_attn_backend: str = "auto"
     transformer_impl: str = "local"
+    tie_embeddings_and_output_weights: bool = False
+    """One matrix for the word embedding and the output layer (False, the default and what an args.json
+    without the field means: the output layer is its own matrix)."""
     untie_embeddings_and_output_weights: bool = False
-    """Accepted for Megatron-LM compatibility; output weights are always untied."""
+    """Megatron-LM's flag for the default (untied); refused together with the tie flag."""
 
     @property
     def architecture(self) -> str:

@@ -115,6 +115,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(run, log=self.log)
         self.checkpoints.resolve()  # every bad --load / --ckpt-step fails here, before anything is built
         self.checkpoints.check_save_target()
+        self.checkpoints.check_output_layer()
         tokenizer = self._tokenizer()
 
         self._rss_before_model = _rss_bytes("VmRSS")
@@ -180,8 +181,15 @@ class Trainer:
         return tokenizer
 
     def _count_parameters(self) -> int:
-        """Parameters of the whole model: each model-parallel rank's share, counted once over DP x CP."""
-        local = sum(p.numel() for chunk in model_chunks(self.model) for p in chunk.parameters())
+        """Parameters of the whole model: each model-parallel rank's share, counted once over DP x CP (a tied
+        output layer's copy of the embedding on the last pipeline stage, megatron-core's `shared`, is the
+        embedding)."""
+        local = sum(
+            p.numel()
+            for chunk in model_chunks(self.model)
+            for p in chunk.parameters()
+            if not getattr(p, "shared", False)
+        )
         first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
         return int(collectives.all_reduce([float(local if first_replica else 0)]).item())
 

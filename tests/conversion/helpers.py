@@ -40,7 +40,7 @@ TINY_HF = {
     "rms_norm_eps": 1e-5,
 }
 # GQA (4 DIFF heads over 2 DIFF KV heads, r = 2), the full cl100k vocabulary (so a tokenizer is
-# exported), a non-default RoPE base.
+# exported), a non-default RoPE base, the output layer tied to the embedding (no lm_head stored).
 GQA_HF = {
     "vocab_size": 100288,
     "hidden_size": 64,
@@ -52,6 +52,7 @@ GQA_HF = {
     "max_position_embeddings": 128,
     "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
     "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
 }
 
 

@@ -10,7 +10,7 @@ docs/conversion.md), which would make every comparison meaningless.
 `random` saves a random DiffLlama (or Llama: "model_type": "llama" in the config) as safetensors
 (and, with --prompts, runs it reloaded like `run`);
 `run` writes {"logits": [logits per prompt, fp32 unless --dtype], "generated": [greedy ids per prompt] (if
-asked), "class": model class name}.
+asked), "class": model class name, "tied": lm_head is the input embedding's tensor}.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def run(model_dir: str, prompts: list[torch.Tensor], generate: int, dtype: str =
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), trust_remote_code=True
     ).eval()
-    result: dict = {"class": type(model).__name__, "logits": [], "generated": []}
+    tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    result: dict = {"class": type(model).__name__, "logits": [], "generated": [], "tied": tied}
     with torch.no_grad():
         for ids in prompts:
             logits = model(ids.unsqueeze(0)).logits[0]  # [s, V]

@@ -20,6 +20,7 @@ ARG_OF_FIELD = {  # pretrain_diff.py's names of the layout fields that it names 
     "num_kv_heads": "num_query_groups",
     "head_dim": "kv_channels",
     "norm_eps": "norm_epsilon",
+    "tied": "tie_embeddings_and_output_weights",
 }
 
 
@@ -114,7 +115,8 @@ def llama_family_logits(tokens: torch.Tensor, sd: dict, config: dict, attention:
         hn = rmsnorm(x, sd[p + "post_attention_layernorm.weight"], eps)
         gate, up = hn @ sd[p + "mlp.gate_proj.weight"].T, hn @ sd[p + "mlp.up_proj.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
-    return rmsnorm(x, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T
+    lm_head = sd["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else sd["lm_head.weight"]
+    return rmsnorm(x, sd["model.norm.weight"], eps) @ lm_head.T
 
 
 def causal_maps(q: torch.Tensor, k: torch.Tensor) -> list[tuple[torch.Tensor, int]]:

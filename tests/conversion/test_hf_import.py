@@ -113,6 +113,38 @@ def test_random_llama_imports_exactly_and_loads_in_memory(tmp_path_factory, sing
         assert max_relative_error(ours, theirs) < 1e-5, ids.numel()
 
 
+def test_tied_llama_stays_tied_both_ways(tmp_path_factory, tmp_path, single_rank_parallel_state):
+    """A tied Llama folder (tie_word_embeddings, no lm_head) imports as a tied model (no output-layer
+    tensor in the checkpoint, --tie-embeddings-and-output-weights recorded) and exports back bit for bit,
+    still tied; transformers' LlamaForCausalLM loads the export with lm_head tied to the embedding and
+    computes our logits."""
+    from diffmeg.conversion.checkpoint_io import McoreCheckpointReader
+    from diffmeg.generation import load_model
+    from tests.conversion.upcycle_helpers import llama_folder
+
+    source = llama_folder(tmp_path_factory, "llama-gqa-tied", tied=True)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    convert_ok("hf-to-mcore", "--load", source, "--save", ckpt)
+    reader = McoreCheckpointReader(str(ckpt))
+    assert reader.args.tie_embeddings_and_output_weights
+    assert reader.stored_shape("output_layer.weight") is None
+    convert_ok("mcore-to-hf", "--load", ckpt, "--save", out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+    original, back = read_safetensors_folder(source), read_safetensors_folder(out)
+    assert back.keys() == original.keys() and "lm_head.weight" not in back
+    for key in original:
+        assert back[key].dtype == original[key].dtype and torch.equal(back[key], original[key]), key
+
+    prompts = roundtrip_prompts(300)
+    reference = hf_outputs(tmp_path / "hf-out", out, prompts)
+    assert reference["class"] == "LlamaForCausalLM" and reference["tied"]
+    model, _ = load_model(str(ckpt))
+    assert model.output_layer.weight is None
+    for ids, theirs in zip(prompts, reference["logits"], strict=True):
+        assert max_relative_error(our_logits(model, ids), theirs) < 1e-5, ids.numel()
+
+
 def test_diffllama_folder_loads_in_memory_like_its_import(tmp_path_factory, single_rank_parallel_state):
     """The DIFF path of `load_hf_model` equals hf-to-mcore's checkpoint (both map the same way)."""
     from diffmeg.conversion.hf_import import analysis_args, load_hf_model, open_hf_folder

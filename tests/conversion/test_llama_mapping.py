@@ -8,6 +8,8 @@ tests/conversion/test_hf_import.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,11 +113,12 @@ def test_baseline_args_give_a_llama_layout_that_round_trips_through_pretrain_fla
 def test_layout_from_llama_config_inverts_hf_config_dict():
     config = hf_config(make_layout(4, 2))
     assert config["architectures"] == ["LlamaForCausalLM"] and "lambda_std_dev" not in config
-    assert layout_from_hf_config(config) == (make_layout(4, 2), False)
+    assert layout_from_hf_config(config) == make_layout(4, 2)
     legacy = hf_config(
         make_layout(4, 2), rope_parameters=None, rope_theta=500.0, tie_word_embeddings=True, head_dim=None
     )
-    assert layout_from_hf_config(legacy) == (make_layout(4, 2), True)  # head_dim = hidden / heads
+    tied = dataclasses.replace(make_layout(4, 2), tied=True)
+    assert layout_from_hf_config(legacy) == tied  # head_dim = hidden / heads
 
 
 @pytest.mark.parametrize(

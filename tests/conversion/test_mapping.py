@@ -8,6 +8,7 @@ norm). The real transformers model is compared in tests/tools/test_convert_check
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -101,15 +102,20 @@ def test_hf_to_mcore_to_hf_is_identical(dtype):
         assert back[key].dtype == dtype and torch.equal(back[key], hf[key]), key
 
 
-def test_tied_diffllama_is_untied_on_import():
-    layout = make_layout(2, 2, layers=1)
-    hf = flatten(mcore_to_hf(random_mcore(layout, seed=5), layout))
-    del hf["lm_head.weight"]
-    mcore = flatten(hf_to_mcore(hf, layout, tie_word_embeddings=True))
-    assert torch.equal(mcore["output_layer.weight"], hf["model.embed_tokens.weight"])
-    assert mcore["output_layer.weight"].data_ptr() != mcore["embedding.word_embeddings.weight"].data_ptr()
+def test_a_tied_model_maps_without_an_output_layer_both_ways():
+    """Tied: no output_layer / lm_head in either format, HF -> mcore -> HF is exact, and a stored lm_head is
+    not read (transformers ties it to the embedding); an untied layout needs its lm_head."""
+    layout = dataclasses.replace(make_layout(2, 2, layers=1), tied=True)
+    sd = random_mcore(layout, seed=5)
+    assert "output_layer.weight" not in sd
+    hf = flatten(mcore_to_hf(sd, layout))
+    assert "lm_head.weight" not in hf and "model.embed_tokens.weight" in hf
+    mcore = flatten(hf_to_mcore({**hf, "lm_head.weight": torch.zeros(50, 24)}, layout))
+    assert "output_layer.weight" not in mcore
+    back = flatten(mcore_to_hf(mcore, layout))
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], v) for k, v in hf.items())
     with pytest.raises(DiffmegError, match="'lm_head.weight' is missing"):
-        flatten(hf_to_mcore(hf, layout))
+        flatten(hf_to_mcore(hf, dataclasses.replace(layout, tied=False)))
 
 
 def test_mcore_to_hf_to_mcore_folds_the_head_norm():
@@ -180,9 +186,9 @@ def test_layouts_diffllama_cannot_express_are_refused(overrides, message):
 
 
 def test_layout_from_hf_config_inverts_hf_config_dict():
-    assert layout_from_hf_config(hf_config(make_layout(4, 2))) == (make_layout(4, 2), False)
+    assert layout_from_hf_config(hf_config(make_layout(4, 2))) == make_layout(4, 2)
     legacy = hf_config(make_layout(4, 2), rope_parameters=None, rope_theta=500.0, tie_word_embeddings=True)
-    assert layout_from_hf_config(legacy) == (make_layout(4, 2), True)
+    assert layout_from_hf_config(legacy) == dataclasses.replace(make_layout(4, 2), tied=True)
 
 
 @pytest.mark.parametrize(

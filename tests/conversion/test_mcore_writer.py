@@ -21,6 +21,10 @@ SHAPES = {  # a few layers, a small vocabulary: every kind of tensor, quickly
         "--group-query-attention", "--num-query-groups", "2",
     ],
     "transformer": ["--model", "transformer-tiny", "--num-layers", "3", "--vocab-size", "512"],
+    "diff2-tied": [
+        "--model", "diff2-tiny", "--num-layers", "2", "--vocab-size", "512",
+        "--tie-embeddings-and-output-weights",
+    ],
 }  # fmt: skip
 
 
@@ -94,7 +98,13 @@ def stored_objects(path: Path, keys) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name, dtype", [("diff", torch.float32), ("diff-gqa", torch.bfloat16), ("transformer", torch.bfloat16)]
+    "name, dtype",
+    [
+        ("diff", torch.float32),
+        ("diff-gqa", torch.bfloat16),
+        ("transformer", torch.bfloat16),
+        ("diff2-tied", torch.float32),  # no output layer: the embedding serves
+    ],
 )
 def test_streamed_checkpoint_equals_a_training_save(single_rank_parallel_state, tmp_path, name, dtype):
     from megatron.core import dist_checkpointing

@@ -3,7 +3,7 @@ upcycle`): the function is preserved exactly.
 
 - float64: the upcycled model's logits equal its source's through the same megatron-core path, for a
   diffmeg Transformer's tensors and for Llama folders (GQA tied and untied, MHA), and transformers'
-  float64 `LlamaForCausalLM` agrees within its float32 RoPE;
+  float64 `LlamaForCausalLM` agrees within its float32 RoPE; a tied source gives a tied model;
 - the Hugging Face round trip of an upcycled model is bit-exact, keeps the source's tokenizer files, and
   transformers' DIFF V2 (remote code) computes the source Llama's logits;
 - what cannot upcycle exactly is refused in one line.
@@ -13,6 +13,7 @@ transformers' models run in their own process (tests/conversion/hf_helper.py); o
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import json
 
@@ -63,6 +64,8 @@ def _logits(args, blocks, tokens: torch.Tensor) -> torch.Tensor:
     from diffmeg.conversion.checkpoint_io import fill_model
 
     model = build_single_rank_model(args).double()
+    tied = bool(args.tie_embeddings_and_output_weights)
+    assert model.share_embeddings_and_output_weights == tied and (model.output_layer.weight is None) == tied
     fill_model(model, blocks)
     model.eval()
     with torch.no_grad():
@@ -73,8 +76,9 @@ def _logits(args, blocks, tokens: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
-SOURCES = {  # name: (Llama folder (name, tied, heads, KV heads), or None for a diffmeg Transformer's tensors)
-    "transformer-gqa": None,
+SOURCES = {  # name: Llama folder (name, tied, heads, KV heads), or a diffmeg Transformer's tensors (tied)
+    "transformer-gqa": False,
+    "transformer-gqa-tied": True,
     "llama-gqa-untied": ("llama-gqa", False, 4, 2),
     "llama-gqa-tied": ("llama-gqa-tied", True, 4, 2),
     "llama-mha": ("llama-mha", False, 4, 4),
@@ -91,8 +95,9 @@ def test_upcycled_logits_equal_the_source_in_float64(name, tmp_path_factory, sin
     from diffmeg.conversion.upcycle_io import open_upcycle_source, upcycled_args
 
     tokens = torch.randint(0, 300, (48,), generator=torch.Generator().manual_seed(5))
-    if SOURCES[name] is None:
-        layout = tiny_llama_layout(4, 2)
+    hf = isinstance(SOURCES[name], tuple)
+    if not hf:
+        layout = dataclasses.replace(tiny_llama_layout(4, 2), tied=SOURCES[name])
         state = layouts.random_mcore(layout, seed=11)  # float64, norms off one
         args = resolved_pretrain_args(layout, {}, ["--mock-data"])
 
@@ -105,7 +110,7 @@ def test_upcycled_logits_equal_the_source_in_float64(name, tmp_path_factory, sin
         folder = llama_folder(tmp_path_factory, folder_name, tied=tied, heads=heads, kv_heads=kv_heads)
         source = open_upcycle_source(str(folder))
         layout = source.layout
-        assert ("tied embeddings untied by copy" in source.description) == tied
+        assert layout.tied == tied and ("output layer tied to the embedding" in source.description) == tied
         args = resolved_pretrain_args(layout, {}, source.tokenizer.flags())
 
         def source_blocks():
@@ -114,14 +119,16 @@ def test_upcycled_logits_equal_the_source_in_float64(name, tmp_path_factory, sin
     theirs = _logits(args, source_blocks(), tokens)
     target_args = (
         upcycled_args(source, str(tmp_path_factory.getbasetemp() / "unused"))[1]
-        if SOURCES[name] is not None
+        if hf
         else resolved_pretrain_args(diff2_layout(layout), {}, ["--mock-data"])
     )
     assert target_args.diff_attention and target_args.diff_version == 2
+    # A tied source gives a tied model (one matrix: no output layer of its own), an untied one an untied.
+    assert target_args.tie_embeddings_and_output_weights == layout.tied
     ours = _logits(target_args, upcycle_blocks(source_blocks(), layout), tokens)
     err = max_relative_error(ours, theirs)
-    assert err < 1e-12, err  # measured: 8e-16 to 1.1e-15
-    if SOURCES[name] is not None:
+    assert err < 1e-12, err  # measured: 8e-16 to 1.2e-15
+    if hf:
         reference = hf_outputs(tmp_path_factory.mktemp(f"{name}-hf"), folder, [tokens], dtype="float64")
         assert reference["class"] == "LlamaForCausalLM"
         hf_err = max_relative_error(ours, reference["logits"][0])
@@ -152,14 +159,16 @@ def test_hf_round_trip_of_an_upcycled_llama_is_bit_exact(
         config["bos_token_id"],
         config["eos_token_id"],
     ) == (1, 2)
+    assert config["tie_word_embeddings"] is True and args.tie_embeddings_and_output_weights  # the source's
     tensors = read_safetensors_folder(exported)
     assert not tensors["model.layers.0.self_attn.lambda_proj.weight"].any()
-    assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])  # untied by copy
+    assert "lm_head.weight" not in tensors  # tied: the embedding is the output layer
 
     convert_ok("hf-to-mcore", "--load", exported, "--save", tmp_path / "back")
     original, _ = load_model_weights(str(ckpt))
     back, back_args = load_model_weights(str(tmp_path / "back"))
     assert back_args.tokenizer_type == "HuggingFaceTokenizer" and back_args.diff_version == 2
+    assert back_args.tie_embeddings_and_output_weights and back.output_layer.weight is None  # still tied
     theirs = dict(back.named_parameters())
     for name, value in original.named_parameters():
         assert torch.equal(theirs[name], value), name
@@ -182,7 +191,7 @@ def test_hf_round_trip_of_an_upcycled_llama_is_bit_exact(
     tokens = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (1, 33)]
     llama = hf_outputs(tmp_path / "llama", source, tokens, dtype="float64")
     diff2 = hf_outputs(tmp_path / "diff2", exported, tokens, dtype="float64")
-    assert diff2["class"] == "Diff2ForCausalLM"
+    assert diff2["class"] == "Diff2ForCausalLM" and diff2["tied"] and llama["tied"]
     for ours, theirs in zip(diff2["logits"], llama["logits"], strict=True):
         assert max_relative_error(ours, theirs) < 1e-12  # one RoPE table, exact head pairs
 

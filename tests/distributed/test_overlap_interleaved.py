@@ -11,6 +11,9 @@ Three launches train every run (tests/distributed/sequence.py: one launch, sever
   lr 0, which must leave them bit for bit;
 - 4 ranks: PP2 x VP2 x DP2 and TP2 x DP2 (sequence parallel), both with the distributed optimizer and
   both overlaps; PP2 x VP2 x DP2 resumed from its iteration 5 (distributed-optimizer state per chunk).
+Tied embedding and output weights (DIFF V2, what a tied Llama upcycles into) ride along: a 1-rank
+reference; PP2 with the chunked loss (saved at 5) and TP2 resumed from its iteration 5 (2 ranks); PP2 x
+VP2 x DP2 with the distributed optimizer and both overlaps (4 ranks).
 Overlapped runs log every 2nd iteration: a logging step finishes the step's parameter all-gathers (for
 the logged lambdas), the others leave them to the next forward, so both paths run; they evaluate at
 iterations 3, 6, 9 and save at 5, steps after which the all-gathers are still pending.
@@ -44,6 +47,7 @@ OVERLAP = [
 OVERLAP_GRADS = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000", "--log-interval", "2"]  # all-reduce
 VP = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 V2 = ["--model", "diff2-tiny"]
+TIED = [*V2, "--tie-embeddings-and-output-weights"]
 LR0 = ["--train-iters", "1", "--lr", "0", "--min-lr", "0"]  # one step that leaves every weight as it is
 EVERY_2ND = [2, 4, 6, 8, 10]
 
@@ -52,7 +56,11 @@ EVERY_2ND = [2, 4, 6, 8, 10]
 def runs(tmp_path_factory):
     """(folder of every run, each run's stdout)."""
     tmp = tmp_path_factory.mktemp("overlap_vp")
-    out = run_sequence(tmp, {"single": [*ITERS, *EVAL_SAVE], "single_v2": [*V2, *ITERS]}, nproc=1)
+    out = run_sequence(
+        tmp,
+        {"single": [*ITERS, *EVAL_SAVE], "single_v2": [*V2, *ITERS], "single_tied": [*TIED, *ITERS]},
+        nproc=1,
+    )
     out |= run_sequence(
         tmp,
         {
@@ -64,6 +72,17 @@ def runs(tmp_path_factory):
             "pp2_from_vp": [*ITERS, *VP[:2], "--load", str(tmp / "pp2_vp2"), "--ckpt-step", "5"],
             "pp2_copy": [*LR0, *VP[:2], "--pretrained-checkpoint", str(tmp / "pp2_vp2")],
             "vp_copy": [*LR0, *VP, "--pretrained-checkpoint", str(tmp / "pp2_copy")],
+            "pp2_tied": [*TIED, *ITERS, *VP[:2], "--save-interval", "5", "--cross-entropy-chunk-size", "24"],
+            "tp2_tied_from_pp2": [
+                *TIED,
+                *ITERS,
+                "--tensor-model-parallel-size",
+                "2",
+                "--load",
+                str(tmp / "pp2_tied"),
+                "--ckpt-step",
+                "5",
+            ],
         },
         nproc=2,
     )
@@ -88,6 +107,7 @@ def runs(tmp_path_factory):
                 "--sequence-parallel",
                 *OVERLAP,
             ],
+            "pp2_vp2_dp2_tied": [*TIED, *ITERS, *VP, *OVERLAP],
         },
         nproc=4,
     )
@@ -157,3 +177,30 @@ def test_interleaved_checkpoints_are_layout_free(runs, single_rank_parallel_stat
         copy = load_weights(tmp / name)
         assert copy.keys() == final.keys()
         assert all(copy[k].equal(final[k]) for k in final), name
+
+
+@pytest.mark.slow
+def test_tied_embeddings_match_single_rank(runs, single_rank_parallel_state):
+    """Tied embedding and output weights: PP2 (the last stage's copy of the embedding drawn as the embedding,
+    gradients summed over the embedding group, the chunked loss on that copy), TP2 resumed from PP2's
+    iteration 5 (saved at PP2, loaded at TP2 with its optimizer state) and PP2 x VP2 x DP2 with the
+    distributed optimizer (the copy in a bucket of its own) reproduce the single rank: losses, grad norms,
+    weights, each checkpoint read at PP1 with no output layer of its own. Each run counts the embedding
+    once: the untied model's parameters less V x H."""
+    tmp, out = runs
+    expect = ("linear_lambda", "word_embeddings")
+    assert_same_run(tmp, "single_tied", "pp2_tied", iterations=10, expect=expect)
+    assert "loaded checkpoint" in out["tp2_tied_from_pp2"]
+    resumed = [6, 7, 8, 9, 10]
+    assert_same_run(tmp, "single_tied", "tp2_tied_from_pp2", iterations=10, logged=resumed, expect=expect)
+    assert_same_run(tmp, "single_tied", "pp2_vp2_dp2_tied", iterations=10, logged=EVERY_2ND, expect=expect)
+    assert "output_layer.weight" not in load_weights(tmp / "pp2_tied")
+
+    def parameters(name: str) -> float:
+        line = re.search(r"([\d.]+)M parameters( \(output layer tied to the embedding\))?", out[name])
+        assert line is not None and bool(line.group(2)) == ("tied" in name), out[name][:2000]
+        return float(line.group(1))
+
+    tied = {parameters(name) for name in ("single_tied", "pp2_tied", "tp2_tied_from_pp2", "pp2_vp2_dp2_tied")}
+    output_layer = load_weights(tmp / "single_v2")["output_layer.weight"].numel() / 1e6  # V x H, untied
+    assert len(tied) == 1 and tied.pop() == pytest.approx(parameters("single_v2") - output_layer, abs=0.011)

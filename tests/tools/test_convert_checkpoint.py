@@ -69,24 +69,28 @@ def test_random_diffllama_round_trips_exactly(tmp_path_factory, single_rank_para
     args = json.loads((ckpt / "iter_0000000" / "args.json").read_text())
     assert args["num_attention_heads"] == config["num_attention_heads"] // 2  # DIFF heads
     assert args["num_query_groups"] == config["num_key_value_heads"] // 2
+    tied = config.get("tie_word_embeddings", False)  # "gqa": tied, kept tied both ways
+    assert args["tie_embeddings_and_output_weights"] == tied
     tokenizer_file = find_bpe_file()
     out = tmp_path_factory.mktemp(f"roundtrip-{name}") / "hf"
     extra = ["--tokenizer-file", tokenizer_file] if tokenizer_file else ["--no-tokenizer"]
     convert_ok("mcore-to-hf", "--load", ckpt, "--save", out, *extra)
 
     original, back = read_safetensors_folder(source), read_safetensors_folder(out)
-    assert back.keys() == original.keys()
+    assert back.keys() == original.keys() and ("lm_head.weight" in back) != tied
     for key in original:
         assert back[key].dtype == original[key].dtype and torch.equal(back[key], original[key]), key
     old, new = json.loads((source / "config.json").read_text()), json.loads((out / "config.json").read_text())
     for field in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
         assert new[field] == old[field], field
+    assert new["tie_word_embeddings"] == old.get("tie_word_embeddings", False) == tied
     assert new["rope_parameters"]["rope_theta"] == old["rope_parameters"]["rope_theta"]
 
     # Our model, loaded from the imported checkpoint, computes transformers' logits.
     _, reference = random_hf(tmp_path_factory, f"random-{name}", config)
-    assert reference["class"] == "DiffLlamaForCausalLM"
+    assert reference["class"] == "DiffLlamaForCausalLM" and reference["tied"] == tied
     model, _ = load_model(str(ckpt))
+    assert (model.output_layer.weight is None) == tied
     for ids, theirs in zip(roundtrip_prompts(config["vocab_size"]), reference["logits"], strict=True):
         assert max_relative_error(our_logits(model, ids), theirs) < 1e-4, ids.numel()
 

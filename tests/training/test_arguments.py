@@ -25,6 +25,9 @@ def test_short_smoke_run_of_a_big_recipe_stays_in_warmup(monkeypatch):
 
 
 PP2 = ["--model", "diff-tiny", "--pipeline-model-parallel-size", "2"]  # 4 layers: 2 per stage
+TIE_AND_UNTIE = ["--model", "diff-tiny", "--tie-embeddings-and-output-weights"] + [
+    "--untie-embeddings-and-output-weights"
+]
 VP1 = ["--num-layers-per-virtual-pipeline-stage", "1"]
 
 
@@ -40,6 +43,12 @@ VP1 = ["--num-layers-per-virtual-pipeline-stage", "1"]
             "global batch 6",
         ),
         (["--model", "diff-tiny", "--bf16", "--fp16"], 1, "one of --bf16 and --fp16"),
+        (
+            TIE_AND_UNTIE,
+            1,
+            "^--tie-embeddings-and-output-weights and --untie-embeddings-and-output-weights contradict each "
+            r"other; keep one \(untied is the default\)$",
+        ),
         (["--model", "diff-tiny", "--fp8-format", "hybrid"], 1, "Transformer Engine"),
         (["--model", "nope"], 1, "unknown model preset"),
         (["--num-layers", "2"], 1, "--hidden-size is required"),

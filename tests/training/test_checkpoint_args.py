@@ -42,3 +42,31 @@ def test_shape_from_the_pretrained_checkpoint_then_from_load(tmp_path):
     assert resolve_args([*run, "--pretrained-checkpoint", pretrained, "--load", resumed]).seq_length == 64
     with pytest.raises(DiffmegError, match="--use-checkpoint-args needs a checkpoint to read"):
         resolve_args([*run, "--load", str(tmp_path / "empty")])
+
+
+def test_tied_output_layer_is_carried_and_a_typed_untie_wins(tmp_path):
+    """A tied checkpoint's tie comes with its shape (an args.json without the field means untied); a typed
+    --untie-embeddings-and-output-weights wins (the run then refuses that checkpoint, naming the fix)."""
+    from diffmeg.training.checkpointing import CheckpointManager
+    from diffmeg.training.run_config import RunConfig
+
+    run = ["--use-checkpoint-args", "--mock-data", "--lr", "1e-3", "--train-iters", "1"]
+    tied = _checkpoint(tmp_path / "tied", 0, tie_embeddings_and_output_weights=True)
+    untied = _checkpoint(tmp_path / "untied", 0)  # saved before the flag existed
+    assert resolve_args([*run, "--pretrained-checkpoint", tied]).tie_embeddings_and_output_weights is True
+    assert resolve_args([*run, "--pretrained-checkpoint", untied]).tie_embeddings_and_output_weights is False
+    for given, source, fix in (
+        (["--untie-embeddings-and-output-weights"], tied, "add --tie-embeddings-and-output-weights"),
+        (["--tie-embeddings-and-output-weights"], untied, "drop --tie-embeddings-and-output-weights"),
+    ):
+        args = resolve_args([*run, "--pretrained-checkpoint", source, *given], world_size=1)
+        manager = CheckpointManager(RunConfig.from_args(args), log=lambda line: None)
+        manager.resolve()
+        with pytest.raises(DiffmegError, match=fix) as error:
+            manager.check_output_layer()
+        assert str(error.value).startswith(f"checkpoint {source}/iter_0000000 holds a model")
+    manager = CheckpointManager(
+        RunConfig.from_args(resolve_args([*run, "--pretrained-checkpoint", tied], world_size=1)), log=print
+    )
+    manager.resolve()
+    manager.check_output_layer()  # the same tying: nothing to say

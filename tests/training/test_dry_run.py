@@ -196,3 +196,21 @@ def test_features_say_what_the_run_uses_and_what_each_buys(capsys):
     # The first stage keeps 2.5 of its 4 micro-batches' activations instead of 2 (1 + (PP - 1) / (PP x VP)).
     act = vp["memory_per_gpu_gib"]["activations"] / plain["memory_per_gpu_gib"]["activations"]
     assert act == pytest.approx(1.25, rel=0.01)
+
+
+def test_tied_output_layer_in_the_count_and_the_memory_plan(capsys):
+    """--tie-embeddings-and-output-weights: the model counts one V x H matrix less; the plan holds it once
+    with one pipeline stage, but under PP2 the last stage still keeps its copy of the embedding."""
+    base = ["--model", "diff2-3b", "--bf16"]
+    v_h = 100288 * 3072
+    untied, _ = _dry(base, capsys, world_size=8)
+    tied, _ = _dry([*base, "--tie-embeddings-and-output-weights"], capsys, world_size=8)
+    assert tied["model"]["tie_embeddings_and_output_weights"] is True
+    assert untied["model"]["tie_embeddings_and_output_weights"] is False
+    assert untied["num_parameters"] == 4_053_543_936 and tied["num_parameters"] == 4_053_543_936 - v_h
+    per_gpu = tied["memory_per_gpu_gib"]["parameters_per_gpu"]
+    assert per_gpu == untied["memory_per_gpu_gib"]["parameters_per_gpu"] - v_h
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    untied, _ = _dry([*base, *pp2], capsys, world_size=8)
+    tied, _ = _dry([*base, *pp2, "--tie-embeddings-and-output-weights"], capsys, world_size=8)
+    assert tied["memory_per_gpu_gib"] == untied["memory_per_gpu_gib"]
