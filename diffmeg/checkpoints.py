@@ -2,11 +2,11 @@
 
 Layout (Megatron-LM's): `{root}/iter_{N:07d}/` holds one megatron-core distributed checkpoint plus the
 resolved arguments as `args.json`; `{root}/latest_checkpointed_iteration.txt` names the newest complete
-one. `begin_checkpoint` is the one writer (`write_checkpoint` runs it at once, training's --async-save in
-the background): the tracker is replaced atomically and only after every rank finished, so a run killed
-mid-save resumes from the previous checkpoint. Model weights are layout-free
-(one global key per tensor, layers stacked), so any TP/PP layout reads what any other wrote; the offline
-readers here build the single-rank (TP=PP=1) model a checkpoint's arguments describe.
+one. `begin_checkpoint` is the one writer (`diffmeg.compat.checkpoint_writer.run_now` runs its request at
+once, training's --async-save in the background): the tracker is replaced atomically and only after
+every rank finished, so a run killed mid-save resumes from the previous checkpoint. Model weights are
+layout-free (one global key per tensor, layers stacked), so any TP/PP layout reads what any other
+wrote; the offline readers here build the single-rank (TP=PP=1) model a checkpoint's arguments describe.
 """
 
 from __future__ import annotations
@@ -85,25 +85,6 @@ def iteration_dirs(root: str) -> list[int]:
 
 def _json_args(args: argparse.Namespace | dict) -> dict:
     return dict(args) if isinstance(args, dict) else vars(args)
-
-
-def write_checkpoint(
-    root: str,
-    iteration: int,
-    state: dict,
-    args: argparse.Namespace | dict,
-    expected_bytes: int | None = None,
-) -> str:
-    """Save `state` (a megatron-core sharded state dict plus common entries) as `{root}/iter_N`, now.
-
-    Called on every rank of the job (or by one process in a single-process group): `begin_checkpoint`, then
-    its request executed at once (`diffmeg.compat.checkpoint_writer.run_now`). Returns the iteration
-    directory; a failure raises the one line of `begin_checkpoint`.
-    """
-    from diffmeg.compat.checkpoint_writer import run_now
-
-    run_now(begin_checkpoint(root, iteration, state, args, expected_bytes))
-    return checkpoint_path(root, iteration)
 
 
 def begin_checkpoint(

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from diffmeg import checkpoints
-from diffmeg.checkpoints import TRACKER_FILE, load_sharded, read_tracker, write_checkpoint
+from diffmeg.checkpoints import TRACKER_FILE, load_sharded, read_tracker
 from diffmeg.errors import DiffmegError
+from tests.saves import write_checkpoint
 
 
 def _state(iteration: int) -> dict:

@@ -21,10 +21,11 @@ import psutil
 import pytest
 import torch
 
-from diffmeg.checkpoints import begin_checkpoint, checkpoint_path, load_sharded, write_checkpoint
+from diffmeg.checkpoints import begin_checkpoint, checkpoint_path, load_sharded
 from diffmeg.compat import checkpoint_writer
 from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite, use_in_process_results_queue
 from diffmeg.errors import DiffmegError
+from tests.saves import write_checkpoint
 
 
 def _state(values: torch.Tensor) -> dict:

@@ -48,7 +48,8 @@ def random_model(args, dtype: torch.dtype) -> torch.nn.Module:
 
 def training_save(root: Path, model: torch.nn.Module, args) -> None:
     """The checkpoint `pretrain_diff.py`'s writer makes of `model` (weights only, iteration 0)."""
-    from diffmeg.checkpoints import WEIGHTS_ONLY_KEY, write_checkpoint
+    from diffmeg.checkpoints import WEIGHTS_ONLY_KEY
+    from tests.saves import write_checkpoint
 
     state = {
         "model": model.sharded_state_dict(),
