@@ -134,7 +134,8 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
         layout_from_args,
         transformers_config_class,
     )
-    from diffmeg.conversion.mapping import GLOBALS, HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf
+    from diffmeg.conversion.layout import GLOBALS
+    from diffmeg.conversion.mapping import HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf
     from diffmeg.conversion.progress import Progress, clock
     from diffmeg.conversion.safetensors_io import SafetensorsShardWriter
     from diffmeg.conversion.tokenizer_io import export_tokenizer

@@ -19,9 +19,8 @@ import torch
 
 from diffmeg.conversion.checkpoint_io import HFCheckpointReader
 from diffmeg.conversion.hf_config import layout_from_args, layout_from_hf_config, pretrain_flags
-from diffmeg.conversion.layout import ModelLayout
+from diffmeg.conversion.layout import GLOBALS, ModelLayout
 from diffmeg.conversion.mapping import (
-    GLOBALS,
     HF_LAYER_PREFIX,
     MCORE_LAYER_PREFIX,
     check_shapes,

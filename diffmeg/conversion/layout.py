@@ -22,6 +22,14 @@ from dataclasses import dataclass
 
 from diffmeg.errors import DiffmegError
 
+GLOBALS = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+"""megatron-core -> Hugging Face names of the tensors outside the layers (the same in every architecture;
+a tied layout has no output layer: `ModelLayout.mcore_global_shapes` names what it holds)."""
+
 
 @dataclass(frozen=True)
 class ModelLayout:
@@ -132,14 +140,7 @@ class ModelLayout:
 
     def hf_global_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the Hugging Face tensors outside the layers (no `lm_head` when tied)."""
-        shapes = {
-            "model.embed_tokens.weight": (self.vocab_size, self.hidden_size),
-            "model.norm.weight": (self.hidden_size,),
-            "lm_head.weight": (self.vocab_size, self.hidden_size),
-        }
-        if self.tied:
-            del shapes["lm_head.weight"]
-        return shapes
+        return {GLOBALS[name]: shape for name, shape in self.mcore_global_shapes().items()}
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
+from diffmeg.conversion.layout import GLOBALS, Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.errors import DiffmegError
 
 MCORE_LAYER_PREFIX = "decoder.layers.{}."
@@ -55,13 +55,6 @@ _SAME_IN_LAYER = {
 _DIFF_SAME_IN_LAYER = {
     f"self_attention.core_attention.lambda_{n}": f"self_attn.lambda_{n}" for n in ("q1", "k1", "q2", "k2")
 }
-GLOBALS = {
-    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-    "decoder.final_layernorm.weight": "model.norm.weight",
-    "output_layer.weight": "lm_head.weight",
-}
-"""megatron-core -> Hugging Face names of the tensors outside the layers (the same in every architecture;
-a tied layout has no output layer: `ModelLayout.mcore_global_shapes` names what it holds)."""
 
 
 def check_shapes(
@@ -278,20 +271,19 @@ def mcore_to_hf(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """A whole TP=1 megatron-core state dict -> HF tensors, one block (globals, layers) at a time."""
     yield mcore_globals_to_hf(state_dict, layout, dtype)
-    for i in range(layout.num_layers):
-        layer = layer_tensors(state_dict, MCORE_LAYER_PREFIX.format(i))
-        prefix = HF_LAYER_PREFIX.format(i)
-        yield {prefix + k: v for k, v in mcore_layer_to_hf(layer, layout, dtype).items()}
+    yield from _layers(state_dict, layout, dtype, mcore_layer_to_hf, MCORE_LAYER_PREFIX, HF_LAYER_PREFIX)
 
 
 def hf_to_mcore(
-    state_dict: Mapping[str, torch.Tensor],
-    layout: ModelLayout,
-    dtype: torch.dtype | None = None,
+    state_dict: Mapping[str, torch.Tensor], layout: ModelLayout, dtype: torch.dtype | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """A whole HF state dict -> megatron-core TP=1 tensors, one block at a time."""
     yield hf_globals_to_mcore(state_dict, layout, dtype)
+    yield from _layers(state_dict, layout, dtype, hf_layer_to_mcore, HF_LAYER_PREFIX, MCORE_LAYER_PREFIX)
+
+
+def _layers(state_dict, layout: ModelLayout, dtype, convert: Callable, source: str, target: str):
+    """Each layer of `state_dict` (names under `source`) converted and renamed under `target`."""
     for i in range(layout.num_layers):
-        layer = layer_tensors(state_dict, HF_LAYER_PREFIX.format(i))
-        prefix = MCORE_LAYER_PREFIX.format(i)
-        yield {prefix + k: v for k, v in hf_layer_to_mcore(layer, layout, dtype).items()}
+        layer = layer_tensors(state_dict, source.format(i))
+        yield {target.format(i) + k: v for k, v in convert(layer, layout, dtype).items()}
