@@ -83,17 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     # No parser default (SUPPRESS): the preset or DEFAULTS decide, and --help shows no "(default: ...)".
     g.add_argument(
         "--diff-attention",
-        dest="diff_attention",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=argparse.SUPPRESS,
-        help="differential attention (the default, except for the transformer-* presets)",
-    )
-    g.add_argument(
-        "--no-diff-attention",
-        dest="diff_attention",
-        action="store_false",
-        default=argparse.SUPPRESS,
-        help="build the FLOP-matched Transformer baseline instead of DIFF",
+        help="differential attention (the default, except for the transformer-* presets); "
+        "--no-diff-attention builds the FLOP-matched Transformer baseline instead",
     )
     g.add_argument(
         "--diff-version",
