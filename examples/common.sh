@@ -1,12 +1,13 @@
 # shellcheck shell=bash
 # Shared by the examples; sourced, never run on its own. Sourcing it moves to the checkout (`root`) and
 # makes Python run this checkout's code, installed or not (`py` is the interpreter, PYTHON=python3).
-# The CPU examples (quickstart.sh, toy_retrieval.sh, toy_compare.sh) set `example` (their name) before
-# sourcing it and `out` (their output directory) before calling fresh_output_dir.
-# shellcheck disable=SC2154  # example and out are the sourcing script's
+# `example` is the sourcing script's name (quickstart for quickstart.sh: error lines and the marker of its
+# output directory); the CPU examples set `out` (their output directory) before calling fresh_output_dir.
+# shellcheck disable=SC2154  # out is the sourcing script's
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit
 root=$PWD
+example=$(basename "$0" .sh)
 py=${PYTHON:-python3}
 case ":${PYTHONPATH:-}:" in
     *":$root:"*) ;;

@@ -20,7 +20,6 @@
 #   QUICKSTART_PROMPT="The list type"  prompt for step 5
 #   PYTHON=python3
 set -euo pipefail
-example=quickstart
 # shellcheck source=examples/common.sh
 source "$(dirname "$0")/common.sh"  # in the checkout, running its code: root, py
 out=${QUICKSTART_OUT:-runs/quickstart}

@@ -42,7 +42,6 @@
 #   TOY_JOBS [2]                   runs at once, TOY_THREADS [1] threads each
 #   PYTHON=python3
 set -euo pipefail
-example=toy_compare
 # shellcheck source=examples/common.sh
 source "$(dirname "$0")/common.sh"  # in the checkout, running its code: root, py
 out=${TOY_OUT:-runs/toy_compare}

@@ -22,7 +22,6 @@
 #   TOY_SEED=1234                training and evaluation seed
 #   PYTHON=python3
 set -euo pipefail
-example=toy_retrieval
 # shellcheck source=examples/common.sh
 source "$(dirname "$0")/common.sh"  # in the checkout, running its code: root, py
 out=${TOY_OUT:-runs/toy_retrieval}

@@ -28,7 +28,6 @@
 #   UPCYCLE_JOBS [2]                   runs at once, UPCYCLE_THREADS [1] threads each
 #   PYTHON=python3
 set -euo pipefail
-example=upcycle
 # shellcheck source=examples/common.sh
 source "$(dirname "$0")/common.sh"  # in the checkout, running its code: root, py
 out=${UPCYCLE_OUT:-runs/upcycle}
