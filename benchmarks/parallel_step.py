@@ -10,7 +10,8 @@ batches) and times their `train_step` in turn, A B B A A B ..., so both meet the
 noisy host changes speed over minutes). A step's time is the slowest rank's, from a barrier to the end of
 `train_step` (CUDA synchronized); with --overlap-param-gather a step's all-gathers run in the next step's
 forward, which is timed with it. Prints per variant the median, min and max of --steps steps after
---warmup, the ratio of the medians, and what the feature should buy; the largest difference of the two
+--warmup, the ratio of the medians and the median of the ratios of the steps taken side by side (less
+sensitive to the host's drift), and what the feature should buy; the largest difference of the two
 variants' losses and grad norms shows that both trained the same model.
 - overlap: DP = world size, the distributed optimizer, without and with --overlap-grad-reduce and
   --overlap-param-gather and --ddp-bucket-size (without them megatron-core reduces one bucket per buffer);
@@ -223,9 +224,10 @@ def _report(item: str, pair: list[Variant], bench: argparse.Namespace, log) -> N
             f"{max(timed) * 1000:>8.0f}"
         )
     ratio = medians[1] / medians[0]
+    paired = statistics.median(b / a for a, b in zip(*(v.times[bench.warmup :] for v in pair), strict=True))
     losses = _max_difference(pair[0].losses, pair[1].losses)
     norms = _max_difference(pair[0].grad_norms, pair[1].grad_norms)
-    log(f"with / without: {ratio:.3f}x the step time")
+    log(f"with / without: {ratio:.3f}x the median step time, {paired:.3f}x the median of steps side by side")
     log(f"same training: losses differ by at most {losses:.1e} (relative), grad norms by {norms:.1e}")
     if item == "overlap":
         log(f"should buy: {features(args[1])['overlap_grad_reduce']}")
