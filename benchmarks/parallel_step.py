@@ -7,15 +7,15 @@ data-parallel communication (issue 23, item 1) and the interleaved pipeline sche
 
 Each item builds two Trainers (pretrain_diff.py's, on mock data, same seed, so the same weights and
 batches) and times their `train_step` in turn, A B B A A B ..., so both meet the same host (a shared or
-noisy host changes speed over minutes). A step's time is the slowest rank's, from a barrier to the end of
-`train_step` (CUDA synchronized); with --overlap-param-gather a step's all-gathers run in the next step's
-forward, which is timed with it. Prints per variant the median, min and max of --steps steps after
---warmup, the ratio of the medians and the median of the ratios of the steps taken side by side (less
-sensitive to the host's drift), and what the feature should buy; the largest difference of the two
-variants' losses and grad norms shows that both trained the same model.
+noisy host changes speed over minutes); each rank holds both models at once. A step's time is the slowest
+rank's, from a barrier to the end of `train_step` (CUDA synchronized); with --overlap-param-gather a
+step's all-gathers run in the next step's forward, which is timed with it. Prints per variant the median,
+min and max of --steps steps after --warmup, the ratio of the medians and the median of the ratios of the
+steps taken side by side (less sensitive to the host's drift), and what the feature should buy; the
+largest difference of the two variants' losses and grad norms shows that both trained the same model.
 - overlap: DP = world size, the distributed optimizer, without and with --overlap-grad-reduce and
-  --overlap-param-gather and --ddp-bucket-size (without them megatron-core reduces one bucket per buffer);
-  --dp-microbatches micro-batches per rank.
+  --overlap-param-gather and --ddp-bucket-size (without them megatron-core reduces one bucket per buffer;
+  default 1M parameters on CPU, megatron-core's on GPU); --dp-microbatches micro-batches per rank.
 - interleaved: PP = --pipeline-size (DP = world / PP), --pp-microbatches micro-batches per rank, without
   and with --num-layers-per-virtual-pipeline-stage (layers / PP / --chunks); the bubble the schedule
   predicts is the dry run's, (PP - 1) / micro-batches, divided by the chunks. megatron-core keeps the
@@ -67,7 +67,12 @@ def main() -> int:
     parser.add_argument("--items", nargs="+", choices=["overlap", "interleaved"], default=None)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=2, help="first steps per variant left out")
-    parser.add_argument("--ddp-bucket-size", type=int, default=1_000_000, help="parameters per bucket")
+    parser.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="parameters per bucket (default 1M on CPU: several for the small model; megatron-core's on GPU)",
+    )
     parser.add_argument("--dp-microbatches", type=int, default=1, help="per rank, overlap item")
     parser.add_argument("--pipeline-size", type=int, default=2)
     parser.add_argument("--pp-microbatches", type=int, default=4, help="per rank, interleaved item")
@@ -100,7 +105,8 @@ def main() -> int:
     if "overlap" in items:
         layout = [*common, "--use-distributed-optimizer"]
         layout += ["--global-batch-size", str(world * mbs * bench.dp_microbatches)]
-        overlap = [*OVERLAP, "--ddp-bucket-size", str(bench.ddp_bucket_size)]  # no effect without them
+        bucket = bench.ddp_bucket_size or (1_000_000 if on_cpu else None)
+        overlap = [*OVERLAP, *(["--ddp-bucket-size", str(bucket)] if bucket else [])]  # only used with them
         pair = [Variant("dist-opt", layout), Variant("dist-opt + overlaps", [*layout, *overlap])]
         sections.append(("overlap", pair))
     if "interleaved" in items:
