@@ -146,6 +146,14 @@ def chunked_loss_feature(args: argparse.Namespace) -> str:
     )
 
 
+def pipeline_bubble(args: argparse.Namespace, chunks: int | None = None) -> float:
+    """Idle time over compute time of a 1F1B step, (PP - 1) / micro-batches / model chunks (Megatron-LM's
+    paper); `chunks` None: the run's virtual pipeline stages."""
+    chunks = chunks or getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    return (args.pipeline_model_parallel_size - 1) / micro / chunks
+
+
 def features(args: argparse.Namespace) -> dict[str, str]:
     """The throughput features a run can use, one line each: "on: what it buys" or "off: why"."""
     from diffmeg.training.memory import parameters_per_rank
@@ -175,8 +183,7 @@ def features(args: argparse.Namespace) -> dict[str, str]:
         elif args.use_distributed_optimizer:
             params_ = "off: weights are all-gathered after the optimizer step (--overlap-param-gather)"
     pp = args.pipeline_model_parallel_size
-    micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    bubble = (pp - 1) / micro  # idle time over compute time of a 1F1B step (Megatron-LM's paper)
+    bubble = pipeline_bubble(args, chunks=1)
     if pp == 1:
         pipeline = "off: no pipeline (PP 1)"
     elif chunks == 1:
