@@ -238,6 +238,10 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
+CHECKED_TENSORS = ("out", "dq1", "dq2", "dk1", "dk2", "dv", "dlambda")
+"""What check_backend compares with float64, in its order: the output and the six gradients."""
+
+
 def check_backend(
     fn: Callable,
     device: str,
@@ -252,7 +256,8 @@ def check_backend(
     """Forward and all six gradients against float64 math on a ragged GQA case.
 
     Correct = within twice the error of torch's own unfused path in the same dtype, plus 1e-3 (the
-    FlashAttention test rule, as tests/kernels use). Returns {correct, max_rel_err, torch_rel_err, error}.
+    FlashAttention test rule, as tests/kernels use). Returns {correct, max_rel_err, torch_rel_err, rel_errs,
+    torch_rel_errs, failed, error}: per tensor errors by CHECKED_TENSORS name, and the names over the bound.
     """
     gen = torch.Generator().manual_seed(seed)
     q_shape, k_shape = (1, heads, seq, head_dim), (1, kv_heads, seq, head_dim)
@@ -281,8 +286,17 @@ def check_backend(
     errs = [_rel_err(m, r) for m, r in zip(mine, ref, strict=True)]
     base = [_rel_err(t, r) for t, r in zip(theirs, ref, strict=True)]
     finite = all(math.isfinite(e) for e in errs)
-    ok = finite and all(e <= 2 * b + 1e-3 for e, b in zip(errs, base, strict=True))
-    return {"correct": ok, "max_rel_err": max(errs), "torch_rel_err": max(base), "error": None}
+    within = [e <= 2 * b + 1e-3 for e, b in zip(errs, base, strict=True)]
+    return {
+        "correct": finite and all(within),
+        "max_rel_err": max(errs),
+        "torch_rel_err": max(base),
+        # per tensor: which one failed, and by how much (the maxima alone hide it)
+        "rel_errs": dict(zip(CHECKED_TENSORS, errs, strict=True)),
+        "torch_rel_errs": dict(zip(CHECKED_TENSORS, base, strict=True)),
+        "failed": [n for n, ok in zip(CHECKED_TENSORS, within, strict=True) if not ok],
+        "error": None,
+    }
 
 
 def run_rows(

@@ -124,21 +124,22 @@ for preset, backend in (("transformer-tiny", None), ("diff-tiny", sys.argv[1])):
     opts = train_step.StepOptions(tokens_per_microbatch=512, microbatches=2, vocab_size=1024,
                                   diff_attn_backend=backend, extra_args=flags)
     args = train_step.resolve_run_args(preset, 256, opts, "cuda")
-    config, model, optimizer, scheduler = build_training_objects(args)
+    config, model, optimizer, scheduler = build_training_objects(args)  # model: a list of DDP chunks
     batches = list(train_step._mock_batches(2, args.micro_batch_size, 256, 1024, "cuda"))
     losses, updated = [], []
     for _ in range(4):
-        model.zero_grad_buffer()
+        for chunk in model:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=[model], num_microbatches=2,
+            forward_step_func=forward_step, data_iterator=iter(batches), model=model, num_microbatches=2,
             seq_length=256, micro_batch_size=args.micro_batch_size, forward_only=False)
         updated.append(bool(optimizer.step()[0]))
         scheduler.step(increment=1)
         losses.append(sum(float(o["lm loss"]) for o in out) / len(out))
     print(json.dumps({
         "preset": preset, "process_group": torch.distributed.get_backend(),
-        "attention": train_step.attention_impl(model), "dtype": str(next(model.parameters()).dtype),
+        "attention": train_step.attention_impl(model[0]), "dtype": str(next(model[0].parameters()).dtype),
         "fused_swiglu": config.bias_activation_fusion, "dynamo": not torch._dynamo.config.disable,
         "losses": losses, "updated": updated,
     }))

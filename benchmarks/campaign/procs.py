@@ -24,6 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 COMPILED_PHASES = ("train", "memory")
 """Phases that run megatron-core's fusions compiled by TorchDynamo on a GPU, as pretrain_diff.py does."""
+TOKENIZER_FILE_NAME = "cl100k_base.tiktoken"
+"""A tokenizer file in the carried folder: the memory phase's runs read the builtin corpus with it."""
+TOKENIZER_FILE_ENV = "DIFFMEG_TOKENIZER_FILE"
+"""diffmeg.data.tokenizer.TOKENIZER_FILE_ENV, named here because this module runs before megatron-core
+(which that module imports) is installed from the wheels."""
 
 
 def child_env(a: argparse.Namespace) -> dict[str, str]:
@@ -44,6 +49,11 @@ def child_env(a: argparse.Namespace) -> dict[str, str]:
         env.pop(key, None)  # every run here is one process: never join an outer launcher's job
     if a.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    carried = Path(a.wheels) / TOKENIZER_FILE_NAME if getattr(a, "wheels", None) else None
+    if carried is not None and carried.is_file() and not env.get(TOKENIZER_FILE_ENV):
+        env[TOKENIZER_FILE_ENV] = str(
+            carried.resolve()
+        )  # the GPU machine is offline: carried with the wheels
     return env
 
 

@@ -34,6 +34,22 @@ def skipped_run(model: str, iterations: int) -> dict:
     }
 
 
+def run_data(plan: Plan, env: dict[str, str]) -> tuple[list[str], str]:
+    """(pretrain_diff.py data flags, what the row records): the embedded corpus where the plan asks for it
+    and the runs' environment finds cl100k_base (DIFFMEG_TOKENIZER_FILE or tiktoken's cache), else mock
+    ids, saying why."""
+    if plan.run_data != "builtin":
+        return ["--mock-data"], "mock"
+    from diffmeg.data.tokenizer import TOKENIZER_FILE_ENV, load_tokenizer
+    from diffmeg.errors import DiffmegError
+
+    try:
+        load_tokenizer(env.get(TOKENIZER_FILE_ENV))
+    except DiffmegError as exc:
+        return ["--mock-data"], f"mock (no tokenizer for the builtin corpus: {exc})"
+    return ["--data-path", "builtin"], "builtin"
+
+
 def _losses(path: Path) -> dict[int, float]:
     out = {}
     if path.is_file():
@@ -55,7 +71,8 @@ def train_and_resume(model: str, plan: Plan, work: Path, deadline: float, env: d
     n, half = plan.run_iterations, plan.run_iterations // 2
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "ckpt"
-    base = [sys.executable, str(REPO / "pretrain_diff.py"), "--model", model, *plan.run_args]
+    data_args, data = run_data(plan, env)
+    base = [sys.executable, str(REPO / "pretrain_diff.py"), "--model", model, *plan.run_args, *data_args]
     base += ["--train-iters", str(n), "--log-interval", "1", "--eval-iters", "0"]
     runs = {
         "full": base + ["--metrics-file", str(work / "full.jsonl")],
@@ -72,6 +89,7 @@ def train_and_resume(model: str, plan: Plan, work: Path, deadline: float, env: d
         "resume_exact": None,
         "resume_all_equal": None,
         "resume_max_abs_diff": None,
+        "data": data,
         "deterministic": "--deterministic-mode" in plan.run_args,
         "nondeterministic_ops": [],
         "generation_ok": None,

@@ -24,6 +24,13 @@ from diffmeg.kernels.triton_diff import diff_attention_triton, triton_usable
 DiffAttentionFn = Callable[..., torch.Tensor]
 
 
+AUTO_BACKEND = "sdpa"
+"""What `auto` runs. Measured on an H100 (bf16, 12 heads of d=128, forward+backward; the kernels phase of
+benchmarks/results/campaign-nvidia-h100-80gb-hbm3-20261124T064253Z.json): the fused Triton kernel with its
+best tiles takes 1.26-1.35x the time of torch's SDPA paths at every length from 2K to 16K, so `auto` is
+SDPA (flash kernels) until a kernel beats it; 'triton' stays available by name."""
+
+
 def backend_name(name: str) -> str:
     """The backend a name stands for (`auto` -> sdpa), refusing names this installation can never run.
 
@@ -32,9 +39,7 @@ def backend_name(name: str) -> str:
     still runs the GPU kernels there.
     """
     if name == "auto":
-        # The fused Triton kernel is verified in the interpreter but not yet timed on a GPU: `auto`
-        # stays on SDPA (split-V flash kernels on CUDA) until it is; choose 'triton' explicitly.
-        return "sdpa"
+        return AUTO_BACKEND
     if name in ("reference", "sdpa"):
         return name
     if name == "flash" and not flash_attn_available():
@@ -51,9 +56,7 @@ def backend_name(name: str) -> str:
 def resolve_backend(name: str, device_type: str) -> tuple[str, DiffAttentionFn]:
     """Map a backend name (or `auto`) to its function, with a clear error when it cannot run here."""
     if name == "auto":
-        # The fused Triton kernel is verified in the interpreter but not yet timed on a GPU: `auto`
-        # stays on SDPA (split-V flash kernels on CUDA) until it is; choose 'triton' explicitly.
-        name = "sdpa"
+        name = AUTO_BACKEND
     if name == "reference":
         return name, diff_attention_reference
     if name == "sdpa":

@@ -88,8 +88,8 @@ class TritonDiffConfig:
     `split_dkdv` computes dV and dK1/dK2 in two launches ([BN, 2d] accumulators each instead of [BN, 4d]),
     recomputing P1, P2 in both (16d -> 20d FLOPs per pair in that kernel); with `split_dk` too, dK1 and
     dK2 get a launch each ([BN, d] accumulators and one K tile resident; 24d FLOPs per pair).
-    Defaults (`default_config`) come from ptxas resource usage only, NOT from GPU timings (no GPU was
-    available when written); benchmarks/attention.py --sweep times the alternatives on a real GPU.
+    Defaults (`default_config`): d=128 from H100 timings (the GPU campaign's kernels phase), d <= 96 from
+    ptxas resource usage; benchmarks/attention.py --sweep times the alternatives on a real GPU.
     """
 
     block_m: int = 64
@@ -135,9 +135,10 @@ def default_config(
     dtype: torch.dtype = torch.bfloat16,
     smem_limit: int = SM90_SHARED_MEMORY_BYTES,
 ) -> TritonDiffConfig:
-    """Tiles from ptxas resource usage for sm_90 in bf16 (`python -m diffmeg.kernels.triton_aot --sweep`,
-    docs/benchmarks.md), NOT from GPU timings: the least-spilling tiles whose dot M dims cover all warps
-    (each Hopper warp owns 16 rows; fewer rows make warps repeat each other's work).
+    """Tiles for sm_90 in bf16: at d=128 the fastest correct ones an H100 measured, at d <= 96 (not timed
+    against alternatives yet) from ptxas resource usage (`python -m diffmeg.kernels.triton_aot --sweep`,
+    docs/benchmarks.md): the least-spilling tiles whose dot M dims cover all warps (each Hopper warp owns
+    16 rows; fewer rows make warps repeat each other's work).
 
     Registers are the constraint: the forward holds two [BM, 2d] fp32 accumulators (A1 V, A2 V) and the
     dK/dV kernel [BN, 4d] (dV, dK1, dK2): at d=128 FlashAttention's d=256 budget, twice. Shared memory
@@ -146,13 +147,45 @@ def default_config(
     """
     if interpreted:  # fewer, larger tiles: each program is a Python loop over numpy ops
         return TritonDiffConfig(32, 32, 1, 1, 1, 32, 32, 32, 32, 1, 1)
-    return fit_shared_memory(_bf16_config(head_dim), head_dim, dtype, smem_limit)
+    return fit_shared_memory(_tiles(head_dim, dtype), head_dim, dtype, smem_limit)
 
 
-def _bf16_config(head_dim: int) -> TritonDiffConfig:
-    """The tuned tiles of this head dim (`set_tuned_config`), else the ptxas-chosen ones for bf16."""
+def _tiles(head_dim: int, dtype: torch.dtype) -> TritonDiffConfig:
+    """The tuned tiles of this head dim (`set_tuned_config`), else for 2-byte inputs the measured ones
+    where an H100 timed candidates (d=128), else the ptxas-chosen ones. 4-byte inputs (tests, debugging)
+    keep the ptxas-chosen tiles, which fit_shared_memory shrinks to the limit and which the H100 ran
+    correctly; the measured d=128 tiles would shrink to 2-warp programs spilling ~24 KB (ptxas, fp32)."""
     if head_dim in _TUNED:
         return _TUNED[head_dim]
+    if head_dim in _MEASURED and torch.empty((), dtype=dtype).element_size() == 2:
+        return _MEASURED[head_dim]
+    return _ptxas_tiles(head_dim)
+
+
+_MEASURED = {
+    # d=128, measured on an H100 (benchmarks/results/campaign-nvidia-h100-80gb-hbm3-20261124T064253Z.json,
+    # the kernels phase): of the seven candidates these tiles are the fastest at every length (fwd+bwd
+    # 3.17 ms at 4K against 4.16 for the ptxas-chosen three-pass tiles) and the only ones within the float64
+    # check's bound (the others, all with 16-row dK/dV tiles, were not). One dK/dV pass spills more (ptxas:
+    # 1536 B) than three (496 B per launch), which the timings say costs less than the extra passes' FLOPs.
+    128: TritonDiffConfig(
+        block_m=128,
+        block_n=64,
+        v_splits=2,
+        num_warps=8,
+        num_stages=2,
+        dkdv_block_m=32,
+        dkdv_block_n=128,
+        dq_block_m=128,
+        dq_block_n=32,
+        bwd_num_warps=8,
+        bwd_num_stages=2,
+    ),  # fmt: skip
+}
+
+
+def _ptxas_tiles(head_dim: int) -> TritonDiffConfig:
+    """The tiles chosen from ptxas resource usage for sm_90 in bf16 (no GPU timing)."""
     if head_dim <= 64:  # spill-free forward and dQ; dV / dK passes spill 0 / 56 B
         return TritonDiffConfig(
             block_m=64, block_n=16, v_splits=1, num_warps=4, num_stages=2, dkdv_block_m=16, dkdv_block_n=128,
@@ -167,8 +200,7 @@ def _bf16_config(head_dim: int) -> TritonDiffConfig:
         )  # fmt: skip
     # d=128: the forward needs v_splits=2 (two [BM, 2d] accumulators do not fit one warpgroup) and still
     # spills 160 B; dK/dV in three passes spills at most 496 B per launch (one pass: 1536 B, two: 1032 B)
-    # at 24d instead of 16d FLOPs per query-key pair; dQ 312 B. To be decided by GPU timings
-    # (the GPU campaign's kernels phase times the one-pass tiles too).
+    # at 24d instead of 16d FLOPs per query-key pair; dQ 312 B. The H100 preferred one pass (_MEASURED).
     return TritonDiffConfig(
         block_m=64, block_n=16, v_splits=2, num_warps=4, num_stages=2, dkdv_block_m=16, dkdv_block_n=128,
         dq_block_m=128, dq_block_n=16, bwd_num_warps=8, bwd_num_stages=2, split_dkdv=True, split_dk=True,

@@ -60,13 +60,16 @@ def test_correctness_check_against_float64():
     good = bench.check_backend(
         bench.make_backends(False, "cpu")[bench.SDPA_SPLIT_V], "cpu", torch.float32, 16
     )
-    assert good["correct"] and good["max_rel_err"] < 1e-5 and good["error"] is None
+    assert good["correct"] and good["max_rel_err"] < 1e-5 and good["error"] is None and good["failed"] == []
+    assert list(good["rel_errs"]) == list(bench.CHECKED_TENSORS) == list(good["torch_rel_errs"])
 
     def off_by_a_little(q1, q2, k1, k2, v, lam, **kw):
         return diff_attention_reference(q1, q2, k1, k2, v, lam * 1.01, **kw)
 
     bad = bench.check_backend(off_by_a_little, "cpu", torch.float32, 16)
     assert not bad["correct"] and bad["max_rel_err"] > 1e-3
+    assert "out" in bad["failed"] and "dv" in bad["failed"]  # lambda scales o2's share: output and dV move
+    assert bad["rel_errs"]["out"] > 2 * bad["torch_rel_errs"]["out"] + 1e-3
 
 
 def test_triton_candidates_start_with_the_default_tiles():

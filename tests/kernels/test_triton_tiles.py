@@ -14,7 +14,8 @@ import torch
 from diffmeg.kernels import triton_diff
 from diffmeg.kernels.triton_diff import (
     SM90_SHARED_MEMORY_BYTES,
-    _bf16_config,
+    _ptxas_tiles,
+    _tiles,
     default_config,
     fit_shared_memory,
     shared_memory_estimate,
@@ -23,15 +24,19 @@ from diffmeg.kernels.triton_diff import (
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
-def test_bf16_tiles_are_the_ptxas_ones_and_fp32_tiles_fit_sm90(head_dim):
+def test_bf16_tiles_are_the_chosen_ones_and_fp32_tiles_fit_sm90(head_dim):
     bf16 = default_config(head_dim, interpreted=False)
-    assert bf16 == _bf16_config(head_dim)  # fitting never touches the tiles chosen for bf16
+    assert bf16 == _tiles(head_dim, torch.bfloat16)  # fitting never touches the tiles chosen for bf16
+    # measured on the H100 at d=128 (one dK/dV pass, 32-row tiles), ptxas-chosen elsewhere
+    assert (bf16 != _ptxas_tiles(head_dim)) == (head_dim == 128)
+    assert default_config(head_dim, interpreted=False, dtype=torch.float16) == bf16
     assert max(shared_memory_estimate(bf16, head_dim, torch.bfloat16).values()) <= SM90_SHARED_MEMORY_BYTES
     fp32 = default_config(head_dim, interpreted=False, dtype=torch.float32)
     assert max(shared_memory_estimate(fp32, head_dim, torch.float32).values()) <= SM90_SHARED_MEMORY_BYTES
     if head_dim >= 96:  # the dQ and dK/dV kernels hold half the rows; the forward keeps its tiles
-        assert (fp32.dq_block_m, fp32.dkdv_block_n) == (bf16.dq_block_m // 2, bf16.dkdv_block_n // 2)
-        assert (fp32.block_m, fp32.block_n, fp32.v_splits) == (bf16.block_m, bf16.block_n, bf16.v_splits)
+        ptxas = _ptxas_tiles(head_dim)  # 4-byte inputs start from these (what the H100 ran in fp32)
+        assert (fp32.dq_block_m, fp32.dkdv_block_n) == (ptxas.dq_block_m // 2, ptxas.dkdv_block_n // 2)
+        assert (fp32.block_m, fp32.block_n, fp32.v_splits) == (ptxas.block_m, ptxas.block_n, ptxas.v_splits)
     else:
         assert fp32 == bf16
 
