@@ -385,14 +385,26 @@ def dq_meta(d: int, sq: int, dtype: torch.dtype, cfg: TritonDiffConfig) -> dict:
     )  # fmt: skip
 
 
-def _forward(q1, q2, k1, k2, v, lam, scale: float, cfg: TritonDiffConfig, store_o2: bool):
+def _forward(
+    q1,
+    q2,
+    k1,
+    k2,
+    v,
+    lam,
+    scale: float,
+    cfg: TritonDiffConfig,
+    store_o2: bool,
+    o2_dtype: torch.dtype | None = None,
+):
+    """(out, o2, lse1, lse2); o2 = A2 V is kept for the backward in `o2_dtype` (default: the inputs')."""
     kern = _kernels()
     b, h, sq, d = q1.shape
     g, sk = k1.shape[1], k1.shape[2]
     splits = cfg.v_splits
     dv_width = 2 * d // splits
     out = torch.empty((b, h, sq, 2 * d), device=q1.device, dtype=q1.dtype)
-    o2 = torch.empty_like(out) if store_o2 else out  # unused pointer when not stored
+    o2 = torch.empty_like(out, dtype=o2_dtype or out.dtype) if store_o2 else out  # else an unused pointer
     lse1 = torch.empty((b, h, sq), device=q1.device, dtype=torch.float32)
     lse2 = torch.empty_like(lse1)
     grid = (_cdiv(sq, cfg.block_m), b * h, splits)
