@@ -167,6 +167,7 @@ def _candidates(name: str, r: dict) -> list[str]:
             {True: "yes", False: "**no**"}.get(c["correct"], "–"),
             _num(c["max_rel_err"], "{:.1e}"),
             _num(c["torch_rel_err"], "{:.1e}"),
+            _failed(c),
             c["error"] or "",
         ]
         for c in r["triton_candidates"]
@@ -177,7 +178,15 @@ def _candidates(name: str, r: dict) -> list[str]:
         f"{_source(name, r)}",
         "",
     ]
-    return head + _table(["tiles", "correct", "max rel err", "torch's rel err", "error"], rows)
+    columns = ["tiles", "correct", "max rel err", "torch's rel err", "over the bound", "error"]
+    return head + _table(columns, rows)
+
+
+def _failed(c: dict) -> str:
+    """The tensors over the bound with their error and torch's (files before per-tensor checks: –)."""
+    if "failed" not in c:
+        return "–"
+    return ", ".join(f"{n} {c['rel_errs'][n]:.1e} (torch {c['torch_rel_errs'][n]:.1e})" for n in c["failed"])
 
 
 def _train(name: str, r: dict) -> list[str]:

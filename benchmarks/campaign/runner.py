@@ -29,6 +29,7 @@ from benchmarks.campaign.gpu_tests import phase_tests
 from benchmarks.campaign.install import install_wheels, missing_requirement
 from benchmarks.campaign.kernels import phase_kernels
 from benchmarks.campaign.memory import phase_memory
+from benchmarks.campaign.merge import ContinueError, load_earlier, merged
 from benchmarks.campaign.part import Part, clean
 from benchmarks.campaign.plan import (
     CHILD_MARGIN_S,
@@ -147,6 +148,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="in the git checkout, before each GPU command: write campaign-source.json (revision, digest of "
         "the tracked files) into the --wheels folder (default .whl), which travels with the command",
     )
+    p.add_argument(
+        "--continue",
+        dest="continue_from",
+        default=None,
+        metavar="FILE",
+        help="add this command's phases to an earlier results file of the same clean revision and GPU "
+        "(its other phases and rows are kept; the new file names it in 'continues')",
+    )
     p.add_argument("--child", choices=PHASES, default=None, help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget-s", type=float, default=None, help=argparse.SUPPRESS)
@@ -238,6 +247,13 @@ def _run(
         log(f"campaign: {problem}")
         return 2
     revision, dirty, source = source_revision(REPO, carried)
+    earlier = None
+    if a.continue_from:
+        try:
+            earlier = load_earlier(Path(a.continue_from), revision, dirty, bool(a.smoke))
+        except ContinueError as exc:
+            log(f"campaign: {exc}")
+            return 2
     result.update(
         date=now.isoformat(timespec="seconds"),
         git_revision=revision,
@@ -298,6 +314,13 @@ def _run(
         size = f"{saved['bytes'] / 2**20:.1f} MiB"
         log(f"triton cache: {saved['entries']} entries, {size}: {saved['saved']}{left_out}")
     result["triton_cache"] = cache_info
+    if earlier is not None:
+        try:
+            result = merged(earlier, Path(a.continue_from).name, result, phases)
+            result.update(headlines(result, plan.attn_head_dim))
+        except ContinueError as exc:  # another GPU: this command's results stand alone
+            log(f"campaign: {exc}")
+            failed = True
     result = clean(result)
     name = f"campaign-{slug(result['device'] or 'unknown')}-{stamp}.json"
     problems = schema.validate(result)

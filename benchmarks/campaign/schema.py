@@ -83,6 +83,7 @@ OPTIONAL_TOP_LEVEL: dict[str, tuple] = {
     "peak_bf16_tflops": _OPT_NUM,  # the GPU's dense bf16 peak (datasheet): the MFU denominator
     "wheels": (dict, type(None)),  # what --wheels found and installed
     "triton_cache": (dict, type(None)),  # the Triton cache archive restored before and saved after
+    "continues": (list,),  # earlier results files of the same revision and GPU merged in (--continue)
 }
 
 

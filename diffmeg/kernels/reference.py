@@ -50,3 +50,29 @@ def diff_attention_reference(
     if dropout_p > 0.0:
         diff_map = torch.nn.functional.dropout(diff_map, p=dropout_p)
     return torch.matmul(diff_map, v.to(compute_dtype)).to(q1.dtype)  # [b, h, sq, 2d]
+
+
+def lambda_grad_scale(
+    q1: torch.Tensor,
+    q2: torch.Tensor,
+    k1: torch.Tensor,
+    k2: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    scale: float,
+) -> float:
+    """sum(|dO| * |A2 V|) in float64: the scale an error of dlambda = -sum(dO * A2 V) is measured against.
+
+    dlambda is one sum of millions of products of either sign: the sum cancels to a small fraction of
+    its terms, so an error relative to dlambda itself amplifies the terms' own rounding by that
+    cancellation and varies from draw to draw (on an H100, torch's SDPA path measured 1.8e-4 to 1.5e-3
+    relative to dlambda with A2 V as accurate as the fused kernel's; benchmarks/lambda_grad_precision.py).
+    A dot product's rounding error is bounded by a multiple of sum(|x| |y|): that is the scale here.
+    """
+    args = [t.detach().double() for t in (q1, q2, k1, k2, v)]
+    zero, one = (torch.tensor(x, dtype=torch.float64, device=q1.device) for x in (0.0, 1.0))
+    a2v = diff_attention_reference(*args, zero, scale=scale) - diff_attention_reference(
+        *args, one, scale=scale
+    )
+    return (dout.detach().double().abs() * a2v.abs()).sum().item()

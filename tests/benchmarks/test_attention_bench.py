@@ -72,6 +72,42 @@ def test_correctness_check_against_float64():
     assert bad["rel_errs"]["out"] > 2 * bad["torch_rel_errs"]["out"] + 1e-3
 
 
+def _lambda_grad_off_by(delta: float):
+    """The float reference with `delta` added to lambda's gradient and nothing else changed."""
+
+    def fn(q1, q2, k1, k2, v, lam, **kw):
+        shifted = lam * 1.0
+        shifted.register_hook(lambda grad: grad + delta)
+        return diff_attention_reference(q1, q2, k1, k2, v, shifted, **kw)
+
+    return fn
+
+
+def test_the_lambda_gradient_is_judged_against_its_terms_not_its_cancelled_sum():
+    """An error of 1% of sum(|dO| |A2 V|) fails (only dlambda); one of 0.01% of it passes although it is a
+    far larger share of the cancelled sum dlambda (what the old rule compared with)."""
+    from diffmeg.kernels.reference import lambda_grad_scale
+
+    gen = torch.Generator().manual_seed(0)  # check_backend's own draw at head dim 16, seq 333, 4/2 heads
+    shapes = [(1, 4, 333, 16), (1, 4, 333, 16), (1, 2, 333, 16), (1, 2, 333, 16), (1, 2, 333, 32)]
+    ts = [torch.randn(s, generator=gen, dtype=torch.float64).float() for s in shapes]
+    dout = torch.randn((1, 4, 333, 32), generator=gen, dtype=torch.float64).float()
+    scale = lambda_grad_scale(*ts, dout, scale=16**-0.5)
+    q1, q2, k1, k2, v = (t.double() for t in ts)
+    zero, one = torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    a2v = diff_attention_reference(q1, q2, k1, k2, v, zero, scale=0.25) - diff_attention_reference(
+        q1, q2, k1, k2, v, one, scale=0.25
+    )
+    dlam = -(dout.double() * a2v).sum().item()
+    assert abs(dlam) < 0.1 * scale  # the sum cancels
+    bad = bench.check_backend(_lambda_grad_off_by(0.01 * scale), "cpu", torch.float32, 16)
+    assert bad["failed"] == ["dlambda"] and not bad["correct"]
+    small = 1e-4 * scale
+    assert small / abs(dlam) > 1e-3  # over the old bound, relative to dlambda itself
+    good = bench.check_backend(_lambda_grad_off_by(small), "cpu", torch.float32, 16)
+    assert good["correct"] and good["failed"] == []
+
+
 def test_triton_candidates_start_with_the_default_tiles():
     from diffmeg.kernels.triton_diff import default_config
 

@@ -1,0 +1,76 @@
+"""`--continue FILE`: one results file from several commands of the same code on the same GPU.
+
+Every phase together takes longer than one device command may run (the first H100 run: env 10 s, tests
+84, kernels 68, train 234, memory 266; 600 s per command), and a failed phase is re-run alone. A command
+given an earlier results file starts from its rows and phases; the phases it runs replace theirs (rows
+and status), the rest are kept, and the headline figures are derived again from the merged rows. The
+file names what it continues (`continues`). Only the same revision, clean, on the same device is merged:
+anything else would mix code or hardware in one file.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from benchmarks.campaign import schema
+
+# Keys every command writes itself (the env phase always runs): never taken from the earlier file.
+OWN_KEYS = ("date", "machine", "versions", "device", "device_type", "bf16_matmul_tflops", "peak_bf16_tflops",
+            "git_revision", "git_dirty", "git_source", "wheels", "triton_cache", "smoke")  # fmt: skip
+
+
+class ContinueError(Exception):
+    """An earlier results file this command cannot continue; the message says why and what to do."""
+
+
+def load_earlier(path: Path, revision: str, dirty: bool | None, smoke: bool) -> dict:
+    """The earlier results, checked against this command's code before any phase runs."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ContinueError(f"--continue {path}: not a readable results file ({exc})") from None
+    problems = schema.validate(earlier)
+    if problems:
+        raise ContinueError(f"--continue {path}: not a campaign results file ({problems[0]})")
+    if bool(earlier["smoke"]) != smoke:
+        raise ContinueError(
+            f"--continue {path}: a {'smoke' if earlier['smoke'] else 'GPU'} run; this one is not"
+        )
+    if earlier["git_dirty"] or dirty or earlier["git_revision"] != revision:
+        theirs = f"{earlier['git_revision'][:12]}{' (modified)' if earlier['git_dirty'] else ''}"
+        mine = f"{revision[:12]}{' (modified)' if dirty else ''}"
+        raise ContinueError(
+            f"--continue {path}: it ran {theirs}, this tree is {mine}; only one clean revision is merged: "
+            "run every phase again (leave --continue out)"
+        )
+    return earlier
+
+
+def merged(earlier: dict, earlier_name: str, current: dict, ran: list[str]) -> dict:
+    """`current` on top of `earlier`: the phases in `ran` and the command's own keys from `current`, every
+    other phase's status and rows from `earlier`. Raises ContinueError for another device."""
+    if earlier["device"] != current["device"]:
+        raise ContinueError(
+            f"--continue {earlier_name}: it ran on {earlier['device']}, this command on {current['device']}: "
+            "results of two GPUs are not merged (this command's file is written on its own)"
+        )
+    out = copy.deepcopy(earlier)
+    written = {key for phase in ran for key in PHASE_KEYS.get(phase, ())}
+    for key in (*OWN_KEYS, *written):
+        if key in current:
+            out[key] = copy.deepcopy(current[key])
+    out["phases"] = {**earlier["phases"], **{p: current["phases"][p] for p in ran}}
+    out["continues"] = [*earlier.get("continues", []), earlier_name]
+    return out
+
+
+PHASE_KEYS: dict[str, tuple[str, ...]] = {
+    "env": (),  # its keys are OWN_KEYS
+    "tests": ("tests",),
+    "kernels": ("attention", "triton_candidates", "triton_best"),
+    "train": ("train",),
+    "memory": ("memory", "gpu_train_run"),
+}
+"""The row keys each phase writes: a re-run phase replaces exactly these."""
