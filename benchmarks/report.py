@@ -13,7 +13,6 @@ files are counted and named as such, never shown as GPU results.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -39,13 +38,9 @@ def load_results(folder: Path) -> list[tuple[str, dict]]:
     out = []
     for path in sorted(folder.glob("*.json")):
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ReportError(f"{path}: not readable JSON ({exc})") from exc
-        problems = schema.validate(data)
-        if problems:
-            raise ReportError(f"{path}: {'; '.join(problems[:5])}")
-        out.append((path.name, data))
+            out.append((path.name, schema.read(path)))
+        except ValueError as exc:
+            raise ReportError(f"{path}: {exc}") from exc
     return sorted(out, key=lambda item: (item[1]["date"], item[0]))
 
 

@@ -11,7 +11,6 @@ anything else would mix code or hardware in one file.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 from benchmarks.campaign import schema
@@ -28,12 +27,9 @@ class ContinueError(Exception):
 def load_earlier(path: Path, revision: str, dirty: bool | None, smoke: bool) -> dict:
     """The earlier results, checked against this command's code before any phase runs."""
     try:
-        earlier = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ContinueError(f"--continue {path}: not a readable results file ({exc})") from None
-    problems = schema.validate(earlier)
-    if problems:
-        raise ContinueError(f"--continue {path}: not a campaign results file ({problems[0]})")
+        earlier = schema.read(path)
+    except ValueError as exc:
+        raise ContinueError(f"--continue {path}: not a campaign results file: {exc}") from None
     if bool(earlier["smoke"]) != smoke:
         raise ContinueError(
             f"--continue {path}: a {'smoke' if earlier['smoke'] else 'GPU'} run; this one is not"

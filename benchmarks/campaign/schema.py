@@ -7,6 +7,8 @@ whether its numbers come from a GPU: report.py renders GPU tables from "cuda" fi
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 SCHEMA = "diffmeg-campaign/1"
@@ -150,3 +152,15 @@ def _is(value: Any, types: tuple) -> bool:
     if isinstance(value, bool) and bool not in types:
         return False  # bool is an int subclass: not a number here
     return isinstance(value, types)
+
+
+def read(path: Path) -> dict[str, Any]:
+    """A results file, parsed and checked against the schema; ValueError saying what is wrong."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"not readable JSON ({exc})") from None
+    problems = validate(data)
+    if problems:
+        raise ValueError("; ".join(problems[:5]))
+    return data

@@ -32,7 +32,7 @@ def test_only_one_clean_revision_is_continued(tmp_path):
     with pytest.raises(ContinueError, match="a GPU run; this one is not"):
         load_earlier(path, r["git_revision"], False, smoke=True)
     (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ContinueError, match="not a readable results file"):
+    with pytest.raises(ContinueError, match="not a campaign results file: not readable JSON"):
         load_earlier(tmp_path / "bad.json", "x", False, smoke=False)
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(ContinueError, match="not a campaign results file"):
