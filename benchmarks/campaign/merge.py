@@ -62,6 +62,13 @@ def merged(earlier: dict, earlier_name: str, current: dict, ran: list[str]) -> d
     return out
 
 
+def continued_tiles(earlier: dict | None, device: str) -> dict | None:
+    """The fastest tiles of the continued file's kernels phase, for this command's train phase (same GPU)."""
+    if earlier is None or earlier["device"] != device:
+        return None
+    return earlier["triton_best"]
+
+
 PHASE_KEYS: dict[str, tuple[str, ...]] = {
     "env": (),  # its keys are OWN_KEYS
     "tests": ("tests",),

@@ -29,7 +29,7 @@ from benchmarks.campaign.gpu_tests import phase_tests
 from benchmarks.campaign.install import install_wheels, missing_requirement
 from benchmarks.campaign.kernels import phase_kernels
 from benchmarks.campaign.memory import phase_memory
-from benchmarks.campaign.merge import ContinueError, load_earlier, merged
+from benchmarks.campaign.merge import ContinueError, continued_tiles, load_earlier, merged
 from benchmarks.campaign.part import Part, clean
 from benchmarks.campaign.plan import (
     CHILD_MARGIN_S,
@@ -134,7 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--triton-tiles",
         default="auto",
         help="(train) tuned fused-kernel tiles: a JSON file, 'auto' (this command's kernels phase, else the "
-        "newest results file of this GPU under benchmarks/results/ that has them) or 'none'",
+        "--continue file's, else the newest results file of this GPU under benchmarks/results/ that has "
+        "them) or 'none'",
     )
     p.add_argument(
         "--triton-cache",
@@ -303,7 +304,9 @@ def _run(
             break
         best = result["triton_best"] if phase == "kernels" else None
         if phase == "env" and a.triton_tiles == "auto" and "kernels" not in phases:
-            best = kept_triton_best(REPO / "benchmarks" / "results", result["device"])
+            best = continued_tiles(earlier, result["device"]) or kept_triton_best(
+                REPO / "benchmarks" / "results", result["device"]
+            )
         if best and a.triton_tiles == "auto":
             tiles_file = out / f"triton-tiles-{stamp}.json"  # for the train phase of this command
             tiles_file.write_text(json.dumps(best))
