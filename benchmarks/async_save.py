@@ -62,18 +62,13 @@ def main() -> int:
 
     import torch
 
+    from benchmarks import model_flags
     from diffmeg import runtime
     from diffmeg.training.arguments import resolve_args
     from diffmeg.training.run_config import RunConfig
     from diffmeg.training.trainer import Trainer
 
-    runtime.setup()
-    on_cpu = not torch.cuda.is_available()
-    if on_cpu:
-        torch.set_num_threads(1)
-    flags = flags or (CPU_FLAGS if on_cpu else [])
-    if not flags:
-        raise SystemExit("give the pretrain_diff.py flags of the model to time (no default on GPU)")
+    flags, _ = model_flags(flags, CPU_FLAGS)
     steps = bench.warmup + bench.saves * bench.save_interval + 1
     load = os.getloadavg()  # other work on the host: a loaded CPU host gives the writer no free core
     ranks = int(os.environ.get("WORLD_SIZE", "1"))

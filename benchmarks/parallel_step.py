@@ -82,16 +82,11 @@ def main() -> int:
     import torch
     from megatron.core import parallel_state
 
+    from benchmarks import model_flags
     from diffmeg import runtime
     from diffmeg.training.arguments import resolve_args
 
-    runtime.setup()
-    on_cpu = not torch.cuda.is_available()
-    if on_cpu:
-        torch.set_num_threads(1)
-    flags = flags or (CPU_FLAGS if on_cpu else [])
-    if not flags:
-        raise SystemExit("give the pretrain_diff.py flags of the model to time (no default on GPU)")
+    flags, on_cpu = model_flags(flags, CPU_FLAGS)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     items = bench.items or (["overlap", "interleaved"] if world > 1 else [])
     if world == 1 or not items:
