@@ -291,7 +291,7 @@ def check_backend(
         if device == "cuda":
             torch.cuda.empty_cache()
     # dlambda against the scale of its terms, not of its cancelled sum (lambda_grad_scale)
-    lam_scale = lambda_grad_scale(*ts, dout, scale=scale)
+    lam_scale = lambda_grad_scale(ts[1], ts[3], ts[4], dout, scale=scale)  # q2, k2, v
     errs = [_rel_err(m, r) for m, r in zip(mine[:-1], ref[:-1], strict=True)] + [
         _abs_err(mine[-1], ref[-1]) / lam_scale
     ]

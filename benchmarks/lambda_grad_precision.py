@@ -34,16 +34,6 @@ def _inputs(b, h, g, s, d, seed=0):
     return [t.to(torch.bfloat16).cuda() for t in (q1, q2, k1, k2, v)], dout.to(torch.bfloat16).cuda()
 
 
-def _o2_float64(q2, k2, v, scale):
-    """softmax(Q2 K2^T * scale, causal) V in float64 from the rounded inputs; GQA groups contiguous."""
-    rep = q2.shape[1] // k2.shape[1]
-    k, vv = k2.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    s = q2.double() @ k.transpose(-1, -2) * scale  # [b, h, s, s]
-    n = s.shape[-1]
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s.softmax(-1) @ vv
-
-
 def _stats(x, ref, dout):
     e = x.double() - ref
     beta = (e * ref).sum(-1) / (ref * ref).sum(-1)  # per-row scale bias: x ~ (1 + beta) ref
@@ -62,12 +52,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the JSON lines here")
     a = ap.parse_args()
     from diffmeg.kernels import triton_diff as td
+    from diffmeg.kernels.reference import single_map_reference
 
     lines = []
     for name, (b, h, g, s, d) in CASES.items():
         (q1, q2, k1, k2, v), dout = _inputs(b, h, g, s, d)
         scale, lam = d**-0.5, torch.tensor(0.8, device="cuda")
-        ref = _o2_float64(q2, k2, v, scale)
+        ref = single_map_reference(q2, k2, v, scale=scale)  # A2 V in float64 from the rounded inputs
         row = {"case": name}
         sdpa = F.scaled_dot_product_attention(q2, k2, v, is_causal=True, scale=scale, enable_gqa=True)
         row["sdpa"] = _stats(sdpa, ref, dout)

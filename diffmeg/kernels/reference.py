@@ -52,15 +52,16 @@ def diff_attention_reference(
     return torch.matmul(diff_map, v.to(compute_dtype)).to(q1.dtype)  # [b, h, sq, 2d]
 
 
+def single_map_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """softmax(Q K^T * scale, causal) V in float64: one map of DIFF's pair (A2 V, which lambda multiplies),
+    as `diff_attention_reference` computes it: its output with lambda = 0 is A1 V, here with A1 = A2."""
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    zero = torch.zeros((), dtype=torch.float64, device=q.device)
+    return diff_attention_reference(q, q, k, k, v, zero, scale=scale)
+
+
 def lambda_grad_scale(
-    q1: torch.Tensor,
-    q2: torch.Tensor,
-    k1: torch.Tensor,
-    k2: torch.Tensor,
-    v: torch.Tensor,
-    dout: torch.Tensor,
-    *,
-    scale: float,
+    q2: torch.Tensor, k2: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, scale: float
 ) -> float:
     """sum(|dO| * |A2 V|) in float64: the scale an error of dlambda = -sum(dO * A2 V) is measured against.
 
@@ -70,9 +71,5 @@ def lambda_grad_scale(
     relative to dlambda with A2 V as accurate as the fused kernel's; benchmarks/lambda_grad_precision.py).
     A dot product's rounding error is bounded by a multiple of sum(|x| |y|): that is the scale here.
     """
-    args = [t.detach().double() for t in (q1, q2, k1, k2, v)]
-    zero, one = (torch.tensor(x, dtype=torch.float64, device=q1.device) for x in (0.0, 1.0))
-    a2v = diff_attention_reference(*args, zero, scale=scale) - diff_attention_reference(
-        *args, one, scale=scale
-    )
+    a2v = single_map_reference(q2, k2, v, scale=scale)
     return (dout.detach().double().abs() * a2v.abs()).sum().item()

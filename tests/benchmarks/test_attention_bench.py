@@ -92,7 +92,7 @@ def test_the_lambda_gradient_is_judged_against_its_terms_not_its_cancelled_sum()
     shapes = [(1, 4, 333, 16), (1, 4, 333, 16), (1, 2, 333, 16), (1, 2, 333, 16), (1, 2, 333, 32)]
     ts = [torch.randn(s, generator=gen, dtype=torch.float64).float() for s in shapes]
     dout = torch.randn((1, 4, 333, 32), generator=gen, dtype=torch.float64).float()
-    scale = lambda_grad_scale(*ts, dout, scale=16**-0.5)
+    scale = lambda_grad_scale(ts[1], ts[3], ts[4], dout, scale=16**-0.5)  # q2, k2, v
     q1, q2, k1, k2, v = (t.double() for t in ts)
     zero, one = torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
     a2v = diff_attention_reference(q1, q2, k1, k2, v, zero, scale=0.25) - diff_attention_reference(

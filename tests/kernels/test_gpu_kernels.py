@@ -69,7 +69,8 @@ def _errors(fn, b, h, g, sq, sk, d, dtype, seed=0, **kw):
     torch_path = _run(diff_attention_sdpa, ts, lam, dout, scale)
     for name, x in zip(NAMES, mine, strict=True):
         assert x is not None and torch.isfinite(x).all(), f"{name}: missing or not finite"
-    lam_scale = lambda_grad_scale(*ts, dout, scale=scale)  # dlambda: against its terms, not its cancelled sum
+    # dlambda: against its terms, not its cancelled sum; ts = q1, q2, k1, k2, v
+    lam_scale = lambda_grad_scale(ts[1], ts[3], ts[4], dout, scale=scale)
 
     def errors(xs):
         return [_rel(x, r) for x, r in zip(xs[:-1], ref[:-1], strict=True)] + [
