@@ -72,26 +72,23 @@ def source_revision(root: Path, stamp_folder: Path | None) -> tuple[str, bool | 
     The stamp comes first: the device tool's copy may carry a `.git` of an older commit (the session's
     first) under a newer working tree, which git reports as that commit, dirty (seen on the first H100
     run, 2026-11-24); the stamp names the commit the tree actually is."""
-    stamp = _read_stamp(stamp_folder)
-    same = stamp is not None and tree_digest(root, stamp["files"]) == stamp["digest"]
-    if same:
+    path = stamp_folder / STAMP_NAME if stamp_folder is not None else None
+    present = path is not None and path.is_file()
+    stamp = _read_stamp(path) if present else None
+    if stamp is not None and tree_digest(root, stamp["files"]) == stamp["digest"]:
         return str(stamp["git_revision"]), bool(stamp["git_dirty"]), "stamp"
     if _own_git(root):
         dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no"))
         return _git(root, "rev-parse", "HEAD") or "unknown", dirty, "git"
-    path = stamp_folder / STAMP_NAME if stamp_folder is not None else None
-    if path is None or not path.is_file():
+    if not present:
         return "unknown", None, "none"
     if stamp is None:
         return "unknown", None, f"none ({STAMP_NAME} unreadable)"
     return str(stamp["git_revision"]), True, "stamp (tree differs)"
 
 
-def _read_stamp(stamp_folder: Path | None) -> dict | None:
-    """The stamp's fields, or None where there is none or it cannot be read."""
-    path = stamp_folder / STAMP_NAME if stamp_folder is not None else None
-    if path is None or not path.is_file():
-        return None
+def _read_stamp(path: Path) -> dict | None:
+    """The stamp's fields, or None where it cannot be read."""
     try:
         stamp = json.loads(path.read_text())
         str(stamp["git_revision"]), bool(stamp["git_dirty"]), list(stamp["files"]), str(stamp["digest"])

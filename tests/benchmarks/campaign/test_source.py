@@ -31,6 +31,12 @@ def test_the_stamp_names_the_revision_where_git_is_gone(tmp_path):
     (repo / "pkg" / "a.py").write_text("A = 2\n")  # changed after --prepare: the revision no longer names it
     assert source.source_revision(repo, carried) == (revision, True, "stamp (tree differs)")
     assert source.source_revision(repo, None) == ("unknown", None, "none")
+    (carried / source.STAMP_NAME).write_text('{"git_revision": "abc"')  # truncated on the way
+    assert source.source_revision(repo, carried) == (
+        "unknown",
+        None,
+        f"none ({source.STAMP_NAME} unreadable)",
+    )
     assert source.write_stamp(tmp_path / "elsewhere", repo) == {}  # no checkout: nothing stamped
 
 
