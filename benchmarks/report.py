@@ -196,6 +196,7 @@ def _train(name: str, r: dict) -> list[str]:
             _num(t.get("mfu_vs_matmul"), "{:.1%}"),
             _num(t.get("mem_gib"), "{:.1f}"),
             _num(t.get("estimated_gib"), "{:.1f}"),
+            _num(t.get("resident_gib"), "{:.1f}"),
             t["error"] or "",
         ]
         for t in r["train"]
@@ -203,7 +204,9 @@ def _train(name: str, r: dict) -> list[str]:
     head = [
         "Training steps (bf16, local spec, mock tokens; MFU against the GPU's dense bf16 peak, and against "
         "the measured bf16 matmul rate; `dist-opt` rows: the distributed optimizer without and with "
-        "overlapped communication, which on one GPU (DP=1) can only show its overhead): " + _source(name, r),
+        "overlapped communication, which on one GPU (DP=1) can only show its overhead; `held before GiB`: "
+        "what earlier runs of the process still held when the row started, not counted in its peak; files "
+        "without it (–) count it in the peak): " + _source(name, r),
         "",
     ]
     return head + _table(
@@ -217,6 +220,7 @@ def _train(name: str, r: dict) -> list[str]:
             "MFU of matmul",
             "peak GiB",
             "plan GiB",
+            "held before GiB",
             "error",
         ],
         rows,

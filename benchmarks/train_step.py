@@ -10,7 +10,9 @@ them. FLOPs are diffmeg.training.flops.train_flops_per_iteration (model FLOPs: D
 1.5x the baseline's, no recompute), so MFU is comparable between the pair. For each DIFF model its
 FLOP-matched baseline `transformer-X` is run too; `ratio` = DIFF tokens/s over the baseline's, next to
 the equal-efficiency bound (baseline FLOPs / DIFF FLOPs per token). Each row also carries the peak
-memory and the memory plan's estimate (diffmeg.training.memory) for the same run. On a GPU megatron-core's
+memory and the memory plan's estimate (diffmeg.training.memory) for the same run; the peak is the run's
+own: what earlier runs of the process still hold is subtracted (`resident_gib`), and `left_gib` is what
+the run leaves behind (0 when its model and optimizer were freed). On a GPU megatron-core's
 fusions are compiled by TorchDynamo, as in pretrain_diff.py (on a CPU diffmeg.runtime runs them eagerly).
 The campaign (benchmarks/campaign/train.py) calls `init_process` and `run_one`. Prints a table; never a
 timed test.
@@ -165,12 +167,22 @@ def attention_impl(model: torch.nn.Module) -> str:
 
 def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> tuple[float, str | None]:
     """(seconds per optimizer step, attention backend) of the run `args` describes."""
+    from diffmeg.training.builders import build_training_objects, release_training_objects
+
+    config, model, optimizer, _ = build_training_objects(args)  # model: the list of DDP-wrapped chunks
+    try:
+        return _timed_steps(model, optimizer, args, opts, device)
+    finally:  # the next run in this process must not find this one's weights and optimizer still held
+        release_training_objects(config, model)
+
+
+def _timed_steps(
+    model: list, optimizer, args: argparse.Namespace, opts: StepOptions, device: str
+) -> tuple[float, str | None]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from diffmeg.training.builders import build_training_objects
     from diffmeg.training.trainer import forward_step  # what pretrain_diff.py runs per micro-batch
 
-    _, model, optimizer, _ = build_training_objects(args)  # model: the list of DDP-wrapped chunks
     backend = attention_impl(model[0])
     fwd_bwd = get_forward_backward_func()
     seq, mbs = args.seq_length, args.micro_batch_size
@@ -224,21 +236,34 @@ def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
         "flops_per_token": flops / tokens,
         "mem_gib": None,
         "estimated_gib": estimate_memory(args, on_gpu=device == "cuda").total / 2**30,
+        "resident_gib": None,
+        "left_gib": None,
         "step_s": None,
         "error": None,
     }
     _reset_peak(device)
+    resident = _allocated(device)
     try:
         seconds, backend = _time_steps(args, opts, device)
         result.update(step_s=seconds, tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12)
         result["backend"] = backend
         if device == "cuda":
-            result["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            result["mem_gib"] = (torch.cuda.max_memory_allocated() - resident) / 2**30
     except Exception as exc:  # noqa: BLE001 - every failure is a result here
         oom = isinstance(exc, torch.OutOfMemoryError)
         result["error"] = "OOM" if oom else f"{type(exc).__name__}: {exc}"[:300]
     _reset_peak(device)
+    if device == "cuda":
+        result["resident_gib"] = resident / 2**30
+        result["left_gib"] = (_allocated(device) - resident) / 2**30
     return result
+
+
+def _allocated(device: str) -> int:
+    """Bytes the caching allocator holds for live tensors now. Measured before a run, it is what earlier
+    runs of this process still hold, which the run's peak must not be charged with; after it, what the
+    run left behind (0 unless something still references its model or optimizer)."""
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
 
 
 def baseline_of(diff_preset: str) -> str | None:

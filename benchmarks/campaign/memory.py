@@ -78,6 +78,8 @@ def phase_memory(a: argparse.Namespace, part: Part, deadline: float, plan: Plan)
                     **row,
                     "estimated_gib": r["estimated_gib"],
                     "measured_gib": r["mem_gib"],
+                    "resident_gib": r["resident_gib"],
+                    "left_gib": r["left_gib"],
                     "error": r["error"],
                 },
             )

@@ -95,6 +95,8 @@ def train_row(r: dict, device: str, peak: float | None, roof: float | None) -> d
         "flops_per_token": r["flops_per_token"],
         "mem_gib": r["mem_gib"],
         "estimated_gib": r["estimated_gib"],
+        "resident_gib": r["resident_gib"],
+        "left_gib": r["left_gib"],
         "error": r["error"],
     }
 

@@ -7,7 +7,12 @@ import argparse
 from megatron.core.transformer.module import Float16Module
 
 from diffmeg.model import build_model, config_from_args
-from diffmeg.training.ddp import ddp_config, set_schedule_hooks, wrap_model_chunks
+from diffmeg.training.ddp import (
+    ddp_config,
+    remove_param_gather_hooks,
+    set_schedule_hooks,
+    wrap_model_chunks,
+)
 from diffmeg.training.grads import finalize_diff_model_grads
 from diffmeg.training.optim import build_optimizer, build_scheduler
 from diffmeg.training.run_config import RunConfig, as_run_config
@@ -45,3 +50,13 @@ def build_training_objects(run: RunConfig | argparse.Namespace):
     set_schedule_hooks(config, model)
     config.grad_scale_func = optimizer.scale_loss
     return config, model, optimizer, scheduler
+
+
+def release_training_objects(config, model: list) -> None:
+    """Undo what `build_training_objects` hooked up, so that dropping the model and optimizer frees them
+    in a process that goes on (benchmarks and tools that build one run after another): the parameter
+    gather pre-hooks (`remove_param_gather_hooks` says what they would keep alive) and the config's
+    callbacks into the model chunks and the optimizer. The objects cannot train afterwards."""
+    remove_param_gather_hooks(model)
+    config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+    config.finalize_model_grads_func = config.grad_scale_func = None

@@ -84,6 +84,17 @@ def finish_param_gather(model: list[DistributedDataParallel]) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
+def remove_param_gather_hooks(model: list[DistributedDataParallel]) -> None:
+    """Finish the gathers in flight and remove the --overlap-param-gather forward pre-hooks for good (a
+    run that is over). Each hook holds its DDP wrapper, and megatron-core's RotaryEmbedding caches its
+    forward in a process-wide `lru_cache` keyed on the module, so a hooked rotary module would keep the
+    model, its gradients and the optimizer state alive after the run. A no-op without the hooks."""
+    if param_gather_overlapped(model):
+        for chunk in model:
+            chunk.disable_forward_pre_hook(param_sync=True)
+            chunk.use_forward_hook = False
+
+
 @contextlib.contextmanager
 def params_gathered(model: list[DistributedDataParallel]) -> Iterator[None]:
     """Full weights and no param-gather pre-hooks inside (Megatron-LM's evaluation): the gathers are

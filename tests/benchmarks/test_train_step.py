@@ -40,3 +40,28 @@ def test_baselines_of_diff_presets():
     assert baseline_of("diff-3b") == "transformer-3b"
     assert baseline_of("diff2-1.4b") == "transformer-1.4b"
     assert baseline_of("transformer-3b") is None
+
+
+def test_a_row_is_charged_only_with_its_own_memory(monkeypatch):
+    """What earlier runs of the process still hold is not this run's peak (a GPU row once read 25.5 GiB
+    over its plan: the previous run's weights and optimizer); what the run leaves behind is reported."""
+    import torch
+
+    from benchmarks import train_step
+
+    gib = 2**30
+    state = {"allocated": 10 * gib, "peak": 10 * gib}
+
+    def run(args, opts, device):  # a run that peaks 25 GiB above what it found and leaves 1 GiB
+        state["peak"] = state["allocated"] + 25 * gib
+        state["allocated"] += gib
+        return 0.5, "sdpa"
+
+    monkeypatch.setattr(train_step, "_time_steps", run)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: state.update(peak=state["allocated"]))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    r = train_step.run_one("diff-tiny", 64, train_step.StepOptions(), "cuda")
+    assert r["error"] is None and r["backend"] == "sdpa"
+    assert (r["mem_gib"], r["resident_gib"], r["left_gib"]) == (25.0, 10.0, 1.0)

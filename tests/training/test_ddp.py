@@ -85,3 +85,26 @@ def test_chunks_get_lists_of_hooks_and_aligned_param_gathers():
     settings = ddp.ddp_config(run)
     assert settings.align_param_gather and settings.overlap_param_gather and settings.bucket_size == 123
     assert settings.grad_reduce_in_fp32 and settings.use_distributed_optimizer
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_a_released_run_is_freed_when_dropped(trainer_of, release):
+    """megatron-core's RotaryEmbedding caches its forward in a process-wide lru_cache keyed on the module;
+    with --overlap-param-gather that module's pre-hook holds the DDP wrapper, and through the config the
+    optimizer: on the GPU a finished run's weights, gradients and optimizer state stayed allocated under
+    the next benchmark rows. bf16 as on a GPU (in fp32 megatron-core's optimizer shards are autograd views
+    of the weights, a separate cycle through C++ that gc cannot see)."""
+    import gc
+    import weakref
+
+    from diffmeg.training.builders import release_training_objects
+
+    t = trainer_of("--train-iters", "1", "--bf16", *OVERLAP)
+    t.train()
+    optimizer, model = weakref.ref(t.optimizer), weakref.ref(t.model[0])
+    if release:
+        release_training_objects(t.model_config, t.model)
+        assert not ddp.param_gather_overlapped(t.model) and t.model_config.grad_scale_func is None
+    del t
+    gc.collect()
+    assert (optimizer() is None and model() is None) == release  # without the release: still held
