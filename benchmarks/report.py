@@ -227,6 +227,32 @@ def _train(name: str, r: dict) -> list[str]:
     )
 
 
+def _profile(name: str, r: dict) -> list[str]:
+    """Where one step's time goes, per profiled train row (files before profiles: no table)."""
+    from benchmarks.step_profile import KINDS
+
+    profiled = [t for t in r["train"] if t.get("profile")]
+    if not profiled:
+        return []
+    rows = [
+        [
+            t["model"],
+            t["impl"],
+            str(t["seq"]),
+            _num(t["profile"]["total_ms"], "{:.1f}"),
+            *(_num(t["profile"]["share"][kind], "{:.0%}") for kind in KINDS),
+            f"`{t['profile']['top'][0][0][:60]}`" if t["profile"]["top"] else "–",
+        ]
+        for t in profiled
+    ]
+    head = [
+        "Where one training step's time goes (one more step of the rows above under torch.profiler; "
+        "self time of the GPU kernels by kind, benchmarks/step_profile.py): " + _source(name, r),
+        "",
+    ]
+    return head + _table(["model", "impl", "seq", "step ms", *KINDS, "longest kernel"], rows)
+
+
 def _memory(name: str, r: dict) -> list[str]:
     rows = []
     for m in r["memory"]:
@@ -299,12 +325,13 @@ def render(results: list[tuple[str, dict]]) -> str:
             ("attention", _attention),
             ("triton_candidates", _candidates),
             ("train", _train),
+            ("train", _profile),
             ("memory", _memory),
             ("gpu_train_run", _runs),
         ):
             found = _newest(gpu, key)
-            if found:
-                lines += ["", *part(*found)]
+            if found and (text := part(*found)):
+                lines += ["", *text]
     if other:
         lines += [
             "",

@@ -3,6 +3,7 @@
     python benchmarks/train_step.py                                   # GPU: 830M and 1.4B at 2K and 4K, bf16
     python benchmarks/train_step.py --fp8                             # + FP8 (hybrid) linears, needs TE
     python benchmarks/train_step.py --model diff-tiny --device cpu    # CPU smoke run
+    python benchmarks/train_step.py --model diff-3b --num-layers 8 --seqs 4096 --profile  # + where time goes
 
 Models, optimizer and the step come from diffmeg itself (resolve_args -> build_training_objects ->
 megatron-core's forward/backward schedule -> optimizer.step), on mock tokens, as pretrain_diff.py runs
@@ -83,6 +84,8 @@ class StepOptions:
     num_layers: int | None = None
     """Cut the preset to this many layers (a 3B-wide model that fits one GPU)."""
     extra_args: list[str] = field(default_factory=list)
+    profile: bool = False
+    """After timing, one more step under torch.profiler: `profile` in the result (step_profile.py)."""
 
 
 def hide_gpu_for_cpu_runs(device: str) -> None:
@@ -165,8 +168,9 @@ def attention_impl(model: torch.nn.Module) -> str:
     return "unknown"
 
 
-def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> tuple[float, str | None]:
-    """(seconds per optimizer step, attention backend) of the run `args` describes."""
+def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> dict:
+    """{seconds per optimizer step, attention backend, profile (None unless opts.profile)} of the run
+    `args` describes."""
     from diffmeg.training.builders import build_training_objects, release_training_objects
 
     config, model, optimizer, _ = build_training_objects(args)  # model: the list of DDP-wrapped chunks
@@ -176,11 +180,10 @@ def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> tup
         release_training_objects(config, model)
 
 
-def _timed_steps(
-    model: list, optimizer, args: argparse.Namespace, opts: StepOptions, device: str
-) -> tuple[float, str | None]:
+def _timed_steps(model: list, optimizer, args: argparse.Namespace, opts: StepOptions, device: str) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from benchmarks import step_profile
     from diffmeg.training.trainer import forward_step  # what pretrain_diff.py runs per micro-batch
 
     backend = attention_impl(model[0])
@@ -211,7 +214,9 @@ def _timed_steps(
         step()
     if device == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / max(1, opts.iters), backend
+    seconds = (time.perf_counter() - start) / max(1, opts.iters)
+    profile = step_profile.profile_step(step, device) if opts.profile else None
+    return {"seconds": seconds, "backend": backend, "profile": profile}
 
 
 def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
@@ -238,15 +243,17 @@ def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
         "estimated_gib": estimate_memory(args, on_gpu=device == "cuda").total / 2**30,
         "resident_gib": None,
         "left_gib": None,
+        "profile": None,
         "step_s": None,
         "error": None,
     }
     _reset_peak(device)
     resident = _allocated(device)
     try:
-        seconds, backend = _time_steps(args, opts, device)
+        timed = _time_steps(args, opts, device)
+        seconds = timed["seconds"]
         result.update(step_s=seconds, tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12)
-        result["backend"] = backend
+        result.update(backend=timed["backend"], profile=timed["profile"])
         if device == "cuda":
             result["mem_gib"] = (torch.cuda.max_memory_allocated() - resident) / 2**30
     except Exception as exc:  # noqa: BLE001 - every failure is a result here
@@ -312,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
     p.add_argument("--recompute", choices=["selective", "full"], default=None, help="not counted in MFU")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: by name)")
+    p.add_argument("--profile", action="store_true", help="also where one step's time goes, per row")
     a = p.parse_args(argv)
     if a.device == "cpu":
         hide_gpu_for_cpu_runs("cpu")  # before the first CUDA query below
@@ -329,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         fp8_recipe=a.fp8_recipe,
         recompute=a.recompute,
         num_layers=a.num_layers,
+        profile=a.profile,
     )
     seqs = a.seqs or ([2048, 4096] if gpu else [256])
     if opts.fp8 and not (gpu and importlib.util.find_spec("transformer_engine")):
@@ -337,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     init_process()
 
     import megatron.core
+
+    from benchmarks import step_profile
 
     name = torch.cuda.get_device_name() if gpu else f"CPU ({platform.processor() or 'x86_64'})"
     peak = peak_tflops(opts.fp8, a.peak_tflops)
@@ -358,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
                     ratio = f"{results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.3f}"
                     bound = f"{results[1]['flops_per_token'] / results[0]['flops_per_token']:.3f}"
                 print(format_row(r, peak, ratio, bound))
+                if r["profile"]:
+                    print(f"  {r['preset']} one step: {step_profile.format_share(r['profile'])}")
     close_process()
 
 

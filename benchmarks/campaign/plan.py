@@ -49,6 +49,9 @@ class Plan:
     train_overlap: bool
     """Also time DIFF (auto backend) at the first length with the distributed optimizer, without and
     with overlapped communication (OVERLAP_ARGS)."""
+    train_profile: bool
+    """One more step of each row at the first length (not the variants) under torch.profiler: where the
+    step's time goes (benchmarks/step_profile.py), the question a low MFU raises."""
     train_tokens_per_microbatch: int
     train_microbatches: int
     train_warmup: int
@@ -87,6 +90,7 @@ GPU_PLAN = Plan(
     train_seqs=(4096, 2048),
     train_backends=("sdpa", "triton"),
     train_overlap=True,
+    train_profile=True,
     train_tokens_per_microbatch=4096,
     train_microbatches=4,
     train_warmup=2,
@@ -121,6 +125,7 @@ SMOKE_PLAN = Plan(
     train_seqs=(64,),
     train_backends=("sdpa", "reference"),
     train_overlap=True,
+    train_profile=True,
     train_tokens_per_microbatch=64,
     train_microbatches=1,
     train_warmup=0,

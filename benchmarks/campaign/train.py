@@ -5,7 +5,8 @@ fusions compiled by TorchDynamo on a GPU (the runner leaves it on for this phase
 against the GPU's dense bf16 peak (`mfu`, the field's definition, which the 45% goal uses) and against
 the matmul rate the env phase measured (`mfu_vs_matmul`). At the first length DIFF also runs with the
 distributed optimizer without and with overlapped communication (VARIANTS): on one GPU DP is 1, so
-overlap can only show its overhead there, never its gain.
+overlap can only show its overhead there, never its gain. With `Plan.train_profile` each row at the first
+length runs one more step under torch.profiler: its `profile` says where the step's time goes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ VARIANT_NOTE = "one GPU: DP=1, so overlap can only show its overhead here, not i
 def phase_train(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) -> None:
     import torch
 
-    from benchmarks import train_step
+    from benchmarks import step_profile, train_step
     from diffmeg.presets import PRESETS
 
     device = device_of(a)
@@ -69,10 +70,13 @@ def phase_train(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) 
                 diff_attn_backend="triton" if backend == "triton-tuned" else backend,
                 num_layers=layers,
                 extra_args=list(VARIANTS.get(variant, ())),
+                profile=plan.train_profile and i == 0 and variant is None,
             )
             with tuned_triton_tiles(tiles if backend == "triton-tuned" else None):
                 r = train_step.run_one(preset, seq, opts, device)
             print(train_step.format_row(r, a.peak if device == "cuda" else None), flush=True)
+            if r["profile"]:
+                print(f"  one step: {step_profile.format_share(r['profile'])}", flush=True)
             part.add("train", {**row, **train_row(r, device, a.peak, a.roof)})
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -97,6 +101,7 @@ def train_row(r: dict, device: str, peak: float | None, roof: float | None) -> d
         "estimated_gib": r["estimated_gib"],
         "resident_gib": r["resident_gib"],
         "left_gib": r["left_gib"],
+        "profile": r["profile"],
         "error": r["error"],
     }
 

@@ -58,7 +58,11 @@ def gpu_result(date: str = "2026-12-01T10:00:00+00:00", speedup: float = 1.35) -
         {"model": "transformer-3b", "impl": "baseline", "arch": "transformer", "seq": 4096, "layers": 8,
          "tokens_per_s": 51234.0, "mfu": 0.472, "mem_gib": 40.0, "estimated_gib": 41.0, "error": None},
         {"model": "diff-3b", "impl": "triton", "arch": "diff", "seq": 4096, "layers": 8,
-         "tokens_per_s": 48211.0, "mfu": 0.466, "mem_gib": 41.0, "estimated_gib": 42.0, "error": None},
+         "tokens_per_s": 48211.0, "mfu": 0.466, "mem_gib": 41.0, "estimated_gib": 42.0, "error": None,
+         "resident_gib": 0.0, "left_gib": 0.0,
+         "profile": {"total_ms": 512.5, "top": [["nvjet_tst_256x128", 300.0, 0.585]],
+                     "share": {"matmul": 0.585, "attention": 0.25, "loss": 0.04, "optimizer": 0.03,
+                               "communication": 0.0, "other": 0.095}}},
     ]  # fmt: skip
     r["memory"] = [
         {"layout": "diff-3b 4L s4096 mbs2 recompute=none", "estimated_gib": 30.0, "measured_gib": 28.5,

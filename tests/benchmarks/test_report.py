@@ -29,6 +29,10 @@ def test_tables_render_from_the_gpu_file_and_never_from_a_cpu_smoke(tmp_path):
         "| diff triton f128x64s2w8 kv32x128 q128x32 w8 | – | – | – | – | – | OutOfResources: smem |" in text
     )
     assert "| diff-3b 4L s4096 mbs2 recompute=none | 30.00 | 28.50 | 0.95 |  |" in text
+    # the profiled row only (the baseline row has none), in KINDS order; 0.0 GiB held before the DIFF row
+    profiled = "| diff-3b | triton | 4096 | 512.5 | 58% | 25% | 4% | 3% | 0% | 10% | `nvjet_tst_256x128` |"
+    assert profiled in text
+    assert "| transformer-3b | baseline | 4096 | 512.5" not in text and "| 41.0 | 42.0 | 0.0 |" in text
     assert "| diff-tiny | 50 | 11.610 → 6.020 | True | 0.0e+00 | True |  |" in text
     assert "git 012345678" in text and "NVIDIA H100 80GB HBM3" in text
     # the CPU smoke file is named as such, its numbers never shown

@@ -55,7 +55,7 @@ def test_a_row_is_charged_only_with_its_own_memory(monkeypatch):
     def run(args, opts, device):  # a run that peaks 25 GiB above what it found and leaves 1 GiB
         state["peak"] = state["allocated"] + 25 * gib
         state["allocated"] += gib
-        return 0.5, "sdpa"
+        return {"seconds": 0.5, "backend": "sdpa", "profile": None}
 
     monkeypatch.setattr(train_step, "_time_steps", run)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: state["allocated"])

@@ -1,0 +1,53 @@
+"""benchmarks/step_profile.py: kernels and operators sorted into kinds, shares that add up, a real profile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import step_profile
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT", "matmul"),  # cuBLAS's Hopper GEMMs
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
+        ("aten::addmm", "matmul"),
+        ("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention"),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"),
+        ("diff_bwd_dkdv_kernel", "attention"),  # diffmeg's fused Triton kernel
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+        ("_VocabParallelCrossEntropy", "loss"),
+        ("multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor>", "optimizer"),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication"),
+        ("triton_poi_fused_mul_silu_0", "other"),  # a compiled SwiGLU
+        ("aten::commit", "other"),  # "mm" inside a word is no matmul
+    ],
+)
+def test_kinds_by_name(name, kind):
+    assert step_profile.kind_of(name) == kind
+
+
+def test_shares_add_up_and_the_top_is_sorted():
+    times = {"nvjet_a": 600.0, "flash_fwd": 250.0, "triton_poi_fused_add": 100.0, "ncclAllReduce": 50.0}
+    s = step_profile.summarize(times)
+    assert s["total_ms"] == pytest.approx(1.0)
+    assert s["share"]["matmul"] == pytest.approx(0.6) and s["share"]["attention"] == pytest.approx(0.25)
+    assert s["share"]["communication"] == pytest.approx(0.05) and s["share"]["optimizer"] == 0.0
+    assert sum(s["share"].values()) == pytest.approx(1.0) and list(s["share"]) == list(step_profile.KINDS)
+    assert [row[0] for row in s["top"]] == ["nvjet_a", "flash_fwd", "triton_poi_fused_add", "ncclAllReduce"]
+    assert s["top"][0][1:] == [pytest.approx(0.6), pytest.approx(0.6)]
+    assert "matmul 60% attention 25% communication 5% other 10%" in step_profile.format_share(s)
+
+
+def test_a_matmul_step_on_the_cpu_is_mostly_matmul():
+    a = torch.randn(384, 384)
+
+    def step():
+        for _ in range(4):
+            (a @ a).relu_()
+
+    s = step_profile.profile_step(step, "cpu")
+    assert s["total_ms"] > 0 and s["share"]["matmul"] > 0.5, s
+    assert step_profile.kind_of(s["top"][0][0]) == "matmul"
