@@ -34,7 +34,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffmeg.kernels.reference import diff_attention_reference, lambda_grad_scale  # noqa: E402
+from diffmeg.kernels.reference import (  # noqa: E402
+    diff_attention_reference,
+    diff_errors,
+    lambda_grad_scale,
+)
 from diffmeg.kernels.sdpa import diff_attention_sdpa  # noqa: E402
 from diffmeg.kernels.triton_diff import (  # noqa: E402
     TritonDiffConfig,
@@ -234,14 +238,6 @@ def bench_one(fn: Callable, inputs: list[torch.Tensor], device: str, warmup: int
             torch.cuda.empty_cache()
 
 
-def _abs_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return (x.double() - ref).abs().max().item()
-
-
-def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
 CHECKED_TENSORS = ("out", "dq1", "dq2", "dk1", "dk2", "dv", "dlambda")
 """What check_backend compares with float64, in its order: the output and the six gradients."""
 
@@ -292,12 +288,7 @@ def check_backend(
             torch.cuda.empty_cache()
     # dlambda against the scale of its terms, not of its cancelled sum (lambda_grad_scale)
     lam_scale = lambda_grad_scale(ts[1], ts[3], ts[4], dout, scale=scale)  # q2, k2, v
-    errs = [_rel_err(m, r) for m, r in zip(mine[:-1], ref[:-1], strict=True)] + [
-        _abs_err(mine[-1], ref[-1]) / lam_scale
-    ]
-    base = [_rel_err(t, r) for t, r in zip(theirs[:-1], ref[:-1], strict=True)] + [
-        _abs_err(theirs[-1], ref[-1]) / lam_scale
-    ]
+    errs, base = diff_errors(mine, ref, lam_scale), diff_errors(theirs, ref, lam_scale)
     finite = all(math.isfinite(e) for e in errs)
     within = [e <= 2 * b + 1e-3 for e, b in zip(errs, base, strict=True)]
     return {

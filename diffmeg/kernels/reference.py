@@ -73,3 +73,15 @@ def lambda_grad_scale(
     """
     a2v = single_map_reference(q2, k2, v, scale=scale)
     return (dout.detach().double().abs() * a2v.abs()).sum().item()
+
+
+def diff_errors(xs: list[torch.Tensor], refs: list[torch.Tensor], lam_scale: float) -> list[float]:
+    """Errors of a DIFF attention call's output and gradients (out, dq1, dq2, dk1, dk2, dv, dlambda) against
+    their float64 references: max|x - ref| / max|ref| per tensor, and dlambda's |x - ref| over `lam_scale`
+    (`lambda_grad_scale`: its terms' scale, not the cancelled sum's). One rule for the GPU kernel tests
+    and the campaign's check of each backend and tile candidate."""
+    errs = [
+        ((x.double() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+        for x, r in zip(xs[:-1], refs[:-1], strict=True)
+    ]
+    return errs + [(xs[-1].double() - refs[-1]).abs().max().item() / lam_scale]

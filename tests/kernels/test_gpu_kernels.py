@@ -54,12 +54,8 @@ def _run(fn, ts, lam, dout, scale, **kw):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
 def _errors(fn, b, h, g, sq, sk, d, dtype, seed=0, **kw):
-    from diffmeg.kernels.reference import diff_attention_reference, lambda_grad_scale
+    from diffmeg.kernels.reference import diff_attention_reference, diff_errors, lambda_grad_scale
     from diffmeg.kernels.sdpa import diff_attention_sdpa
 
     ts, lam, dout = _inputs(b, h, g, sq, sk, d, dtype, seed)
@@ -71,13 +67,7 @@ def _errors(fn, b, h, g, sq, sk, d, dtype, seed=0, **kw):
         assert x is not None and torch.isfinite(x).all(), f"{name}: missing or not finite"
     # dlambda: against its terms, not its cancelled sum; ts = q1, q2, k1, k2, v
     lam_scale = lambda_grad_scale(ts[1], ts[3], ts[4], dout, scale=scale)
-
-    def errors(xs):
-        return [_rel(x, r) for x, r in zip(xs[:-1], ref[:-1], strict=True)] + [
-            (xs[-1].double() - ref[-1]).abs().item() / lam_scale
-        ]
-
-    return errors(mine), errors(torch_path)
+    return diff_errors(mine, ref, lam_scale), diff_errors(torch_path, ref, lam_scale)
 
 
 CASES = [

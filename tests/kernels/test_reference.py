@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from diffmeg.kernels.reference import lambda_grad_scale
+from diffmeg.kernels.reference import diff_errors, lambda_grad_scale
 
 
 def test_lambda_grad_scale_is_the_sum_of_absolute_terms_of_dlambda():
@@ -35,3 +35,12 @@ def test_lambda_grad_scale_is_the_sum_of_absolute_terms_of_dlambda():
     got = lambda_grad_scale(q2, k2, v, dout.float(), scale=scale)
     assert math.isclose(got, expected, rel_tol=1e-6)  # dO rounded to fp32 on the way in
     assert abs(signed) < 0.5 * got  # dlambda = -signed: the terms cancel, even at 120 of them
+
+
+def test_diff_errors_relative_per_tensor_and_dlambda_against_its_scale():
+    ref = [torch.tensor([2.0, -4.0], dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64)]
+    ref.append(torch.tensor(0.01, dtype=torch.float64))  # dlambda: a small, cancelled sum
+    xs = [torch.tensor([2.0, -3.0]), torch.tensor([0.5]), torch.tensor(0.02)]
+    errs = diff_errors(xs, ref, lam_scale=2.0)
+    assert errs[:2] == [0.25, 0.0]  # max|x - ref| / max|ref|
+    assert math.isclose(errs[2], 0.01 / 2.0, rel_tol=1e-6)  # not 0.01 / 0.01 = 1
