@@ -51,9 +51,8 @@ def child_env(a: argparse.Namespace) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = ""
     carried = Path(a.wheels) / TOKENIZER_FILE_NAME if getattr(a, "wheels", None) else None
     if carried is not None and carried.is_file() and not env.get(TOKENIZER_FILE_ENV):
-        env[TOKENIZER_FILE_ENV] = str(
-            carried.resolve()
-        )  # the GPU machine is offline: carried with the wheels
+        # the GPU machine is offline: the tokenizer file is carried with the wheels
+        env[TOKENIZER_FILE_ENV] = str(carried.resolve())
     return env
 
 

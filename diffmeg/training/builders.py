@@ -8,6 +8,7 @@ from megatron.core.transformer.module import Float16Module
 
 from diffmeg.model import build_model, config_from_args
 from diffmeg.training.ddp import (
+    clear_schedule_hooks,
     ddp_config,
     remove_param_gather_hooks,
     set_schedule_hooks,
@@ -58,5 +59,5 @@ def release_training_objects(config, model: list) -> None:
     gather pre-hooks (`remove_param_gather_hooks` says what they would keep alive) and the config's
     callbacks into the model chunks and the optimizer. The objects cannot train afterwards."""
     remove_param_gather_hooks(model)
-    config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+    clear_schedule_hooks(config)
     config.finalize_model_grads_func = config.grad_scale_func = None

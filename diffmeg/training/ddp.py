@@ -55,10 +55,15 @@ def wrap_model_chunks(
     ]
 
 
+def clear_schedule_hooks(config) -> None:
+    """No DDP hooks for the pipeline schedules on the model config (the config then holds no chunk)."""
+    config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+
+
 def set_schedule_hooks(config, model: list[DistributedDataParallel]) -> None:
     """The pipeline schedules' DDP hooks on the model config, as Megatron-LM's training.py sets them."""
     ddp = model[0].ddp_config
-    config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+    clear_schedule_hooks(config)
     if ddp.overlap_grad_reduce:
         config.no_sync_func = [chunk.no_sync for chunk in model]
         config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
