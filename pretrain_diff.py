@@ -7,11 +7,17 @@ python pretrain_diff.py --model diff-3b --dry-run               # resolved confi
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
-from diffmeg.errors import cli_errors
-from diffmeg.training.arguments import resolve_args
-from diffmeg.training.dry_run import dry_run
+from diffmeg.cli import quiet_third_party_warnings
+
+quiet_third_party_warnings()  # before megatron-core's imports below, which warn as they load
+
+from diffmeg.errors import cli_errors  # noqa: E402
+from diffmeg.training.arguments import resolve_args  # noqa: E402
+from diffmeg.training.dry_run import dry_run  # noqa: E402
 
 
 @cli_errors
@@ -27,9 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     runtime.setup()
     if args.deterministic_mode:
         runtime.make_deterministic()
+    start = time.perf_counter()
     try:
         # Inside train() Ctrl-C saves and stops (a second one exits at once); before it, this catches it.
-        return Trainer(RunConfig.from_args(args)).train()["exit_code"]
+        result = Trainer(RunConfig.from_args(args)).train()
+        if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:  # logging rank
+            from diffmeg.training.logger import end_summary
+
+            print(end_summary(args, result, time.perf_counter() - start), flush=True)
+        return result["exit_code"]
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C) before training started", file=sys.stderr, flush=True)
         return 130

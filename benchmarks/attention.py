@@ -79,8 +79,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_it(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
-    """Median seconds per call."""
+BACK_TO_BACK_CALLS = 20
+"""Calls per timing pair on a GPU: a 0.3 ms call timed alone would include its CPU dispatch (the events
+wait on the host's launch), so the pair brackets this many calls queued back to back and divides."""
+
+
+def time_it(
+    fn: Callable[[], object], device: str, warmup: int, iters: int, calls: int | None = None
+) -> float:
+    """Median seconds per call over `iters` timing pairs, each around `calls` back-to-back calls (default
+    BACK_TO_BACK_CALLS on a GPU; 1 on a CPU, whose calls run synchronously, dispatch included anyway)."""
+    calls = calls or (BACK_TO_BACK_CALLS if device == "cuda" else 1)
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -89,14 +98,16 @@ def time_it(fn: Callable[[], object], device: str, warmup: int, iters: int) -> f
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(calls):
+                fn()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+            times.append(start.elapsed_time(end) / 1e3 / calls)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) / calls)
     times.sort()
     return times[len(times) // 2]
 
@@ -154,11 +165,12 @@ def v2_attention_fn() -> Callable | None:
 
     V2 runs the baseline's own core attention (here torch SDPA, as the local spec's SDPA core does) over
     2H query heads with contiguous GQA groups, then combines head pairs, attn[2i] - gate_i attn[2i+1]
-    (`diffmeg.attention_v2.combine_head_pairs`). Inputs: q [b, 2H, s, d], k/v [b, g, s, d], gate [b, H, s]
-    (sigmoid(lambda_proj(x))); output [b, H, s, d]. Core FLOPs: twice the baseline Transformer's.
+    (`diffmeg.fusions.diff_combine.combine_head_pairs`). Inputs: q [b, 2H, s, d], k/v [b, g, s, d],
+    gate [b, H, s] (sigmoid(lambda_proj(x))); output [b, H, s, d]. Core FLOPs: twice the baseline
+    Transformer's.
     """
     try:
-        from diffmeg.attention_v2 import combine_head_pairs
+        from diffmeg.fusions.diff_combine import combine_head_pairs
     except ImportError:
         return None
 
@@ -360,6 +372,7 @@ def run_rows(
             else:
                 timing = bench_one(fn, inputs, device, warmup, iters, **kw)
             row = _row(name, s, b, h, g, d, dtype, flops, timing)
+            row["sdpa"] = sdpa_chosen(fn, inputs, **kw) if timing.fwd_bwd_s else None
             if name == BASELINE and timing.fwd_bwd_s:
                 base_fb = row["tflops"]
             row["vs_baseline"] = row["tflops"] / base_fb if (row["tflops"] and base_fb) else None
@@ -370,6 +383,22 @@ def run_rows(
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def sdpa_chosen(fn: Callable, inputs: list[torch.Tensor], **kw) -> list[dict] | None:
+    """The backend SDPA chose for each query shape in one forward of `fn` with gradients on (the
+    training path; step_profile.sdpa_choices), [] where `fn` calls no SDPA; None if the call failed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.step_profile import sdpa_choices
+
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    try:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            fn(*leaves, **kw)
+    except Exception:  # noqa: BLE001 - the timed calls ran; a failure here only loses the record
+        return None
+    return sdpa_choices(prof)
 
 
 def _row(name: str, s: int, b: int, h: int, g: int, d: int, dtype, flops: float, t: Timing) -> dict:

@@ -10,8 +10,8 @@ peak (VmHWM) back: the figure is what the loss added on top of its inputs, gradi
 operating system saw it (torch's CPU allocations are invisible to tracemalloc). glibc's mmap threshold
 is pinned (MALLOC_MMAP_THRESHOLD_) so that freed tensors leave the process at once. "whole" is what
 GPTModel does at TP 1: the output GEMM, then megatron-core's vocab_parallel_cross_entropy; "chunked"
-is diffmeg.cross_entropy.linear_cross_entropy. Each row also shows the memory plan's figure for the same
-shape (diffmeg.training.memory.loss_peak_bytes). Prints a table; never a timed test.
+is diffmeg.fusions.cross_entropy.linear_cross_entropy. Each row also shows the memory plan's figure for
+the same shape (diffmeg.training.memory.loss_peak_bytes). Prints a table; never a timed test.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _loss_step(variant: str, hidden, weight, labels, chunk_size: int | None) -> 
     import torch
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from diffmeg.cross_entropy import linear_cross_entropy
+    from diffmeg.fusions.cross_entropy import linear_cross_entropy
 
     if variant == "whole":
         logits = torch.matmul(hidden, weight.t())  # [s, b, V]: GPTModel's output layer at TP 1
@@ -97,6 +97,7 @@ def child(args: argparse.Namespace) -> dict:
 
 def planned_mib(args: argparse.Namespace, chunk_size: int | None) -> float:
     from diffmeg.training.memory import loss_peak_bytes
+    from diffmeg.training.run_config import RunConfig
 
     shape = argparse.Namespace(
         micro_batch_size=1,
@@ -109,7 +110,8 @@ def planned_mib(args: argparse.Namespace, chunk_size: int | None) -> float:
         bf16=args.dtype == "bf16",
         fp16=False,
     )
-    return loss_peak_bytes(shape, chunk_size) / MIB
+    # partial: only the loss's shape is known, the run's other fields are None
+    return loss_peak_bytes(RunConfig.from_args(shape, partial=True), chunk_size) / MIB
 
 
 def run_variant(args: argparse.Namespace, variant: str, chunk_size: int | None) -> dict:

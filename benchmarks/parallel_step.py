@@ -197,7 +197,7 @@ def _report(item: str, pair: list[Variant], bench: argparse.Namespace, log) -> N
 
     trainer = pair[0].trainer
     p = trainer.run.parallel
-    args = [variant.trainer.run.to_args() for variant in pair]
+    runs = [variant.trainer.run for variant in pair]
     micro = trainer.run.num_microbatches
     tokens = trainer.run.training.micro_batch_size * trainer.run.model.seq_length
     layout = f"DP {p.data_parallel_size}" if item == "overlap" else f"PP {p.pipeline_model_parallel_size}"
@@ -212,13 +212,13 @@ def _report(item: str, pair: list[Variant], bench: argparse.Namespace, log) -> N
     extra = "buckets" if item == "overlap" else " bubble"
     log(f"{'variant':<28} {extra:>7} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
     medians = []
-    for variant, a in zip(pair, args, strict=True):
+    for variant, run in zip(pair, runs, strict=True):
         timed = variant.times[bench.warmup :]
         medians.append(statistics.median(timed))
         column = (
             f"{ddp.bucket_count(variant.trainer.model):>7}"
             if item == "overlap"
-            else f"{pipeline_bubble(a):>7.3f}"
+            else f"{pipeline_bubble(run):>7.3f}"
         )
         log(
             f"{variant.label:<28} {column} {medians[-1] * 1000:>10.0f} {min(timed) * 1000:>8.0f} "
@@ -231,12 +231,12 @@ def _report(item: str, pair: list[Variant], bench: argparse.Namespace, log) -> N
     log(f"with / without: {ratio:.3f}x the median step time, {paired:.3f}x the median of steps side by side")
     log(f"same training: losses differ by at most {losses:.1e} (relative), grad norms by {norms:.1e}")
     if item == "overlap":
-        log(f"should buy: {features(args[1])['overlap_grad_reduce']}")
-        log(f"            {features(args[1])['overlap_param_gather']}")
+        log(f"should buy: {features(runs[1])['overlap_grad_reduce']}")
+        log(f"            {features(runs[1])['overlap_param_gather']}")
     else:
-        b0, b1 = pipeline_bubble(args[0]), pipeline_bubble(args[1])
+        b0, b1 = pipeline_bubble(runs[0]), pipeline_bubble(runs[1])
         log(
-            f"should buy: {features(args[1])['interleaved_pipeline']}; a step of (1 + bubble) x compute "
+            f"should buy: {features(runs[1])['interleaved_pipeline']}; a step of (1 + bubble) x compute "
             f"takes {(1 + b1) / (1 + b0):.3f}x as long if the traffic were free"
         )
 

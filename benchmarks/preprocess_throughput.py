@@ -24,7 +24,7 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 
 from diffmeg.data.builtin import builtin_jsonl  # noqa: E402
 from diffmeg.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from diffmeg.data.tokenizer import load_tokenizer  # noqa: E402
+from diffmeg.data.tiktoken_cl100k import load_tokenizer  # noqa: E402
 from diffmeg.errors import cli_errors  # noqa: E402
 
 

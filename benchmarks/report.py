@@ -113,6 +113,10 @@ def _headline(gpu: list[tuple[str, dict]]) -> list[str]:
                 best = max(mfus, key=lambda t: t["mfu"])
                 figure = f"MFU {arch} at 4K ({best['impl']})"
                 add(found, figure, f"{best['mfu']:.1%}", f">= {GOALS['mfu']:.0%}")
+                full = mfu_full_square(best)
+                if full:
+                    figure = f"MFU {arch} at 4K ({best['impl']}), full square (Megatron-LM's convention)"
+                    add(found, figure, f"{full:.1%}", "–")
     found = _newest(gpu, "tests")
     if found:
         t = found[1]["tests"]
@@ -193,6 +197,7 @@ def _train(name: str, r: dict) -> list[str]:
             str(t.get("layers", "–")),
             _num(t["tokens_per_s"], "{:.0f}"),
             _num(t["mfu"], "{:.1%}"),
+            _num(mfu_full_square(t), "{:.1%}"),
             _num(t.get("mfu_vs_matmul"), "{:.1%}"),
             _num(t.get("mem_gib"), "{:.1f}"),
             _num(t.get("estimated_gib"), "{:.1f}"),
@@ -202,11 +207,13 @@ def _train(name: str, r: dict) -> list[str]:
         for t in r["train"]
     ]
     head = [
-        "Training steps (bf16, local spec, mock tokens; MFU against the GPU's dense bf16 peak, and against "
-        "the measured bf16 matmul rate; `dist-opt` rows: the distributed optimizer without and with "
-        "overlapped communication, which on one GPU (DP=1) can only show its overhead; `held before GiB`: "
-        "what earlier runs of the process still held when the row started, not counted in its peak; files "
-        "without it (–) count it in the peak): " + _source(name, r),
+        "Training steps (bf16, local spec, mock tokens; MFU against the GPU's dense bf16 peak, causal "
+        "attention counted as half the square (ours) and as the full square (Megatron-LM's published "
+        "convention), and against the measured bf16 matmul rate; `dist-opt` rows: the distributed "
+        "optimizer without and with overlapped communication, which on one GPU (DP=1) can only show its "
+        "overhead; lever rows: the lever matrix's runs, below; `held before GiB`: what earlier runs of the "
+        "process still held when the row started, not counted in its peak; files without it (–) count it "
+        "in the peak): " + _source(name, r),
         "",
     ]
     return head + _table(
@@ -217,6 +224,7 @@ def _train(name: str, r: dict) -> list[str]:
             "layers",
             "tokens/s",
             "MFU",
+            "MFU full square",
             "MFU of matmul",
             "peak GiB",
             "plan GiB",
@@ -225,6 +233,34 @@ def _train(name: str, r: dict) -> list[str]:
         ],
         rows,
     )
+
+
+def mfu_full_square(t: dict) -> float | None:
+    """A train row's MFU with attention counted as the full square (Megatron-LM's convention): the row's
+    own figure, else (files before it) its causal MFU scaled by the FLOP model's ratio for its preset,
+    layers and length."""
+    if t.get("mfu_full_square") is not None or not t.get("mfu") or not t.get("layers"):
+        return t.get("mfu_full_square")
+    from diffmeg.presets import PRESETS
+    from diffmeg.training.flops import forward_flops_per_token
+
+    p = PRESETS.get(t["model"])
+    if p is None:
+        return None
+    kw = dict(
+        num_layers=t["layers"],
+        hidden_size=p["hidden_size"],
+        ffn_hidden_size=p["ffn_hidden_size"],
+        num_attention_heads=p["num_attention_heads"],
+        num_query_groups=p.get("num_query_groups") or p["num_attention_heads"],
+        kv_channels=p["kv_channels"],
+        seq_length=t["seq"],
+        vocab_size=p["vocab_size"],
+        diff_attention=p["diff_attention"],
+        diff_version=p.get("diff_version", 1),
+    )
+    full, causal = forward_flops_per_token(**kw, causal=False), forward_flops_per_token(**kw)
+    return t["mfu"] * full.total / causal.total
 
 
 def _profile(name: str, r: dict) -> list[str]:
@@ -242,15 +278,67 @@ def _profile(name: str, r: dict) -> list[str]:
             _num(t["profile"]["total_ms"], "{:.1f}"),
             *(_num(t["profile"]["share"][kind], "{:.0%}") for kind in KINDS),
             f"`{t['profile']['top'][0][0][:60]}`" if t["profile"]["top"] else "–",
+            _num(t["profile"].get("busy"), "{:.0%}"),
+            _sdpa(t["profile"]),
         ]
         for t in profiled
     ]
     head = [
         "Where one training step's time goes (one more step of the rows above under torch.profiler; "
-        "self time of the GPU kernels by kind, benchmarks/step_profile.py): " + _source(name, r),
+        "self time of the GPU kernels by kind, benchmarks/step_profile.py; `GPU busy`: kernel time over "
+        "the step's wall time, well under 100% when the step is launch-bound; the backend SDPA chose per "
+        "query shape [b, heads, s, d], and cuDNN's version): " + _source(name, r),
         "",
     ]
-    return head + _table(["model", "impl", "seq", "step ms", *KINDS, "longest kernel"], rows)
+    columns = ["model", "impl", "seq", "step ms", *KINDS, "longest kernel", "GPU busy", "SDPA chose"]
+    return head + _table(columns, rows)
+
+
+def _sdpa(profile: dict) -> str:
+    """`cudnn [1, 12, 4096, 128]; ...` and the cuDNN version (profiles before these fields: –)."""
+    chosen = profile.get("sdpa")
+    if chosen is None:
+        return "–"
+    text = "; ".join(f"{c['backend']} {c['q_shape']}" for c in chosen) or "none"
+    return text + (f" (cuDNN {profile['cudnn']})" if profile.get("cudnn") else "")
+
+
+def levers_table(name: str, r: dict) -> list[str]:
+    """Each lever's gain (tokens/s with it over its off twin, timed side by side in one process)."""
+    rows = [
+        [
+            f"{lv['lever']}",
+            lv["model"],
+            str(lv["seq"]),
+            _num(lv["off_tokens_per_s"], "{:.0f}"),
+            _num(lv["on_tokens_per_s"], "{:.0f}"),
+            _num(lv["gain"], "{:.3f}x"),
+            *_own_flags(lv.get("on") or [], lv.get("off") or []),
+            lv.get("note") or "",
+            lv["error"] or "",
+        ]
+        for lv in r.get("levers") or []
+    ]
+    if not rows:
+        return []
+    head = [
+        "Levers, each against its off twin in the same process (train phase; gain = tokens/s on / off; "
+        "benchmarks/campaign/plan.py's `levers`): " + _source(name, r),
+        "",
+    ]
+    columns = ["lever", "model", "seq", "off tokens/s", "on tokens/s", "gain", "on", "off", "note", "error"]
+    return head + _table(columns, rows)
+
+
+def _own_flags(on: list[str], off: list[str]) -> list[str]:
+    """The flags of the lever and of its twin after what they share (a shared flag whose value differs is
+    kept on both sides): `--optimizer-impl fused` against `--optimizer-impl megatron`."""
+    k = 0
+    while k < min(len(on), len(off)) and on[k] == off[k]:
+        k += 1
+    if k and on[k - 1].startswith("--") and k < len(on) and not on[k].startswith("--"):
+        k -= 1
+    return [" ".join(f"`{f}`" for f in on[k:]) or "–", " ".join(f"`{f}`" for f in off[k:]) or "–"]
 
 
 def _memory(name: str, r: dict) -> list[str]:
@@ -326,6 +414,7 @@ def render(results: list[tuple[str, dict]]) -> str:
             ("triton_candidates", _candidates),
             ("train", _train),
             ("train", _profile),
+            ("levers", levers_table),
             ("memory", _memory),
             ("gpu_train_run", _runs),
         ):

@@ -52,16 +52,35 @@ def summarize(times_us: dict[str, float]) -> dict:
     }
 
 
+SDPA_OPS = {
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (cpu)",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+"""The operator SDPA dispatches to, by the backend it names: what `scaled_dot_product_attention` actually
+chose for a shape (its forward; the backward follows the forward's backend)."""
+
+
 def profile_step(step: Callable[[], None], device: str) -> dict:
-    """Run `step` once under torch.profiler and summarize its kernels (GPU) or operators (CPU)."""
+    """Run `step` once under torch.profiler: summarize its kernels (GPU) or operators (CPU), and add
+    `busy` (that time over the step's wall time: well under 1 on a GPU means the step waits on the host,
+    launch-bound), `busy_basis` (what was counted), `sdpa` (the backend SDPA chose per query shape) and
+    `cudnn` (cuDNN's version, None where torch has none)."""
+    import time
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
+        start = time.perf_counter()
         step()
         if device == "cuda":
             torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
     times: dict[str, float] = {}
     for event in prof.key_averages():
         on_device = event.device_type != torch.autograd.DeviceType.CPU
@@ -73,11 +92,60 @@ def profile_step(step: Callable[[], None], device: str) -> dict:
             continue
         if us > 0:
             times[event.key] = times.get(event.key, 0.0) + us
-    return summarize(times)
+    out = summarize(times)
+    busy_us = _device_busy_us(prof) if device == "cuda" else sum(times.values())
+    out["busy"] = busy_us / wall_us if wall_us > 0 else None
+    gpu = device == "cuda"
+    out["busy_basis"] = "gpu kernels (union of intervals)" if gpu else "cpu operators (self time)"
+    out["sdpa"] = sdpa_choices(prof)
+    out["cudnn"] = cudnn_version()
+    return out
+
+
+def _device_busy_us(prof) -> float:
+    """Microseconds in which at least one kernel ran (overlapping streams counted once)."""
+    import torch
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type != torch.autograd.DeviceType.CPU and e.time_range.end > e.time_range.start
+    )
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi <= end:
+            continue
+        busy += hi - max(lo, end)
+        end = hi
+    return busy
+
+
+def sdpa_choices(prof) -> list[dict]:
+    """[{backend, op, q_shape, calls}] per SDPA backend operator and query shape seen in the profile."""
+    rows = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key in SDPA_OPS:
+            shapes = event.input_shapes or [[]]
+            rows.append(
+                {"backend": SDPA_OPS[event.key], "op": event.key, "q_shape": list(shapes[0]),
+                 "calls": event.count}
+            )  # fmt: skip
+    return sorted(rows, key=lambda r: (r["backend"], r["q_shape"]))
+
+
+def cudnn_version() -> int | None:
+    """cuDNN's version as torch reports it (e.g. 91000), None without cuDNN."""
+    import torch
+
+    try:
+        return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except Exception:  # noqa: BLE001 - a torch without cuDNN support says so differently by version
+        return None
 
 
 def format_share(profile: dict) -> str:
     """`matmul 61% attention 22% ...` (kinds with any time), then the longest kernel."""
     parts = [f"{kind} {share:.0%}" for kind, share in profile["share"].items() if share > 0.005]
     longest = profile["top"][0][0] if profile["top"] else "-"
-    return f"{profile['total_ms']:.1f} ms: " + " ".join(parts) + f"; longest: {longest[:60]}"
+    busy = f"busy {profile['busy']:.0%}; " if profile.get("busy") is not None else ""
+    return f"{profile['total_ms']:.1f} ms ({busy}" + " ".join(parts) + f"); longest: {longest[:60]}"

@@ -5,25 +5,30 @@
     python benchmarks/train_step.py --model diff-tiny --device cpu    # CPU smoke run
     python benchmarks/train_step.py --model diff-3b --num-layers 8 --seqs 4096 --profile  # + where time goes
 
-Models, optimizer and the step come from diffmeg itself (resolve_args -> build_training_objects ->
-megatron-core's forward/backward schedule -> optimizer.step), on mock tokens, as pretrain_diff.py runs
-them. FLOPs are diffmeg.training.flops.train_flops_per_iteration (model FLOPs: DIFF's core counted at
-1.5x the baseline's, no recompute), so MFU is comparable between the pair. For each DIFF model its
-FLOP-matched baseline `transformer-X` is run too; `ratio` = DIFF tokens/s over the baseline's, next to
-the equal-efficiency bound (baseline FLOPs / DIFF FLOPs per token). Each row also carries the peak
-memory and the memory plan's estimate (diffmeg.training.memory) for the same run; the peak is the run's
-own: what earlier runs of the process still hold is subtracted (`resident_gib`), and `left_gib` is what
-the run leaves behind (0 when its model and optimizer were freed). On a GPU megatron-core's
-fusions are compiled by TorchDynamo, as in pretrain_diff.py (on a CPU diffmeg.runtime runs them eagerly).
-The campaign (benchmarks/campaign/train.py) calls `init_process` and `run_one`. Prints a table; never a
-timed test.
+Each model is pretrain_diff.py's `Trainer` on mock data (resolve_args -> RunConfig -> Trainer), and what
+is timed is its own `train_step` (the optimizer step with the scheduler, the micro-batches read and
+copied as in training), so whatever the Trainer's step does is what the GPU measures. FLOPs are
+diffmeg.training.flops.train_flops_per_iteration (model FLOPs: DIFF's core counted at 1.5x the
+baseline's, no recompute), so MFU is comparable between the pair; `MFU` counts causal attention as half
+the square (ours), `MFU-full` as the full square (Megatron-LM's published convention); the denominator
+is the dense peak of diffmeg.training.hardware, the table the training log quotes MFU against. For each
+DIFF model its FLOP-matched baseline `transformer-X` is run too; `ratio` = DIFF tokens/s over the
+baseline's, next to the equal-efficiency bound (baseline FLOPs / DIFF FLOPs per token). Each row also
+carries the peak memory and the memory plan's estimate (diffmeg.training.memory) for the same run; the
+peak is the run's own: what earlier runs of the process still hold is subtracted (`resident_gib`), and
+`left_gib` is what the run leaves behind (0 when its model and optimizer were freed). On a GPU
+megatron-core's fusions are compiled by TorchDynamo, as in pretrain_diff.py (on a CPU diffmeg.runtime
+runs them eagerly). The campaign (benchmarks/campaign/train.py) calls `init_process` and `run_one`.
+Prints a table; never a timed test.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
+import io
 import os
 import platform
 import sys
@@ -34,33 +39,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-# Dense peak TFLOP/s (no sparsity) per device-name fragment: (bf16, fp8).
-PEAK_TFLOPS = {
-    "H100 SXM": (989.4, 1978.9),
-    "H100 80GB HBM3": (989.4, 1978.9),
-    "H100 NVL": (835.0, 1670.0),
-    "H100 PCIe": (756.0, 1513.0),
-    "H200": (989.4, 1978.9),
-    "A100": (312.0, None),
-}
-
-
-def dense_peak_tflops(device_name: str, fp8: bool = False) -> float | None:
-    """The datasheet's dense (no sparsity) bf16 or fp8 TFLOP/s of a GPU by its name, None if unknown:
-    the denominator of MFU as the field quotes it."""
-    for key, (bf16, f8) in PEAK_TFLOPS.items():
-        if key in device_name:
-            return f8 if fp8 else bf16
-    return None
-
-
-def peak_tflops(fp8: bool, override: float | None) -> float | None:
-    if override is not None:
-        return override
-    if not torch.cuda.is_available():
-        return None
-    return dense_peak_tflops(torch.cuda.get_device_name(), fp8)
 
 
 @dataclass
@@ -86,6 +64,9 @@ class StepOptions:
     extra_args: list[str] = field(default_factory=list)
     profile: bool = False
     """After timing, one more step under torch.profiler: `profile` in the result (step_profile.py)."""
+    time_optimizer: bool = False
+    """After timing, the optimizer step alone (time_optimizer_step): `optimizer_s` in the result,
+    so a caller can amortize it as a data-parallel run's sharded optimizer would see it."""
 
 
 def hide_gpu_for_cpu_runs(device: str) -> None:
@@ -108,25 +89,14 @@ def close_process() -> None:
     runtime.teardown()
 
 
-def _mock_batches(n: int, mbs: int, seq: int, vocab: int, device: str):
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(n):
-        tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=gen)
-        yield {
-            "tokens": tokens[:, :-1].to(device),
-            "labels": tokens[:, 1:].to(device),
-            "loss_mask": torch.ones(mbs, seq, device=device),
-            "position_ids": torch.arange(seq, device=device).expand(mbs, seq),
-        }
-
-
 def resolve_run_args(preset: str, seq: int, opts: StepOptions, device: str) -> argparse.Namespace:
     """pretrain_diff.py's resolved arguments for this benchmark run."""
     from diffmeg.training.arguments import resolve_args
 
     mbs = opts.micro_batch_size or max(1, opts.tokens_per_microbatch // seq)
     argv = ["--model", preset, "--mock-data", "--seq-length", str(seq), "--micro-batch-size", str(mbs)]
-    argv += ["--global-batch-size", str(mbs * opts.microbatches), "--train-iters", "100"]
+    steps = max(100, opts.warmup + opts.iters + 1)  # the schedule outlasts the timed and profiled steps
+    argv += ["--global-batch-size", str(mbs * opts.microbatches), "--train-iters", str(steps)]
     argv += ["--max-position-embeddings", str(seq)]
     if opts.vocab_size:
         argv += ["--vocab-size", str(opts.vocab_size)]
@@ -168,42 +138,39 @@ def attention_impl(model: torch.nn.Module) -> str:
     return "unknown"
 
 
+def build_trainer(args: argparse.Namespace):
+    """pretrain_diff.py's Trainer for the run `args` describes, in training mode and without callbacks (the
+    benchmark steps it itself); its start-up lines are not printed, they would break the table."""
+    from diffmeg.training.run_config import RunConfig
+    from diffmeg.training.trainer import Trainer
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(RunConfig.from_args(args), callbacks=[])
+    for chunk in trainer.model:  # the DDP-wrapped model chunks, as Trainer.train sets them
+        chunk.train()
+    return trainer
+
+
 def _time_steps(args: argparse.Namespace, opts: StepOptions, device: str) -> dict:
     """{seconds per optimizer step, attention backend, profile (None unless opts.profile)} of the run
     `args` describes."""
-    from diffmeg.training.builders import build_training_objects, release_training_objects
+    from diffmeg.training.builders import release_training_objects
 
-    config, model, optimizer, _ = build_training_objects(args)  # model: the list of DDP-wrapped chunks
+    trainer = build_trainer(args)
     try:
-        return _timed_steps(model, optimizer, args, opts, device)
+        return _timed_steps(trainer, opts, device)
     finally:  # the next run in this process must not find this one's weights and optimizer still held
-        release_training_objects(config, model)
+        release_training_objects(trainer.model_config, trainer.model)
 
 
-def _timed_steps(model: list, optimizer, args: argparse.Namespace, opts: StepOptions, device: str) -> dict:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+def _timed_steps(trainer, opts: StepOptions, device: str) -> dict:
+    """Time `opts.iters` of the Trainer's own `train_step` after `opts.warmup`; profile one more."""
     from benchmarks import step_profile
-    from diffmeg.training.trainer import forward_step  # what pretrain_diff.py runs per micro-batch
 
-    backend = attention_impl(model[0])
-    fwd_bwd = get_forward_backward_func()
-    seq, mbs = args.seq_length, args.micro_batch_size
+    backend = attention_impl(trainer.model[0])
 
-    def step():
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        fwd_bwd(
-            forward_step_func=forward_step,
-            data_iterator=_mock_batches(opts.microbatches, mbs, seq, args.vocab_size, device),
-            model=model,
-            num_microbatches=opts.microbatches,
-            seq_length=seq,
-            micro_batch_size=mbs,
-            forward_only=False,
-        )
-        optimizer.step()
+    def step() -> None:
+        trainer.train_step()
 
     for _ in range(opts.warmup):
         step()
@@ -216,7 +183,28 @@ def _timed_steps(model: list, optimizer, args: argparse.Namespace, opts: StepOpt
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / max(1, opts.iters)
     profile = step_profile.profile_step(step, device) if opts.profile else None
-    return {"seconds": seconds, "backend": backend, "profile": profile}
+    optimizer_s = None
+    if opts.time_optimizer:
+        optimizer_s = time_optimizer_step(trainer.optimizer, device, warmup=1, iters=opts.iters)
+    return {"seconds": seconds, "backend": backend, "profile": profile, "optimizer_s": optimizer_s}
+
+
+def time_optimizer_step(optimizer, device: str, warmup: int = 1, iters: int = 5) -> float:
+    """Median seconds of one `optimizer.step()` on the gradients it holds (each call updates the weights
+    again: the time, not the values, is what counts here)."""
+    for _ in range(warmup):
+        optimizer.step()
+    times = []
+    for _ in range(max(1, iters)):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
 
 
 def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
@@ -224,9 +212,12 @@ def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
     returned in `error` with the timing figures None, so a sweep goes on."""
     from diffmeg.training.flops import train_flops_per_iteration
     from diffmeg.training.memory import estimate_memory
+    from diffmeg.training.run_config import RunConfig
 
     args = resolve_run_args(preset, seq, opts, device)
-    flops = train_flops_per_iteration(args)
+    run = RunConfig.from_args(args)
+    flops = train_flops_per_iteration(run)
+    flops_full = train_flops_per_iteration(run, causal=False)
     tokens = args.global_batch_size * seq
     result = {
         "preset": preset,
@@ -238,13 +229,16 @@ def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
         "backend": None,
         "tokens_per_s": None,
         "tflops": None,
+        "tflops_full_square": None,
         "flops_per_token": flops / tokens,
+        "flops_per_token_full_square": flops_full / tokens,
         "mem_gib": None,
-        "estimated_gib": estimate_memory(args, on_gpu=device == "cuda").total / 2**30,
+        "estimated_gib": estimate_memory(run, on_gpu=device == "cuda").total / 2**30,
         "resident_gib": None,
         "left_gib": None,
         "profile": None,
         "step_s": None,
+        "optimizer_s": None,
         "error": None,
     }
     _reset_peak(device)
@@ -253,7 +247,9 @@ def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
         timed = _time_steps(args, opts, device)
         seconds = timed["seconds"]
         result.update(step_s=seconds, tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12)
+        result["tflops_full_square"] = flops_full / seconds / 1e12
         result.update(backend=timed["backend"], profile=timed["profile"])
+        result["optimizer_s"] = timed.get("optimizer_s")
         if device == "cuda":
             result["mem_gib"] = (torch.cuda.max_memory_allocated() - resident) / 2**30
     except Exception as exc:  # noqa: BLE001 - every failure is a result here
@@ -292,10 +288,11 @@ def format_row(r: dict, peak: float | None, ratio: str = "", bound: str = "") ->
     if r["error"]:
         return f"{r['preset']:18s} {r['seq']:5d} {r['mbs']:3d} {str(r['backend']):17s} {r['error']}"
     mfu = f"{100 * r['tflops'] / peak:5.1f}%" if peak else "  n/a"
+    full = f"{100 * r['tflops_full_square'] / peak:5.1f}%" if peak else "  n/a"
     mem = "-" if r["mem_gib"] is None else f"{r['mem_gib']:.1f}"
     return (
         f"{r['preset']:18s} {r['seq']:5d} {r['mbs']:3d} {str(r['backend']):17s}"
-        f" {r['tokens_per_s']:10.1f} {r['tflops']:8.3f} {mfu:>6}"
+        f" {r['tokens_per_s']:10.1f} {r['tflops']:8.3f} {mfu:>6} {full:>8}"
         f" {r['flops_per_token'] / 1e9:9.3f} {mem:>7} {r['estimated_gib']:7.1f} {ratio:>6} {bound:>6}"
     )
 
@@ -320,6 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--recompute", choices=["selective", "full"], default=None, help="not counted in MFU")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: by name)")
     p.add_argument("--profile", action="store_true", help="also where one step's time goes, per row")
+    p.add_argument(
+        "--optimizer-impl", choices=["auto", "megatron", "fused"], default=None, help="default: auto"
+    )
     a = p.parse_args(argv)
     if a.device == "cpu":
         hide_gpu_for_cpu_runs("cpu")  # before the first CUDA query below
@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         recompute=a.recompute,
         num_layers=a.num_layers,
         profile=a.profile,
+        extra_args=["--optimizer-impl", a.optimizer_impl] if a.optimizer_impl else [],
     )
     seqs = a.seqs or ([2048, 4096] if gpu else [256])
     if opts.fp8 and not (gpu and importlib.util.find_spec("transformer_engine")):
@@ -348,12 +349,14 @@ def main(argv: list[str] | None = None) -> None:
     import megatron.core
 
     from benchmarks import step_profile
+    from diffmeg.training import hardware
 
     name = torch.cuda.get_device_name() if gpu else f"CPU ({platform.processor() or 'x86_64'})"
-    peak = peak_tflops(opts.fp8, a.peak_tflops)
+    precision = "fp8" if opts.fp8 else ("bf16" if gpu else "fp32")
+    peak = a.peak_tflops if a.peak_tflops is not None else hardware.peak_tflops(device, precision)
     print(
         f"device: {name}; torch {torch.__version__}; megatron-core {megatron.core.__version__}; "
-        f"precision {'fp8-hybrid' if opts.fp8 else ('bf16' if gpu else 'fp32')}; "
+        f"precision {'fp8-hybrid' if opts.fp8 else precision}; "
         f"threads {torch.get_num_threads()}"
     )
     print(f"peak for MFU: {peak or 'unknown (MFU n/a)'} TFLOP/s; microbatches/step {opts.microbatches}")

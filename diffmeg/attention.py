@@ -20,9 +20,7 @@ the spec's `cp_attention` submodule).
 (e.g. one that reports both maps) in place of the configured backend for a `with` block, in the
 differential cores and in the SDPA cores of every other attention.
 
-`SDPACoreAttention` is the core the local spec gives everything else (the Transformer baseline, DIFF V2):
-megatron-core's own local `DotProductAttention` materialises the [b, heads, s, s] scores and saves the
-probabilities twice, so without Transformer Engine the baseline would pay memory and time DIFF does not.
+`SDPACoreAttention` (`diffmeg.core_attention`) is the core the local spec gives every other attention.
 """
 
 from __future__ import annotations
@@ -35,33 +33,20 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.enums import AttnMaskType
 
 from diffmeg.config import DiffTransformerConfig
-from diffmeg.core_attention import CoreAttention
+from diffmeg.core_attention import CoreAttention, SDPACoreAttention, SDPAFn
 from diffmeg.errors import DiffmegError
-from diffmeg.kernels import DiffAttentionFn, backend_name, resolve_backend
-from diffmeg.kernels.reference import causal_keep_mask, diff_attention_reference
-from diffmeg.norm import rms_norm
+from diffmeg.fusions.rms_norm import HeadRMSNorm
+from diffmeg.kernels import DiffAttentionFn
+from diffmeg.kernels.reference import diff_attention_reference
 from diffmeg.parallel import DiffMapsWithCP, head_to_sequence_shards, sequence_to_head_shards
+from diffmeg.registry import resolve, select
 
 logger = logging.getLogger(__name__)
 
 SUM_GRAD_OVER_TP_ATTR = "diffmeg_sum_grad_over_tp"
 """Marks a TP-replicated parameter whose per-rank gradient covers only that rank's heads."""
-
-
-class HeadRMSNorm(torch.nn.Module):
-    """RMSNorm of each head's 2d-wide output; one weight shared by all heads of the layer."""
-
-    def __init__(self, width: int, eps: float, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(width, dtype=dtype))
-        setattr(self.weight, SUM_GRAD_OVER_TP_ATTR, True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 @dataclass
@@ -111,7 +96,7 @@ class DiffCoreAttention(CoreAttention):
         self.lambda_init = config.lambda_init_at(self.layer_number)
         # Checked here (a name this installation can never run fails at build); resolved per call from the
         # tensors' device, so a core built on the CPU runs the GPU kernels once its inputs are on the GPU.
-        self.backend_name = backend_name(config.attention_backend_diff)
+        self.backend_name = resolve("diff_attention", config.attention_backend_diff)
         self._backends: dict[str, DiffAttentionFn] = {}
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else "cuda"
 
@@ -122,7 +107,11 @@ class DiffCoreAttention(CoreAttention):
                 torch.nn.init.normal_(p, mean=0.0, std=config.lambda_std)
             setattr(p, SUM_GRAD_OVER_TP_ATTR, True)
             self.register_parameter(name, p)
-        self.head_norm = HeadRMSNorm(2 * self.head_dim, config.head_norm_eps)
+        norm_fn = select("norm", config.norm_impl, spec="local").load().norm_fn
+        self.head_norm = HeadRMSNorm(2 * self.head_dim, config.head_norm_eps, norm_fn=norm_fn)
+        # head norm, x (1 - lambda_init), seq-first: plain ops or one compiled region
+        self.epilogue = select("diff_epilogue", config.diff_epilogue_impl).load()
+        setattr(self.head_norm.weight, SUM_GRAD_OVER_TP_ATTR, True)
         self.head_norm.to(device)
         self.cp_maps = None
         if self.cp_group is not None and self.cp_comm_type != "ulysses":
@@ -142,7 +131,7 @@ class DiffCoreAttention(CoreAttention):
         """The configured backend for tensors of this device type (resolved once per device type)."""
         fn = self._backends.get(device_type)
         if fn is None:
-            _, fn = resolve_backend(self.backend_name, device_type)
+            fn = select("diff_attention", self.backend_name, device_type).load()
             self._backends[device_type] = fn
         return fn
 
@@ -192,18 +181,13 @@ class DiffCoreAttention(CoreAttention):
                 q[0], q[1], k[0], k[1], v, self.lambda_full(), scale=self.softmax_scale, dropout_p=dropout_p,
                 **kwargs,
             )  # fmt: skip
-        # out: [b, h, sq, 2d]
-        out = self.head_norm(out) * (1.0 - self.lambda_init)
-        out = out.permute(2, 0, 1, 3)  # [b, h, sq, 2d] -> [sq, b, h, 2d]
+        # out: [b, h, sq, 2d] -> [sq, b, h, 2d], normed and scaled
+        norm = self.head_norm
+        out = self.epilogue(out, norm.weight, norm.eps, 1.0 - self.lambda_init, norm=norm.norm_fn)
         if cp_group is not None:
-            out = head_to_sequence_shards(out.contiguous(), cp_group)  # [sq/cp, b, h*cp, 2d]
+            out = head_to_sequence_shards(out, cp_group)  # [sq/cp, b, h*cp, 2d]
         # [sq', b, h', 2d] -> [sq', b, h' * 2d]
         return out.reshape(out.shape[0], b, -1)
-
-
-SDPAFn = Callable[..., torch.Tensor]
-"""`torch.nn.functional.scaled_dot_product_attention`'s signature: (q [b, n, sq, d], k, v [b, g, sk, d], *,
-attn_mask (bool, True = attend) or None, dropout_p, is_causal, scale, enable_gqa) -> [b, n, sq, d]."""
 
 
 @contextmanager
@@ -229,51 +213,3 @@ def override_attention_backend(
     finally:
         for core, previous in zip(cores, saved, strict=True):
             core.override = previous
-
-
-class SDPACoreAttention(CoreAttention):
-    """megatron-core's `core_attention` for ordinary heads through torch's fused SDPA (flash / cuDNN /
-    memory-efficient kernels on a GPU, the flash kernel on a CPU): q/k/v `[s, b, heads, d]` per partition
-    in, `[sq, b, heads * d]` out, as `DotProductAttention` but without the score matrix.
-
-    Causal with the queries aligned to the end of the keys (a KV-cache step with sq < sk sees every earlier
-    key); an explicit `attention_mask` (True = masked out, megatron-core's convention) replaces the causal
-    mask, as in megatron-core. GQA maps query head j to KV head j // (heads / groups), megatron-core's
-    grouping. Context parallelism needs TE's attention (the TE spec).
-    """
-
-    name = "the SDPA core attention"
-    override: SDPAFn | None = None
-    """When set, called in place of torch's SDPA, same arguments (see `override_attention_backend`)."""
-
-    def __init__(self, config, *args, **kwargs) -> None:
-        if config.context_parallel_size > 1:
-            raise DiffmegError(
-                "the local spec's SDPA core attention has no context parallelism: use the Transformer Engine "
-                "spec (--transformer-impl transformer_engine) or --context-parallel-size 1"
-            )
-        super().__init__(config, *args, **kwargs)
-
-    def attend(self, query, key, value, attention_mask, attn_mask_type) -> torch.Tensor:  # CoreAttention's
-        sq, b, heads, _ = query.shape
-        sk, groups = key.shape[0], key.shape[2]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
-        causal = attn_mask_type == AttnMaskType.causal
-        mask = None
-        if attention_mask is not None:
-            mask = ~attention_mask.bool()  # megatron-core: True = masked out; SDPA: True = attend
-        elif causal and sq != sk:
-            mask = causal_keep_mask(sq, sk, query.device)  # [sq, sk]: queries at the end of the keys
-        dropout_p = self.dropout_p if self.training else 0.0
-
-        def attend() -> torch.Tensor:
-            sdpa = self.override or torch.nn.functional.scaled_dot_product_attention
-            return sdpa(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None and sq > 1,
-                scale=self.softmax_scale, enable_gqa=groups != heads,
-            )  # fmt: skip
-
-        with self.dropout_rng():
-            out = attend()
-        # [b, n, sq, d] -> [sq, b, n * d]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

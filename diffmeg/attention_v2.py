@@ -29,6 +29,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from diffmeg.errors import DiffmegError
+from diffmeg.fusions.diff_combine import combine_head_pairs
+from diffmeg.fusions.rope import FusedRopeMixin
 
 
 @dataclass
@@ -37,16 +39,6 @@ class DiffV2SelfAttentionSubmodules(SelfAttentionSubmodules):
 
     linear_lambda: ModuleSpec | type = None
     """hidden -> h (no bias), column-parallel over heads."""
-
-
-def combine_head_pairs(attn: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """`attn[2i] - lam_i * attn[2i+1]` in fp32 (or wider): [s, b, 2n * d], [s, b, n] -> [s, b, n * d] in
-    attn's dtype."""
-    s, b, n = lam.shape
-    dtype = torch.promote_types(attn.dtype, torch.float32)
-    pairs = attn.view(s, b, n, 2, -1).to(dtype)  # [s, b, 2n * d] -> [s, b, n, 2, d]; pair i = heads 2i, 2i+1
-    out = pairs[..., 0, :] - lam.to(dtype).unsqueeze(-1) * pairs[..., 1, :]  # [s, b, n, d]
-    return out.to(attn.dtype).reshape(s, b, -1)  # [s, b, n, d] -> [s, b, n * d]
 
 
 class DiffV2SelfAttention(SelfAttention):
@@ -127,3 +119,7 @@ class DiffV2SelfAttention(SelfAttention):
                 f"cover different tokens (packed sequences are not supported)"
             )
         return (combine_head_pairs(attn, self._lambda), *args[1:])
+
+
+class FusedRopeDiffV2SelfAttention(FusedRopeMixin, DiffV2SelfAttention):
+    """`DiffV2SelfAttention` with the chosen RoPE function (`--rope-impl`, `diffmeg.fusions.rope`)."""

@@ -12,6 +12,7 @@ wrote; the offline readers here build the single-rank (TP=PP=1) model a checkpoi
 from __future__ import annotations
 
 import argparse
+import filecmp
 import io
 import json
 import os
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diffmeg.data.hf_tokenizer import HF_TOKENIZER, TOKENIZER_FILES, copy_tokenizer_files, has_tokenizer_files
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes, is_disk_full
 
@@ -31,6 +33,9 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 ARGS_FILE = "args.json"
 WEIGHTS_ONLY_KEY = "weights_only"
 """Set in the common state of checkpoints that hold model weights and nothing else (HF imports)."""
+TOKENIZER_DIR = "tokenizer"
+"""A run's own copy of its Hugging Face tokenizer, `{root}/tokenizer`: args.json names it by this relative
+path, so a checkpoint folder that is moved, renamed or copied keeps its tokenizer."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The `--dtype` choices of the offline tools."""
 
@@ -80,11 +85,64 @@ def iteration_dirs(root: str) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------------
+# The tokenizer a checkpoint carries
+
+
+def carry_tokenizer(root: str, args: dict) -> dict:
+    """`args` as args.json records them under `root`: a Hugging Face tokenizer folder outside `root` is
+    copied into `{root}/tokenizer` once, and named by that relative path (a copy of `args`).
+
+    So a run no longer depends on the upcycle or import folder it started from, nor on where it lies."""
+    model = args.get("tokenizer_model")
+    if args.get("tokenizer_type") != HF_TOKENIZER or not model or not os.path.isabs(model):
+        return args  # no folder, or already named relative to `root`
+    own = os.path.join(root, TOKENIZER_DIR)
+    if os.path.realpath(model) != os.path.realpath(own):
+        if has_tokenizer_files(own):
+            if not _same_tokenizer_files(model, own):
+                raise DiffmegError(
+                    f"{own} holds another tokenizer than this run's {model}; save this run to another --save "
+                    f"folder (a checkpoint folder carries one tokenizer)"
+                )
+        else:
+            tmp = f"{own}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                copy_tokenizer_files(model, tmp)
+                os.replace(tmp, own)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return {**args, "tokenizer_model": TOKENIZER_DIR}
+
+
+def _same_tokenizer_files(a: str, b: str) -> bool:
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(a, n))]
+    return names == [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(b, n))] and all(
+        filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names
+    )
+
+
+def locate_tokenizer(root: str, args: dict) -> dict:
+    """args.json's values with the tokenizer folder where it is now: a relative `tokenizer_model` lies under
+    `root`; an absolute one that is gone (a checkpoint written before runs carried their tokenizer) falls
+    back to `{root}/tokenizer` when the run holds a copy."""
+    model = args.get("tokenizer_model")
+    if args.get("tokenizer_type") != HF_TOKENIZER or not model:
+        return args
+    own = os.path.abspath(os.path.join(root, TOKENIZER_DIR))
+    if not os.path.isabs(model):
+        return {**args, "tokenizer_model": os.path.abspath(os.path.join(root, model))}
+    if not os.path.isdir(model) and has_tokenizer_files(own):
+        return {**args, "tokenizer_model": own}
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------
 # Writing
 
 
 def _json_args(args: argparse.Namespace | dict) -> dict:
-    return dict(args) if isinstance(args, dict) else vars(args)
+    return dict(args) if isinstance(args, dict) else dict(vars(args))
 
 
 def begin_checkpoint(
@@ -132,7 +190,7 @@ def begin_checkpoint(
                 step()
             if rank == 0:
                 with open(os.path.join(path, ARGS_FILE), "w") as f:
-                    json.dump(_json_args(args), f, indent=2, default=str)
+                    json.dump(carry_tokenizer(root, _json_args(args)), f, indent=2, default=str)
                 write_tracker(root, iteration)
         except (Exception, CheckpointException) as exc:
             raise _failed_save(root, path, iteration, exc, expected_bytes, rank == 0) from exc
@@ -186,7 +244,7 @@ def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argpa
     if not os.path.isfile(args_file):
         raise DiffmegError(f"{path} is not a complete pretrain_diff.py checkpoint ({ARGS_FILE} is missing)")
     with open(args_file) as f:
-        return argparse.Namespace(**json.load(f)), path
+        return argparse.Namespace(**locate_tokenizer(root, json.load(f))), path
 
 
 def first_line(exc: BaseException) -> str:
@@ -300,9 +358,32 @@ def damaged_file(path: str, deep: bool = True) -> tuple[str, str] | None:
     return None
 
 
+SAVED_ARGS_DEFAULTS: dict[str, object] = {
+    "diff_version": 1,  # DIFF V2 came later: every earlier run is the paper's DIFF
+    "virtual_pipeline_model_parallel_size": None,  # interleaving came later: one model chunk per rank
+    "cp_comm_type": None,  # megatron-core's default context-parallel exchange
+    "tie_embeddings_and_output_weights": False,  # the output layer was always its own matrix
+    "deterministic_mode": False,
+    "cross_entropy_chunk_size": None,  # the whole logits
+    "cross_entropy_loss_fusion": False,  # megatron-core's unfused loss
+    "norm_impl": "auto",  # the spec's own norm
+    "diff_epilogue_impl": "auto",  # the eager epilogue
+    "rope_impl": "auto",  # megatron-core's RoPE
+}
+"""What a flag added after a checkpoint was written meant for the runs that did not have it yet."""
+
+
+def upgrade_saved_args(args: argparse.Namespace | dict) -> argparse.Namespace:
+    """A copy of a checkpoint's saved arguments with the flags it predates set to what those runs did
+    (`SAVED_ARGS_DEFAULTS`), so readers of older args.json files need no defaults of their own."""
+    values = dict(args) if isinstance(args, dict) else vars(args)
+    return argparse.Namespace(**{**SAVED_ARGS_DEFAULTS, **values})
+
+
 def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
-    """A copy of run arguments for one fp32 TP=PP=1 model (the layout checkpoints are read and built in)."""
-    args = argparse.Namespace(**vars(args))
+    """A copy of run arguments for one fp32 TP=PP=1 model (the layout checkpoints are read and built in);
+    older saved arguments are upgraded (`upgrade_saved_args`)."""
+    args = upgrade_saved_args(args)
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = args.context_parallel_size = 1
     args.virtual_pipeline_model_parallel_size = args.num_layers_per_virtual_pipeline_stage = None
     args.sequence_parallel = args.use_distributed_optimizer = False

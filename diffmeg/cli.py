@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from diffmeg.errors import cli_errors
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
+INTERRUPTED_WHOLE_FILES = "no partial output was left (each file is written whole or none); run it again"
+"""What Ctrl-C leaves of a tool whose outputs are written under temporary names and renamed whole."""
 
 
 def parser(
@@ -103,9 +105,17 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argp
     args = p.parse_args(argv)
     # megatron-core compiles its fusions with TorchDynamo at import; an evaluation never needs them.
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    quiet_third_party_warnings()
+    return args
+
+
+def quiet_third_party_warnings() -> None:
+    """Drop the deprecation noise megatron-core and torch print on every start and checkpoint load, at
+    each entry point (pretrain_diff.py, the tools), not only in the test suite: none of it is the
+    user's to act on."""
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's ShardedTensor deprecations on load
     warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron-core config default
-    return args
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 
 def tool_main(
@@ -130,13 +140,15 @@ def measurement_main(
     report: Callable[[dict, argparse.Namespace], None],
 ) -> Callable[[Sequence[str] | None], None]:
     """The `main(argv)` of an evaluation tool: `measure(args)` (it writes the outputs and returns their
-    summary), `report(summary, args)` on stdout, then `wrote <--output-dir>`."""
+    summary), `report(summary, args)` on stdout, then `wrote <--output-dir>`. Each output is written
+    under a temporary name and renamed whole (`diffmeg.eval.common.write_json`, ...), so Ctrl-C leaves
+    no partial file: one line and exit 130."""
 
     def work(args: argparse.Namespace) -> None:
         report(measure(args), args)
         print(f"wrote {args.output_dir}")
 
-    return tool_main(parse_args, work)
+    return tool_main(parse_args, work, interrupted=INTERRUPTED_WHOLE_FILES)
 
 
 def dataset_main(

@@ -19,11 +19,9 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from diffmeg import registry
 from diffmeg.errors import DiffmegError
 from diffmeg.parallel.validation import validate_cp
-
-ATTENTION_BACKENDS = ("auto", "reference", "sdpa", "flash", "triton")
-
 
 DIFF_VERSIONS = (1, 2)
 
@@ -65,8 +63,21 @@ class DiffTransformerConfig(TransformerConfig):
     """Epsilon of the per-head RMSNorm applied to each differential head's output (width 2d)."""
 
     attention_backend_diff: str = "auto"
-    """Differential attention core: reference (plain math), sdpa (torch), flash / triton on GPU, or auto
-    (the fastest available)."""
+    """Differential attention backend, a name of `diffmeg.registry`'s `diff_attention` slot:
+    reference (plain math), sdpa (torch), flash / triton on GPU, or auto (the measured fastest)."""
+
+    norm_impl: str = "auto"
+    """RMSNorm implementation, a name of `diffmeg.registry`'s `norm` slot of the local family
+    (local, torch, compiled): the local spec's block and final norms and DIFF V1's head norm. auto: the
+    spec's own (the Transformer Engine spec keeps TE's norms whatever this says, bar the head norm)."""
+
+    rope_impl: str = "auto"
+    """RoPE implementation, a name of the registry's `rope` slot: megatron (megatron-core's eager RoPE
+    inside its attention), compiled (`diffmeg.fusions.rope`), or auto (megatron until measured)."""
+
+    diff_epilogue_impl: str = "auto"
+    """DIFF V1's epilogue after the attention backend (head RMSNorm, x (1 - lambda_init), seq-first), a
+    name of the registry's `diff_epilogue` slot: eager, compiled, or auto (eager until measured)."""
 
     cp_comm_type: str | list[str] | None = None
     """megatron-core's field, with one more value for DIFF: `ulysses` (None means it) shards heads with
@@ -81,11 +92,16 @@ class DiffTransformerConfig(TransformerConfig):
 
     cross_entropy_chunk_size: int | None = None
     """Tokens per chunk of the training loss's output projection and cross entropy
-    (`diffmeg.cross_entropy`): the whole logits are never held, each chunk's are recomputed in backward.
-    None: megatron-core's loss over the whole logits. Only the loss changes: logits (no labels) and the
-    parameters are the same either way."""
+    (`diffmeg.fusions.cross_entropy`): the whole logits are never held, each chunk's are recomputed in
+    backward. None: megatron-core's loss over the whole logits. Only the loss changes: logits (no labels)
+    and the parameters are the same either way."""
+
+    fp8_emulate: bool = False
+    """With `fp8` on the local spec (torchao's FP8 linears): cast to FP8 as on a GPU but multiply in high
+    precision, so FP8's numerics run on a CPU or a GPU without FP8 matmuls (tests; no speed-up)."""
 
     def __post_init__(self) -> None:
+        self._validate_impls()
         self._validate_loss()
         if self.diff_attention and self.diff_version not in DIFF_VERSIONS:
             raise DiffmegError(f"diff_version must be 1 or 2, got {self.diff_version!r}")
@@ -104,9 +120,22 @@ class DiffTransformerConfig(TransformerConfig):
             )
         super().__post_init__()
 
+    def _validate_impls(self) -> None:
+        registry.check_name("norm", self.norm_impl)
+        registry.check_name("diff_epilogue", self.diff_epilogue_impl)
+        registry.check_name("rope", self.rope_impl)
+        named = self.norm_impl != registry.AUTO
+        if named and registry.implementation("norm", self.norm_impl).spec != "local":
+            local = [i.name for i in registry.implementations("norm") if i.spec == "local"]
+            raise DiffmegError(
+                f"norm_impl {self.norm_impl!r} is the Transformer Engine spec's own norm; choose one of "
+                f"auto, {', '.join(local)} (--transformer-impl chooses the TE spec)"
+            )
+
     def _validate_loss(self) -> None:
         size = self.cross_entropy_chunk_size
         if size is None:
+            self._validate_fused_loss()
             return
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise DiffmegError(f"cross_entropy_chunk_size must be a number of tokens >= 1, got {size!r}")
@@ -117,6 +146,13 @@ class DiffTransformerConfig(TransformerConfig):
         ):
             if getattr(self, field):
                 raise DiffmegError(f"the chunked cross entropy does not combine with {what} ({field})")
+
+    def _validate_fused_loss(self) -> None:
+        if self.cross_entropy_loss_fusion and self.cross_entropy_fusion_impl == "native" and not self.bf16:
+            raise DiffmegError(
+                "megatron-core's native fused cross entropy returns bf16 gradients: use it with --bf16, "
+                "or leave out --cross-entropy-loss-fusion"
+            )
 
     def _paired_heads(self, needs: str) -> int:
         """h: megatron-core's `num_attention_heads` counts 2h query (sub-)heads in both DIFF versions."""
@@ -159,11 +195,7 @@ class DiffTransformerConfig(TransformerConfig):
             raise DiffmegError(f"lambda_std must be >= 0, got {self.lambda_std}")
         if self.head_norm_eps <= 0:
             raise DiffmegError(f"head_norm_eps must be > 0, got {self.head_norm_eps}")
-        if self.attention_backend_diff not in ATTENTION_BACKENDS:
-            raise DiffmegError(
-                f"unknown differential attention backend {self.attention_backend_diff!r}; "
-                f"choose one of {', '.join(ATTENTION_BACKENDS)}"
-            )
+        registry.check_name("diff_attention", self.attention_backend_diff)
         validate_cp(
             cp_size=self.context_parallel_size,
             comm_type=self.cp_comm_type,

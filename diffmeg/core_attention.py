@@ -4,11 +4,18 @@ megatron-core's `SelfAttention` builds its `core_attention` submodule with `DotP
 constructor keywords and calls it with per-partition q/k/v `[s, b, heads, d]`. Every core here
 (differential, SDPA, the Ulysses wrapper) takes those keywords and refuses the same unsupported inputs,
 so the contract lives in this base class and each subclass implements `attend` only.
+
+`SDPACoreAttention` is the core the local spec gives everything but DIFF V1 (the Transformer baseline,
+DIFF V2): megatron-core's own local `DotProductAttention` materialises the [b, heads, s, s] scores and saves
+the probabilities twice, so without Transformer Engine the baseline would pay memory and time DIFF does not.
+It lives beside the contract, below the model config, so the implementation registry
+(`diffmeg.registry`, which the config reads) can name it.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -16,6 +23,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from diffmeg.errors import DiffmegError
+from diffmeg.kernels.reference import causal_keep_mask
 
 
 def context_parallel_group(pg_collection) -> torch.distributed.ProcessGroup:
@@ -87,3 +95,56 @@ class CoreAttention(MegatronModule):
         if self.training and self.dropout_p > 0.0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
+
+
+SDPAFn = Callable[..., torch.Tensor]
+"""`torch.nn.functional.scaled_dot_product_attention`'s signature: (q [b, n, sq, d], k, v [b, g, sk, d], *,
+attn_mask (bool, True = attend) or None, dropout_p, is_causal, scale, enable_gqa) -> [b, n, sq, d]."""
+
+
+class SDPACoreAttention(CoreAttention):
+    """megatron-core's `core_attention` for ordinary heads through torch's fused SDPA (flash / cuDNN /
+    memory-efficient kernels on a GPU, the flash kernel on a CPU): q/k/v `[s, b, heads, d]` per partition
+    in, `[sq, b, heads * d]` out, as `DotProductAttention` but without the score matrix.
+
+    Causal with the queries aligned to the end of the keys (a KV-cache step with sq < sk sees every earlier
+    key); an explicit `attention_mask` (True = masked out, megatron-core's convention) replaces the causal
+    mask, as in megatron-core. GQA maps query head j to KV head j // (heads / groups), megatron-core's
+    grouping. Context parallelism needs TE's attention (the TE spec).
+    """
+
+    name = "the SDPA core attention"
+    override: SDPAFn | None = None
+    """When set, called in place of torch's SDPA, same arguments (see `override_attention_backend`)."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        if config.context_parallel_size > 1:
+            raise DiffmegError(
+                "the local spec's SDPA core attention has no context parallelism: use the Transformer Engine "
+                "spec (--transformer-impl transformer_engine) or --context-parallel-size 1"
+            )
+        super().__init__(config, *args, **kwargs)
+
+    def attend(self, query, key, value, attention_mask, attn_mask_type) -> torch.Tensor:  # CoreAttention's
+        sq, b, heads, _ = query.shape
+        sk, groups = key.shape[0], key.shape[2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+        causal = attn_mask_type == AttnMaskType.causal
+        mask = None
+        if attention_mask is not None:
+            mask = ~attention_mask.bool()  # megatron-core: True = masked out; SDPA: True = attend
+        elif causal and sq != sk:
+            mask = causal_keep_mask(sq, sk, query.device)  # [sq, sk]: queries at the end of the keys
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def attend() -> torch.Tensor:
+            sdpa = self.override or torch.nn.functional.scaled_dot_product_attention
+            return sdpa(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None and sq > 1,
+                scale=self.softmax_scale, enable_gqa=groups != heads,
+            )  # fmt: skip
+
+        with self.dropout_rng():
+            out = attend()
+        # [b, n, sq, d] -> [sq, b, n * d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -1,12 +1,13 @@
 """megatron-core's `GPTModel` built from our specs: RMSNorm, SwiGLU, no biases, RoPE; the output layer is
 its own matrix, or tied to the word embedding (`config.share_embeddings_and_output_weights`).
 
-`config_from_args` is the one mapping of run flags (resolved arguments, a checkpoint's args.json) to the
-model config: training, the offline checkpoint readers and conversion all build through it.
+`transformer_config` is the one mapping of a run's fields to the model config: training passes its typed
+groups (`RunConfig.model`, `.parallel`, `.training`); `config_from_args` passes flat arguments (resolved
+ones, a checkpoint's upgraded args.json) for the offline checkpoint readers and conversion.
 
 `DiffGPTModel` is megatron-core's GPTModel with one more way to compute the training loss: with
 `config.cross_entropy_chunk_size` set, the output projection and cross entropy run in chunks of tokens
-(`diffmeg.cross_entropy`) instead of materialising the whole logits. Everything else (parameters,
+(`diffmeg.fusions.cross_entropy`) instead of materialising the whole logits. Everything else (parameters,
 checkpoints, logits when no labels are given) is megatron-core's.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +23,12 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from diffmeg import runtime
+from diffmeg.attention import DiffCoreAttention
 from diffmeg.config import DiffTransformerConfig, megatron_head_counts
-from diffmeg.cross_entropy import linear_cross_entropy
 from diffmeg.errors import DiffmegError
 from diffmeg.init import initialize_parameters
 from diffmeg.layer_specs import get_diff_block_spec
+from diffmeg.registry import select
 
 # megatron-core's FusedScaleMaskSoftmax imports these CUDA extensions (Megatron-LM's / apex's fused kernels)
 # when the fusion is on and the shapes qualify (bf16/fp16, 16 < sk <= 4096): without them every local-spec
@@ -44,79 +47,143 @@ def fused_softmax_available() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in FUSED_SOFTMAX_MODULES)
 
 
-def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
+class ModelFields(Protocol):
+    """The network's fields a model config reads: a run's `RunConfig.model`, or saved flat arguments."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    norm_epsilon: float
+    hidden_dropout: float
+    attention_dropout: float
+    init_method_std: float
+    tie_embeddings_and_output_weights: bool
+    diff_attention: bool
+    diff_version: int
+    lambda_init: str
+    lambda_std: float
+    diff_attn_backend: str
+    norm_impl: str
+    rope_impl: str
+    diff_epilogue_impl: str
+
+
+class ParallelFields(Protocol):
+    """The layout's fields a model config reads: a run's `RunConfig.parallel`, or saved flat arguments."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
+    context_parallel_size: int
+    cp_comm_type: str | None
+    sequence_parallel: bool
+
+
+class TrainingFields(Protocol):
+    """Precision, recomputation, loss, determinism: `RunConfig.training`, or saved flat arguments."""
+
+    bf16: bool
+    fp16: bool
+    fp8_format: str | None
+    fp8_recipe: str
+    recompute_granularity: str | None
+    recompute_method: str | None
+    recompute_num_layers: int | None
+    cross_entropy_chunk_size: int | None
+    cross_entropy_loss_fusion: bool
+    deterministic_mode: bool
+
+
+def transformer_config(
+    model: ModelFields, parallel: ParallelFields, training: TrainingFields
+) -> DiffTransformerConfig:
     """The LLaMA macro layout (pre-RMSNorm, SwiGLU, no biases) with the run's sizes and parallelism."""
     on_gpu = torch.cuda.is_available()
-    diff_version = getattr(args, "diff_version", 1)  # absent from args saved before DIFF V2 existed
     heads, groups = megatron_head_counts(
-        args.num_attention_heads, args.num_query_groups, args.diff_attention, diff_version
+        model.num_attention_heads, model.num_query_groups, model.diff_attention, model.diff_version
     )
-    dtype = params_dtype(args)
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)  # absent before interleaving existed
+    dtype = params_dtype(training)
+    vp = parallel.virtual_pipeline_model_parallel_size
     return DiffTransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=heads,
         num_query_groups=groups,
-        kv_channels=args.kv_channels,
+        kv_channels=model.kv_channels,
         normalization="RMSNorm",
-        layernorm_epsilon=args.norm_epsilon,
+        layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=False,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp,
         # Megatron-LM's interleaved-schedule p2p: overlapped isend/irecv (batched p2p cannot overlap).
         overlap_p2p_comm=vp is not None,
         batch_p2p_comm=vp is None,
-        context_parallel_size=args.context_parallel_size,
-        cp_comm_type=getattr(args, "cp_comm_type", None),  # None in args saved before the flag existed
-        sequence_parallel=args.sequence_parallel,
-        # absent from args saved before the flag existed: untied, as every run was then
-        share_embeddings_and_output_weights=bool(getattr(args, "tie_embeddings_and_output_weights", False)),
-        deterministic_mode=getattr(args, "deterministic_mode", False),  # absent from older saved args
+        context_parallel_size=parallel.context_parallel_size,
+        cp_comm_type=parallel.cp_comm_type,
+        sequence_parallel=parallel.sequence_parallel,
+        share_embeddings_and_output_weights=bool(model.tie_embeddings_and_output_weights),
+        deterministic_mode=training.deterministic_mode,
         use_cpu_initialization=not on_gpu,
         # megatron-core sets the TP attributes inside its init; diffmeg.init then redraws every parameter
         # layout-independently.
         perform_initialization=True,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        fp8=args.fp8_format,
-        fp8_recipe=args.fp8_recipe,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
+        bf16=training.bf16,
+        fp16=training.fp16,
+        fp8=training.fp8_format,
+        fp8_recipe=training.fp8_recipe,
+        recompute_granularity=training.recompute_granularity,
+        recompute_method=training.recompute_method,
+        recompute_num_layers=training.recompute_num_layers,
         masked_softmax_fusion=fused_softmax_available(),
         bias_activation_fusion=on_gpu,
         apply_rope_fusion=False,
-        diff_attention=args.diff_attention,
-        diff_version=diff_version,
-        lambda_init=args.lambda_init,
-        lambda_std=args.lambda_std,
-        attention_backend_diff=args.diff_attn_backend,
-        cross_entropy_chunk_size=getattr(args, "cross_entropy_chunk_size", None),  # absent before the flag
+        diff_attention=model.diff_attention,
+        diff_version=model.diff_version,
+        lambda_init=model.lambda_init,
+        lambda_std=model.lambda_std,
+        attention_backend_diff=model.diff_attn_backend,
+        cross_entropy_chunk_size=training.cross_entropy_chunk_size,
+        cross_entropy_loss_fusion=training.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl="native",
+        norm_impl=model.norm_impl,
+        rope_impl=model.rope_impl,
+        diff_epilogue_impl=model.diff_epilogue_impl,
     )
 
 
-def params_dtype(args) -> torch.dtype:
-    """The parameter dtype of flat arguments (--bf16/--fp16); a RunConfig has `training.params_dtype`."""
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
+    """`transformer_config` of flat arguments that hold every field: resolved ones, or a checkpoint's
+    args.json after `diffmeg.checkpoints.upgrade_saved_args` (the offline readers and conversion)."""
+    return transformer_config(args, args, args)
+
+
+def params_dtype(training: TrainingFields) -> torch.dtype:
+    """The parameter dtype of --bf16/--fp16 (flat arguments; a RunConfig has `training.params_dtype`)."""
+    return torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else torch.float32
 
 
 class DiffGPTModel(GPTModel):
-    """GPTModel whose loss (labels given) can skip the full logits: see `diffmeg.cross_entropy`."""
+    """GPTModel whose loss (labels given) can skip the full logits: see `diffmeg.fusions.cross_entropy`."""
 
     def _postprocess(self, hidden_states, *args, labels=None, inference_context=None, **kwargs):
         chunk_size = getattr(self.config, "cross_entropy_chunk_size", None)
-        if not chunk_size or not self.post_process or labels is None or inference_context is not None:
+        # the `loss` slot of diffmeg.registry; megatron-core's GPTModel runs 'megatron' and 'fused'
+        # itself (its `compute_language_model_loss` reads `cross_entropy_loss_fusion`)
+        loss = "chunked" if chunk_size else "fused" if self.config.cross_entropy_loss_fusion else "megatron"
+        if loss != "chunked" or not self.post_process or labels is None or inference_context is not None:
             return super()._postprocess(
                 hidden_states, *args, labels=labels, inference_context=inference_context, **kwargs
             )
@@ -125,7 +192,7 @@ class DiffGPTModel(GPTModel):
         weight = self.output_layer.weight
         if self.share_embeddings_and_output_weights:
             weight = self.shared_embedding_or_output_weight()
-        return linear_cross_entropy(
+        return select("loss", loss).load()(
             hidden_states,
             weight,
             labels,
@@ -191,8 +258,6 @@ def output_logits(model: GPTModel, hidden: torch.Tensor) -> torch.Tensor:
 def lambda_parameters(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """Current lambda of every differential layer of a model or of its chunks (virtual pipeline stages),
     keyed by global layer number (for logs and tests)."""
-    from diffmeg.attention import DiffCoreAttention
-
     chunks = model if isinstance(model, list) else [model]
     return {
         f"layer{m.layer_number}": m.lambda_full().detach()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from diffmeg.config import megatron_head_counts
 from diffmeg.errors import DiffmegError
 
 PADDED_VOCAB_SIZE = 100288  # cl100k_base (100277 ids) padded to a multiple of 64
@@ -159,8 +160,6 @@ def count_parameters(
     counts as on the command line (h output heads, g KV heads). `untie_embeddings` False: one matrix for
     the embedding and the output layer (`--tie-embeddings-and-output-weights`; counted once, also where
     pipeline parallelism keeps a copy of it on the last stage)."""
-    from diffmeg.config import megatron_head_counts
-
     kv_heads = num_attention_heads if num_query_groups is None else num_query_groups
     query_heads, groups = megatron_head_counts(num_attention_heads, kv_heads, diff_attention, diff_version)
     q = query_heads * kv_channels

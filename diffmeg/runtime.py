@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from diffmeg.compat import apply_cpu_compat, model_parallel_manual_seed
+
 _SETUP_DONE = False
 
 
@@ -22,7 +24,6 @@ def setup() -> None:
     global _SETUP_DONE
     if _SETUP_DONE:
         return
-    from diffmeg.compat import apply_cpu_compat
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -42,9 +43,9 @@ def single_process(seed: int = 1234) -> None:
     the environment, so a tool started inside a torchrun or Slurm job never tries to join it. Reuses a
     group that already exists (tests share one per session).
     """
+    # megatron-core loads only once a caller needs it: its import compiles fusions, so setup()'s
+    # TORCHDYNAMO_DISABLE must come first on CPU
     from megatron.core import parallel_state
-
-    from diffmeg.compat import model_parallel_manual_seed
 
     setup()
     if not torch.distributed.is_initialized():
@@ -69,6 +70,8 @@ def make_deterministic() -> None:
 
 def teardown() -> None:
     """Destroy megatron-core's parallel state and the process group (tests run several jobs per process)."""
+    # megatron-core loads only once a caller needs it: its import compiles fusions, so setup()'s
+    # TORCHDYNAMO_DISABLE must come first on CPU
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

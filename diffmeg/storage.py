@@ -1,7 +1,10 @@
 """Disk-space facts shared by every writer (checkpoints, datasets, conversions).
 
 Each writer turns a full disk or quota into one line naming the directory and its free space, and
-removes what it left half-written; these helpers answer the questions that line needs.
+removes what it left half-written; these helpers answer the questions that line needs. `check_output`
+is the one check of an output path before work starts (every tool's --save, --output-prefix,
+--tensorboard-dir, --metrics-file): a read-only file system, a path without permission, a file where a
+folder should be (or the reverse) and too little space, each named as what it is.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import errno
 import os
 import shutil
 from collections.abc import Iterator
+
+from diffmeg.errors import DiffmegError
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -69,3 +74,39 @@ def is_disk_full(exc: BaseException) -> bool:
         isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS or "No space left on device" in str(e)
         for e in _exception_chain(exc)
     )
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def check_output(path: str, flag: str, *, folder: bool, needed_bytes: int | None = None) -> None:
+    """`path` can be written as a folder (`folder`) or a file, creating what is missing of it; else one
+    line naming `flag`, the path and what is wrong. Creates nothing. `needed_bytes`: the room it needs."""
+    path = os.path.abspath(path)
+    kind = "folder" if folder else "file"
+    if os.path.exists(path):
+        if folder and not os.path.isdir(path):
+            raise DiffmegError(f"{flag} {path} is a file, not a folder; remove it or choose another {flag}")
+        if not folder and os.path.isdir(path):
+            raise DiffmegError(f"{flag} {path} is a folder, not a file; give a file name inside it")
+    base = path if os.path.isdir(path) else os.path.dirname(path)
+    while not os.path.exists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        raise DiffmegError(f"{flag} {path}: {base} is a file, so the {kind} cannot be made under it")
+    target = path if os.path.exists(path) and not folder else base
+    if _read_only(target):
+        raise DiffmegError(f"{flag} {path} is on a read-only file system ({base}); choose another {flag}")
+    if not os.access(target, os.W_OK | (os.X_OK if os.path.isdir(target) else 0)):
+        raise DiffmegError(f"{flag} {path}: no permission to write in {target}; choose another {flag}")
+    if needed_bytes is not None:
+        free = free_bytes(base)
+        if 0 <= free < needed_bytes:
+            raise DiffmegError(
+                f"{flag} {path}: {base} has {format_bytes(free)} free but this writes about "
+                f"{format_bytes(needed_bytes)}; free space there or choose another {flag}"
+            )

@@ -42,7 +42,7 @@ import json
 import sys
 
 from diffmeg.data.builtin import iter_documents
-from diffmeg.data.tokenizer import load_tokenizer
+from diffmeg.data.tiktoken_cl100k import load_tokenizer
 from diffmeg.errors import DiffmegError
 
 try:  # fail here, not in the middle of preprocessing, when the tokenizer cannot be loaded
@@ -70,6 +70,9 @@ step 2/5 "tokenizing with tools/preprocess_data.py"
 "$py" tools/preprocess_data.py --input "$out/text/part-*.jsonl" --output-prefix "$out/data/quickstart" \
     --append-eod --workers 2 --log-interval 0
 data=$out/data/quickstart_text_document
+# the corpus as tokenized (QUICKSTART_DOCS changes it), for the closing text
+corpus_tokens=$("$py" -c "import sys; from diffmeg.data.indexed import check_dataset as c; n = c(sys.argv[1]); \
+print(f'{n / 1e6:.2f}M' if n >= 1e6 else f'{n / 1e3:.0f}K')" "$data") || die "cannot read the dataset $data"
 
 step 3/5 "training diff-tiny for $iters iterations"
 ckpt=$out/checkpoints
@@ -128,8 +131,8 @@ EOF
 fi
 cat <<EOF
 --- what to expect: diff-tiny has 54M parameters, 51M of them the embedding and output layers of
-the 100K-token vocabulary, and has seen $((iters * 1024)) tokens ($iters iterations of 4 x 256; the whole
-corpus: ~570K). That teaches it which tokens are frequent and a little local structure, not grammar or
+the 100K-token vocabulary, and has seen $((iters * 1024)) tokens ($iters iterations of 4 x 256; the corpus
+it drew them from: $corpus_tokens). That teaches it which tokens are frequent and a little local structure, not grammar or
 meaning: greedy decoding repeats its single most likely continuation (often spaces or newlines),
 sampling shows word pieces and punctuation in the style of Python's documentation. Coherent text takes
 models and token counts orders of magnitude larger (the paper's 3B runs: 1T tokens).

@@ -89,7 +89,7 @@ else
     read -r -a models <<<"$TOY_MODELS"
 fi
 if [ "$run_lm" = 1 ]; then
-    "$py" -c "from diffmeg.data.tokenizer import load_tokenizer; load_tokenizer(None)" 2>/dev/null \
+    "$py" -c "from diffmeg.data.tiktoken_cl100k import load_tokenizer; load_tokenizer(None)" 2>/dev/null \
         || die "language modelling needs the cl100k_base tokenizer: set DIFFMEG_TOKENIZER_FILE (or TOY_LM=0)"
 fi
 fresh_output_dir TOY_OUT

@@ -52,7 +52,7 @@ export TORCHDYNAMO_DISABLE=1
 step 0/4 "checking the environment"
 "$py" -c "import diffmeg, torch, matplotlib, importlib.util as u; assert u.find_spec('megatron.core')" \
     || die "diffmeg's dependencies are missing: run scripts/setup.sh"
-"$py" -c "from diffmeg.data.tokenizer import load_tokenizer; load_tokenizer(None)" 2>/dev/null \
+"$py" -c "from diffmeg.data.tiktoken_cl100k import load_tokenizer; load_tokenizer(None)" 2>/dev/null \
     || die "the embedded corpus needs the cl100k_base tokenizer: set DIFFMEG_TOKENIZER_FILE"
 fresh_output_dir UPCYCLE_OUT
 mkdir -p "$out/pretrain" "$out/continue"

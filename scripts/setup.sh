@@ -4,7 +4,9 @@
 #   bash scripts/setup.sh            # core + dev, MPI, HF, eval and harness extras
 #
 # torch is installed first and only if missing, so an existing (CUDA) torch is kept and pip never
-# resolves a multi-GB CUDA build on a CPU machine. If a local cl100k_base BPE file is available
+# resolves a multi-GB CUDA build on a CPU machine. Everything else comes at the versions the suite passed
+# with (scripts/constraints.txt; pyproject.toml keeps ranges for library users).
+# If a local cl100k_base BPE file is available
 # ($DIFFMEG_TOKENIZER_FILE, or ../shared/data/cl100k_base.tiktoken beside the checkout), it is placed
 # in tiktoken's cache so offline machines tokenize without a download.
 set -euo pipefail
@@ -16,9 +18,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 # harness: lm-eval for tools/eval_harness.py and its tests (~2.5 min the first time; keeps the torch above).
-"$PY" -m pip install -q -e ".[dev,mpi,hf,eval,harness]"
+"$PY" -m pip install -q -c scripts/constraints.txt -e ".[dev,mpi,hf,eval,harness]"
 # deepspeed (FLOPs-profiler cross-check; Ulysses reference design) without compiling its CUDA ops.
-"$PY" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 "$PY" -m pip install -q "deepspeed>=0.15"
+"$PY" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 "$PY" -m pip install -q -c scripts/constraints.txt "deepspeed>=0.15"
 
 # Seed tiktoken's cache (file name = sha1 of the BPE URL, contents checked against tiktoken's sha256).
 bpe=${DIFFMEG_TOKENIZER_FILE:-../shared/data/cl100k_base.tiktoken}

@@ -91,3 +91,29 @@ def test_full_model_matches_reference(single_rank_parallel_state, kv_heads):
     )
     ref = reference_logits(tokens[0], w, {"rotary_base": 500.0})
     torch.testing.assert_close(logits[0], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_core_attention_with_torch_norm_matches_the_eager_core(single_rank_parallel_state):
+    """`norm_impl='torch'` changes the head norm's kernel, not the math: float64 values and gradients."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from diffmeg.attention import DiffCoreAttention
+    from diffmeg.fusions.rms_norm import rms_norm_torch
+
+    d, s, b, gen = 8, 7, 2, torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(s, b, 4, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    grad = torch.randn(s, b, 2 * 2 * d, generator=gen, dtype=torch.float64)
+    results = []
+    for norm_impl in ("torch", "auto"):
+        core = DiffCoreAttention(make_config(2, 2, d, norm_impl=norm_impl), 2, AttnMaskType.causal, "self")
+        core = core.double()
+        with torch.no_grad():
+            core.head_norm.weight.copy_(torch.linspace(0.5, 1.5, 2 * d, dtype=torch.float64))
+            for i, name in enumerate(("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")):
+                getattr(core, name).copy_(torch.linspace(-0.5, 0.5, d, dtype=torch.float64) * (i + 1))
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = core(*inputs, None)
+        results.append((out, *torch.autograd.grad(out, [*inputs, core.head_norm.weight], grad)))
+        assert (core.head_norm.norm_fn is rms_norm_torch) == (norm_impl == "torch")
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

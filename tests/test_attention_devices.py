@@ -24,15 +24,17 @@ def _baseline_config(heads=4, groups=2, d=8, **kw):
 
 def test_backend_is_resolved_per_call_from_the_tensors(single_rank_parallel_state, monkeypatch):
     import diffmeg.attention as attention
-    from diffmeg.kernels.reference import diff_attention_reference
+    from diffmeg import registry
 
     seen: list[str] = []
 
-    def recording(name, device_type):
+    def recording(slot, name, device_type=None, **kwargs):
+        if slot != "diff_attention":  # the head norm's choice, made where the module is built
+            return registry.select(slot, name, device_type, **kwargs)
         seen.append(device_type)
-        return name, diff_attention_reference
+        return registry.implementation(slot, "reference")
 
-    monkeypatch.setattr(attention, "resolve_backend", recording)
+    monkeypatch.setattr(attention, "select", recording)
     core = attention.DiffCoreAttention(make_config(2, 1, 8), 1, AttnMaskType.causal, "self").double()
     assert seen == []  # nothing decided where the module was built
     gen = torch.Generator().manual_seed(0)
@@ -71,14 +73,15 @@ def test_triton_core_built_without_the_interpreter_runs_once_its_tensors_can(sin
 
 
 def test_backend_names_this_installation_cannot_run_fail_at_build(monkeypatch):
-    import diffmeg.kernels as kernels
+    import diffmeg.kernels.sdpa as sdpa
+    from diffmeg import registry
 
-    assert kernels.backend_name("auto") == "sdpa"
-    monkeypatch.setattr(kernels, "flash_attn_available", lambda: False)
+    assert registry.resolve("diff_attention", "auto") == "sdpa"
+    monkeypatch.setattr(sdpa, "flash_attn_available", lambda: False)
     with pytest.raises(DiffmegError, match="flash-attn"):
-        kernels.backend_name("flash")
+        registry.resolve("diff_attention", "flash")
     with pytest.raises(DiffmegError, match="not available in this build"):
-        kernels.backend_name("te")
+        registry.resolve("diff_attention", "te")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -41,20 +41,6 @@ def test_diff_v2_model_and_gradients_match_reference(single_rank_parallel_state,
         torch.testing.assert_close(p.grad, sd[name].grad, rtol=1e-6, atol=1e-8, msg=name)
 
 
-def test_combine_head_pairs_is_the_definition():
-    from diffmeg.attention_v2 import combine_head_pairs
-
-    gen = torch.Generator().manual_seed(0)
-    s, b, n, d = 5, 2, 3, 4
-    attn = torch.randn(s, b, 2 * n * d, generator=gen, dtype=torch.bfloat16)
-    lam = torch.rand(s, b, n, generator=gen)
-    out = combine_head_pairs(attn, lam)
-    a = attn.float().view(s, b, 2 * n, d)
-    want = torch.cat([a[:, :, 2 * i] - lam[:, :, i : i + 1] * a[:, :, 2 * i + 1] for i in range(n)], dim=-1)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=0, atol=0)
-
-
 def test_kv_cache_decoding_equals_full_recompute(single_rank_parallel_state):
     """generate() with megatron-core's KV cache gives the logits of recomputing the whole prefix."""
     from diffmeg.generation import SamplingConfig, generate

@@ -140,3 +140,70 @@ def test_disk_full_in_a_background_write_is_one_line_at_its_finalize(single_rank
     assert "removed the partial iter_0000002, the latest checkpoint is still iteration 1" in message
     assert not (root / "iter_0000002").exists() and read_tracker(str(root)) == 1
     assert saves.get_num_unfinalized_calls() == 0
+
+
+def test_every_reader_names_a_truncated_file_and_a_corrupt_common_pt_the_same_way(
+    single_rank_parallel_state, tmp_path
+):
+    """One corrupt-checkpoint message for every reader: mcore-to-hf's streaming reader names a truncated
+    .distcp with its byte counts before writing anything (pick with --iteration), and a resumed run names
+    a corrupt common.pt (never torch's advice to unpickle it unsafely)."""
+    from diffmeg.conversion.checkpoint_io import McoreCheckpointReader
+    from diffmeg.training.arguments import resolve_args
+    from diffmeg.training.checkpointing import CheckpointManager
+    from diffmeg.training.run_config import RunConfig
+
+    root = tmp_path / "ckpt"
+    for it in (1, 2):
+        write_checkpoint(str(root), it, _state(it), {})
+    shard = next((root / "iter_0000002").glob("*.distcp"))
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(DiffmegError) as err:
+        McoreCheckpointReader(str(root))
+    assert str(err.value).startswith(
+        f"cannot load checkpoint iteration 2 of {root}: iter_0000002/{shard.name} is {size // 2} bytes, its "
+        "index expects"
+    )
+    assert str(err.value).endswith(f"in {root}: 1; start from one with --iteration N")
+
+    (root / "iter_0000001" / "common.pt").write_bytes(b"not a pickle")
+    args = resolve_args(["--model", "diff-tiny", "--mock-data", "--load", str(root), "--ckpt-step", "1"], 1)
+    manager = CheckpointManager(RunConfig.from_args(args), log=lambda line: None)
+    assert manager.resolve() == 1
+    with pytest.raises(DiffmegError) as err:
+        manager._load(1, None, None, None)  # the common state is read first
+    message = str(err.value)
+    assert message.startswith(f"cannot load checkpoint iteration 1 of {root}: iter_0000001/common.pt cannot")
+    assert "weights_only" not in message and "\n" not in message
+
+
+def test_a_checkpoint_folder_carries_its_tokenizer_and_finds_it_where_it_lies(tmp_path):
+    """carry_tokenizer copies a run's Hugging Face tokenizer into {root}/tokenizer once and names it
+    relative; locate_tokenizer resolves it wherever the folder now lies, and falls back to that copy for a
+    checkpoint written before (an absolute path that is gone)."""
+    from diffmeg.checkpoints import carry_tokenizer, locate_tokenizer
+
+    source, root = tmp_path / "upcycle" / "tokenizer", tmp_path / "run"
+    source.mkdir(parents=True)
+    (source / "tokenizer.json").write_text('{"v": 1}')
+    args = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(source), "lr": 1.0}
+    assert carry_tokenizer(str(root), args) == {**args, "tokenizer_model": "tokenizer"}
+    assert (root / "tokenizer" / "tokenizer.json").read_text() == '{"v": 1}'
+    assert args["tokenizer_model"] == str(source)  # the run's own arguments are untouched
+    assert carry_tokenizer(str(root), args)["tokenizer_model"] == "tokenizer"  # the same files: no copy
+    (source / "tokenizer.json").write_text('{"v": 2}')
+    with pytest.raises(DiffmegError, match=r"run/tokenizer holds another tokenizer than this run's"):
+        carry_tokenizer(str(root), args)
+    cl100k = {"tokenizer_type": "cl100k_base", "tokenizer_model": None}
+    assert carry_tokenizer(str(tmp_path / "other"), cl100k) is cl100k and not (tmp_path / "other").exists()
+
+    moved = tmp_path / "moved"
+    root.rename(moved)
+    relative = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "tokenizer"}
+    assert locate_tokenizer(str(moved), relative)["tokenizer_model"] == str(moved / "tokenizer")
+    old = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tmp_path / "gone" / "tokenizer")}
+    assert locate_tokenizer(str(moved), old)["tokenizer_model"] == str(moved / "tokenizer")
+    there = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(source)}
+    assert locate_tokenizer(str(moved), there) == there  # an older absolute path that still exists

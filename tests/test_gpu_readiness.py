@@ -108,48 +108,40 @@ def test_bf16_local_spec_trains_on_gpu(single_rank_parallel_state, monkeypatch, 
         assert abs(losses["sdpa"] - losses["triton"]) < 2e-2 * abs(losses["sdpa"]), losses
 
 
-# One fresh process (its own NCCL group, TorchDynamo on as in the train phase), both models in turn.
+# One fresh process (its own NCCL group, TorchDynamo on as in the train phase), both models in turn, each
+# pretrain_diff.py's Trainer as benchmarks/train_step.py builds it, stepped by its own train_step.
 _TRAIN_STEPS = """
 import json, sys
 import torch
 from benchmarks import train_step
-from diffmeg.training.builders import build_training_objects
-from diffmeg.training.trainer import forward_step
 
 train_step.init_process()
-from megatron.core.pipeline_parallel import get_forward_backward_func
-
 flags = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--lr", "1e-3", "--lr-warmup-iters", "0"]
 for preset, backend in (("transformer-tiny", None), ("diff-tiny", sys.argv[1])):
     opts = train_step.StepOptions(tokens_per_microbatch=512, microbatches=2, vocab_size=1024,
                                   diff_attn_backend=backend, extra_args=flags)
-    args = train_step.resolve_run_args(preset, 256, opts, "cuda")
-    config, model, optimizer, scheduler = build_training_objects(args)  # model: a list of DDP chunks
-    batches = list(train_step._mock_batches(2, args.micro_batch_size, 256, 1024, "cuda"))
+    trainer = train_step.build_trainer(train_step.resolve_run_args(preset, 256, opts, "cuda"))
     losses, updated = [], []
     for _ in range(4):
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=model, num_microbatches=2,
-            seq_length=256, micro_batch_size=args.micro_batch_size, forward_only=False)
-        updated.append(bool(optimizer.step()[0]))
-        scheduler.step(increment=1)
-        losses.append(sum(float(o["lm loss"]) for o in out) / len(out))
+        trainer.state.consumed_samples = 0  # the same global batch every step: the loss must fall
+        out = trainer.train_step()
+        updated.append(out.update_ok)
+        losses.append(float(out.loss))
+    model = trainer.model  # a list of DDP chunks
     print(json.dumps({
         "preset": preset, "process_group": torch.distributed.get_backend(),
         "attention": train_step.attention_impl(model[0]), "dtype": str(next(model[0].parameters()).dtype),
-        "fused_swiglu": config.bias_activation_fusion, "dynamo": not torch._dynamo.config.disable,
+        "fused_swiglu": trainer.model_config.bias_activation_fusion,
+        "dynamo": not torch._dynamo.config.disable,
         "losses": losses, "updated": updated,
     }))
 """
 
 
 def test_training_steps_as_the_train_phase_takes_them():
-    """bf16 steps through build_training_objects and megatron-core's schedule (benchmarks/train_step.py's
-    path): NCCL, the fused Triton kernel for DIFF (SDPA without triton), the compiled fused SwiGLU, the
-    distributed optimizer with overlapped gradient reduction; both models' losses fall on repeated batches."""
+    """bf16 steps of the Trainer as benchmarks/train_step.py times them: NCCL, the fused Triton kernel for
+    DIFF (SDPA without triton), the compiled fused SwiGLU, the distributed optimizer with overlapped
+    gradient reduction; both models' losses fall on repeated batches."""
     repo = Path(__file__).resolve().parents[1]
     backend = "triton" if importlib.util.find_spec("triton") else "sdpa"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}

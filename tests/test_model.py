@@ -51,3 +51,44 @@ def test_deterministic_mode_reaches_the_model_config_and_torch(monkeypatch):
         assert runtime.os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def _comparable(config) -> dict:
+    """A model config's plain fields (megatron-core makes callables such as `init_method` anew)."""
+    import dataclasses
+
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {name: value for name, value in values.items() if not callable(value)}
+
+
+def test_a_runs_typed_groups_build_the_config_its_flat_arguments_build(monkeypatch):
+    from diffmeg.training.run_config import RunConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--model", "diff2-tiny", "--mock-data", "--bf16", "--cross-entropy-chunk-size", "64"]
+    args = resolve_args([*argv, "--tie-embeddings-and-output-weights", "--deterministic-mode"])
+    run = RunConfig.from_args(args)
+    typed = model.transformer_config(run.model, run.parallel, run.training)
+    assert typed.diff_version == 2 and typed.cross_entropy_chunk_size == 64 and typed.deterministic_mode
+    assert _comparable(typed) == _comparable(model.config_from_args(args))
+
+
+def test_saved_arguments_older_than_a_flag_build_what_those_runs_built(monkeypatch):
+    """An args.json written before --diff-version, --cp-comm-type, --tie-..., --deterministic-mode,
+    --cross-entropy-chunk-size and interleaving existed: upgrade_saved_args gives it what those runs did."""
+    import argparse
+
+    from diffmeg.checkpoints import SAVED_ARGS_DEFAULTS, single_rank_args, upgrade_saved_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = resolve_args(["--model", "diff-tiny", "--mock-data"])
+    old = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in SAVED_ARGS_DEFAULTS})
+    upgraded = upgrade_saved_args(old)
+    assert {name: getattr(upgraded, name) for name in SAVED_ARGS_DEFAULTS} == SAVED_ARGS_DEFAULTS
+    assert not hasattr(old, "diff_version")  # a copy: the saved arguments stay as read
+    built = model.config_from_args(single_rank_args(old))
+    spelled = argparse.Namespace(**{**vars(args), **SAVED_ARGS_DEFAULTS})  # today's run, flags as then
+    assert _comparable(built) == _comparable(model.config_from_args(single_rank_args(spelled)))
+    assert built.cp_comm_type is None and args.cp_comm_type is not None  # megatron-core's default then
+    # a value the checkpoint did save wins over the default
+    assert upgrade_saved_args({**vars(old), "diff_version": 2}).diff_version == 2

@@ -232,3 +232,34 @@ def test_recompute_and_bf16_match_the_plain_run(tmp_path):
     assert {"lm loss", "learning-rate", "grad-norm", "throughput/tflops-per-gpu"} <= set(tags)
     assert any(t.startswith("lambda/layer") for t in tags)
     assert [e.value for e in events.Scalars("lm loss")] == pytest.approx([plain[i] for i in (1, 2, 3)])
+
+
+def test_a_run_and_its_resume_are_quiet_and_end_with_the_summary(tmp_path):
+    """Issue 31: no third-party deprecation warning on start or checkpoint load (filtered at the entry
+    point, not only in the test suite), and the last line says loss, time and where the checkpoint went."""
+    ckpt = tmp_path / "ckpt"
+    for iters in ("1", "2"):
+        proc = run_training(tmp_path, "a", ["--train-iters", iters, "--load", str(ckpt), "--save", str(ckpt)])
+        assert "Warning" not in proc.stderr, proc.stderr[-3000:]
+        last = proc.stdout.strip().splitlines()[-1]
+        summary = rf" done: {iters} iterations, [\d.]+K? tokens, final lm loss \d+\.\d+, wall time \d+:\d\d"
+        assert re.match(summary, last), last
+        assert last.endswith(f"| last checkpoint: {ckpt}/iter_000000{iters} | metrics {tmp_path}/a.jsonl")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_full_device_under_the_metrics_file_saves_then_stops_every_rank_in_one_line(tmp_path, nproc):
+    """Issue 31: a log write error mid-run (/dev/full: every write is ENOSPC) ends the run at once: the
+    ranks agree, save the next step, and exit; one line names the file, the fix and the checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    flags = ["--train-iters", "6", "--log-interval", "2", "--metrics-file", "/dev/full", "--save", str(ckpt)]
+    proc = run_training(tmp_path, "full", [*flags, "--save-interval", "100"], nproc=nproc, check=False)
+    if nproc == 1:
+        assert proc.returncode == 2 and _error_line(proc.stderr)
+    assert proc.returncode != 0  # with two ranks torchrun's own report of the rank's exit 2 follows
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
+        "error: cannot write --metrics-file /dev/full at iteration 2: No space left on device; the run stops "
+        "here (its earlier records are in that file, every loss in the log above): free space or choose "
+        f"another --metrics-file; the last step is saved in {ckpt}: resume with --load {ckpt}"
+    ]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import errno
+import os
+import re
 import shutil
+
+import pytest
 
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes, is_disk_full
 
@@ -55,3 +59,40 @@ def test_format_bytes():
         "3.5 MiB",
         "5.0 GiB",
     ]
+
+
+def test_check_output_names_each_unwritable_output_as_what_it_is(tmp_path, monkeypatch):
+    """The one check every tool runs on its outputs before work starts: a file in the way, a folder where a
+    file goes, no permission, too little room, a read-only file system; creates nothing."""
+    from diffmeg.errors import DiffmegError
+    from diffmeg.storage import check_output
+
+    (tmp_path / "file").write_text("x")
+    check_output(str(tmp_path / "new" / "deeper"), "--save", folder=True)
+    check_output(str(tmp_path / "new" / "metrics.jsonl"), "--metrics-file", folder=False)
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+    cases = [
+        (tmp_path / "file", True, "--save", f"--save {tmp_path}/file is a file, not a folder"),
+        (tmp_path, False, "--metrics-file", f"--metrics-file {tmp_path} is a folder, not a file"),
+        (tmp_path / "file" / "run", True, "--tensorboard-dir", f"{tmp_path}/file is a file, so the folder"),
+        ("/proc/sys/diffmeg-test", True, "--save", "no permission to write in /proc/sys"),
+    ]
+    for path, folder, flag, message in cases:
+        with pytest.raises(DiffmegError, match=re.escape(message)) as err:
+            check_output(str(path), flag, folder=folder)
+        assert "\n" not in str(err.value)
+    with pytest.raises(DiffmegError, match=r"/out: .* free but this writes about 909494.7 TiB; free"):
+        check_output(str(tmp_path / "out"), "--save", folder=True, needed_bytes=10**18)
+
+    real = os.statvfs
+
+    class ReadOnly:
+        f_flag = os.ST_RDONLY
+
+    monkeypatch.setattr(os, "statvfs", lambda p: ReadOnly() if str(p).startswith(str(tmp_path)) else real(p))
+    with pytest.raises(DiffmegError) as err:
+        check_output(str(tmp_path / "out"), "--output-prefix", folder=False)
+    assert str(err.value) == (
+        f"--output-prefix {tmp_path}/out is on a read-only file system ({tmp_path}); choose another "
+        "--output-prefix"
+    )

@@ -37,7 +37,33 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 warnings.filterwarnings("ignore", category=FutureWarning)  # deprecations inside megatron-core / torch
 warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 
+import torch  # noqa: E402
+
+from diffmeg.conversion.checkpoint_io import (  # noqa: E402
+    McoreCheckpointReader,
+    atomic_output_dir,
+    check_output_path,
+    release_freed_memory,
+    save_hf_tokenizer,
+    save_remote_code,
+)
+from diffmeg.conversion.hf_config import (  # noqa: E402
+    generation_config_dict,
+    hf_config_dict,
+    layout_from_args,
+    pretrain_flags,
+    transformers_config_class,
+)
+from diffmeg.conversion.hf_import import open_hf_folder, resolved_pretrain_args  # noqa: E402
+from diffmeg.conversion.layout import GLOBALS  # noqa: E402
+from diffmeg.conversion.mapping import HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf  # noqa: E402
+from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of  # noqa: E402
+from diffmeg.conversion.progress import Progress, clock  # noqa: E402
+from diffmeg.conversion.safetensors_io import SafetensorsShardWriter  # noqa: E402
+from diffmeg.conversion.tokenizer_io import export_tokenizer, folder_tokenizer  # noqa: E402
+from diffmeg.conversion.upcycle_io import open_upcycle_source, upcycled_args, write_upcycled  # noqa: E402
 from diffmeg.errors import DiffmegError, cli_errors  # noqa: E402
+from diffmeg.runtime import single_process  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -84,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     u.add_argument("--load", required=True, help="HF Llama / Mistral folder or Transformer checkpoint")
     for q in (i, u):  # both write a weights-only checkpoint
+        q.epilog = "-- PRETRAIN_DIFF_FLAGS ...: pretrain_diff.py flags after `--`, recorded in args.json"
         q.add_argument("--save", required=True, help="output checkpoint directory")
         q.add_argument("--tensor-model-parallel-size", type=int, default=1, help="recorded in args.json")
         q.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="recorded in args.json")
@@ -106,9 +133,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, extra
 
 
-def _torch_dtype(name: str):
-    import torch
-
+def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, DTYPES[name])
 
 
@@ -118,27 +143,7 @@ def _dtype_name(dtype) -> str:
 
 def mcore_to_hf(args: argparse.Namespace) -> None:
     """Stream a megatron-core checkpoint into a DiffLlama / Llama folder, one layer at a time."""
-    import transformers
-
-    from diffmeg.conversion.checkpoint_io import (
-        McoreCheckpointReader,
-        atomic_output_dir,
-        check_output_path,
-        release_freed_memory,
-        save_hf_tokenizer,
-        save_remote_code,
-    )
-    from diffmeg.conversion.hf_config import (
-        generation_config_dict,
-        hf_config_dict,
-        layout_from_args,
-        transformers_config_class,
-    )
-    from diffmeg.conversion.layout import GLOBALS
-    from diffmeg.conversion.mapping import HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf
-    from diffmeg.conversion.progress import Progress, clock
-    from diffmeg.conversion.safetensors_io import SafetensorsShardWriter
-    from diffmeg.conversion.tokenizer_io import export_tokenizer
+    import transformers  # only this direction needs it (its config and generation-config classes)
 
     start = time.perf_counter()
     check_output_path(args.save, args.overwrite, args.load)
@@ -201,14 +206,6 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
 
 def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
     """A DiffLlama / Llama folder -> weights-only megatron-core checkpoint at iteration 0, streamed."""
-    from diffmeg.conversion.checkpoint_io import atomic_output_dir, check_output_path, release_freed_memory
-    from diffmeg.conversion.hf_config import pretrain_flags
-    from diffmeg.conversion.hf_import import open_hf_folder, resolved_pretrain_args
-    from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of
-    from diffmeg.conversion.progress import Progress, clock
-    from diffmeg.conversion.tokenizer_io import folder_tokenizer
-    from diffmeg.runtime import single_process
-
     start = time.perf_counter()
     check_output_path(args.save, args.overwrite, args.load)
     folder = open_hf_folder(args.load)
@@ -222,7 +219,7 @@ def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
     )
-    tokenizer.record(resolved, args.save)
+    tokenizer.record(resolved)
     dtype = _torch_dtype(args.dtype) if args.dtype else folder.dtype
     single_process()
     with atomic_output_dir(args.save, needed_bytes=layout.mcore_parameters() * dtype.itemsize) as out:
@@ -249,10 +246,6 @@ def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
 
 def upcycle(args: argparse.Namespace, extra: list[str]) -> None:
     """A Transformer (HF Llama-family folder or transformer-* checkpoint) -> weights-only DIFF V2."""
-    from diffmeg.conversion.checkpoint_io import check_output_path
-    from diffmeg.conversion.progress import Progress
-    from diffmeg.conversion.upcycle_io import open_upcycle_source, upcycled_args, write_upcycled
-
     start = time.perf_counter()
     check_output_path(args.save, args.overwrite, args.load)
     source = open_upcycle_source(args.load)
@@ -267,8 +260,6 @@ def upcycle(args: argparse.Namespace, extra: list[str]) -> None:
     dtype = _torch_dtype(args.dtype) if args.dtype else source.dtype
     print(f"upcycling {args.load}: {source.description}", file=sys.stderr, flush=True)
     write_upcycled(source, args.save, resolved, dtype, Progress("upcycle", layout.num_layers))
-    from diffmeg.conversion.progress import clock
-
     print(
         f"wrote {args.save} (DIFF V2: {layout.num_heads} heads -> {2 * layout.num_heads} query heads over "
         f"{layout.num_kv_heads} KV heads; iteration 0, weights only, {_dtype_name(dtype)}) in "
@@ -280,7 +271,7 @@ def upcycle(args: argparse.Namespace, extra: list[str]) -> None:
     )
 
 
-@cli_errors
+@cli_errors(interrupted="nothing was written to --save (the partial output is removed); run it again")
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     {"mcore-to-hf": lambda: mcore_to_hf(args), "hf-to-mcore": lambda: hf_to_mcore(args, extra),

@@ -30,8 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory")
     p.add_argument("--iteration", type=int, default=None, help="default: the latest complete one")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, required=True, help="tokens to generate at most")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="argmax decoding")
     mode.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tokenizer-file", default=None, help="cl100k_base BPE file (else the checkpoint's / env)"
     )
+    p.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="Hugging Face tokenizer folder of an imported / upcycled model (else the checkpoint's own)",
+    )
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (slow)")
     args = p.parse_args(argv)
     if args.greedy and args.top_p is not None:
@@ -48,13 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-@cli_errors
+@cli_errors(interrupted="nothing was written")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.max_new_tokens < 0:
         raise DiffmegError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     from diffmeg.checkpoints import read_checkpoint_args
-    from diffmeg.data.tokenizer import EOD_ID, load_tokenizer
+    from diffmeg.data.tiktoken_cl100k import EOD_ID, load_tokenizer
     from diffmeg.generation import SamplingConfig, check_length, decode, generate, load_model
 
     sampling = SamplingConfig(
@@ -65,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ckpt_args, _ = read_checkpoint_args(args.load, args.iteration)  # fails fast on a wrong --load
     eod = EOD_ID
-    if getattr(ckpt_args, "tokenizer_type", None) == "HuggingFaceTokenizer":  # an imported / upcycled model
-        from diffmeg.data.tokenizers import text_tokenizer
+    if getattr(ckpt_args, "tokenizer_type", None) == "HuggingFaceTokenizer" or args.tokenizer_model:
+        from diffmeg.data.tokenizers import text_tokenizer  # an imported / upcycled model's own tokenizer
 
-        tokenizer = text_tokenizer(ckpt_args)
+        tokenizer = text_tokenizer(ckpt_args, tokenizer_model=args.tokenizer_model)
         eod, prompt_ids = tokenizer.eod, tokenizer.encode_documents([args.prompt])[0]  # its own bos
     else:
         tokenizer = load_tokenizer(args.tokenizer_file or getattr(ckpt_args, "tokenizer_file", None))

@@ -64,7 +64,7 @@ def write(args: argparse.Namespace) -> None:
         )
 
 
-main = cli.tool_main(parse_args, write)
+main = cli.dataset_main(parse_args, write)
 
 if __name__ == "__main__":
     main()

@@ -43,7 +43,7 @@ def write(args: argparse.Namespace) -> None:
     print(f"wrote {args.output_prefix}.bin/.idx: {documents} documents, {tokens} tokens")
 
 
-main = cli.tool_main(parse_args, write)
+main = cli.dataset_main(parse_args, write)
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # --help names the input formats and the tokenizer's variable, so these come before the flags
 from diffmeg import cli  # noqa: E402
 from diffmeg.data.preprocess import SUPPORTED, PreprocessConfig, detect_rank, preprocess  # noqa: E402
-from diffmeg.data.tokenizer import TOKENIZER_FILE_ENV  # noqa: E402
+from diffmeg.data.tiktoken_cl100k import TOKENIZER_FILE_ENV  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--workers", type=int, default=1, help="encoding processes in total (default 1)")
     p.add_argument("--partitions", type=int, default=1, help="parallel reader/writer processes (default 1)")
-    p.add_argument("--log-interval", type=int, default=1000, help="progress every N documents (0: off)")
+    p.add_argument(
+        "--log-interval", type=int, default=None, help="progress every N documents instead (0: none)"
+    )
+    p.add_argument("--log-seconds", type=float, default=10.0, help="progress every N seconds (10)")
     p.add_argument(
         "--tokenizer-file", default=None, help=f"cl100k_base.tiktoken (else ${TOKENIZER_FILE_ENV})"
     )

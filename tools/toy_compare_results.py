@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@cli_errors
+@cli_errors(interrupted="results.json is written whole or not at all; run it again to redraw the plots")
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.command == "collect":

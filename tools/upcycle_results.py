@@ -45,7 +45,7 @@ def work(args: argparse.Namespace) -> None:
         print(f"wrote {upcycle_results.plot(results, args.output)}")
 
 
-main = cli.tool_main(parse_args, work)
+main = cli.tool_main(parse_args, work, interrupted="run it again (it redraws the plot)")
 
 if __name__ == "__main__":
     main()

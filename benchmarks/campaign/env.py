@@ -19,7 +19,10 @@ def phase_env(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) ->
     import torch
 
     device = device_of(a)
+    from benchmarks.step_profile import cudnn_version
+
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    versions["cudnn"] = cudnn_version()  # SDPA's cuDNN backend depends on it
     for dist in ("triton", "megatron-core", "transformer-engine", "flash-attn", "apex"):
         try:
             versions[dist.replace("-", "_")] = importlib.metadata.version(dist)
@@ -44,7 +47,7 @@ def phase_env(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) ->
             capability=f"{props.major}.{props.minor}",
             shared_memory_per_block_optin=getattr(props, "shared_memory_per_block_optin", None),
         )
-        from benchmarks.train_step import dense_peak_tflops
+        from diffmeg.training.hardware import dense_peak_tflops
 
         part.set(peak_bf16_tflops=dense_peak_tflops(name))  # MFU as the field quotes it (issue 24, item 9)
     else:

@@ -73,7 +73,7 @@ PHASE_KEYS: dict[str, tuple[str, ...]] = {
     "env": (),  # its keys are OWN_KEYS
     "tests": ("tests",),
     "kernels": ("attention", "triton_candidates", "triton_best"),
-    "train": ("train",),
+    "train": ("train", "levers"),
     "memory": ("memory", "gpu_train_run"),
 }
 """The row keys each phase writes: a re-run phase replaces exactly these."""

@@ -10,11 +10,11 @@ from benchmarks.campaign import schema
 PHASES = schema.PHASES
 # Seconds per phase on a GPU, and in a CPU smoke run; --budget caps the sum of those selected.
 PHASE_BUDGET_S = {"env": 60, "tests": 180, "kernels": 300, "train": 420, "memory": 420}
-SMOKE_BUDGET_S = {"env": 20, "tests": 25, "kernels": 30, "train": 30, "memory": 90}
+SMOKE_BUDGET_S = {"env": 20, "tests": 25, "kernels": 30, "train": 60, "memory": 90}  # train: + the levers
 # 7 minutes: three commands, each with its own 1-2 minute machine start (and 30 s warm unless handed
 # back), fit the 30 minutes of device time a session gets (docs/gpu.md, "GPU time").
 DEFAULT_TOTAL_S = 420
-SMOKE_TOTAL_S = 195  # CI: about 2 minutes of work on 2 idle cores; a slower machine skips rows, never hangs
+SMOKE_TOTAL_S = 225  # CI: about 2 minutes of work on 2 idle cores; a slower machine skips rows, never hangs
 MIN_PHASE_S = 30  # kept back for each phase still to come
 CHILD_MARGIN_S = 20  # a phase stops starting new work this long (at most 15%) before its budget ends
 # Where the `gpu`-marked tests live (tests/benchmarks/campaign/test_plan.py fails if one is added elsewhere),
@@ -23,6 +23,81 @@ GPU_TEST_PATHS = ("tests/test_gpu_readiness.py", "tests/distributed/test_te_cp.p
 # pytest-xdist workers on a GPU machine (where xdist is installed): kernels compile in parallel, and a
 # test that crashes its worker is one failure instead of the end of the run.
 GPU_TEST_WORKERS = 4
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One speed lever of the train phase's matrix: the same model timed with `off` then `on` flags, side by
+    side in one process; its gain is tokens/s on over off. A new fused path is one more entry."""
+
+    name: str
+    arch: str
+    """Which model of the plan runs it: "diff" (Plan.train_diff) or "transformer" (its baseline)."""
+    on: tuple[str, ...]
+    """pretrain_diff.py flags with the lever pulled."""
+    off: tuple[str, ...]
+    """Its twin's flags: everything else the same."""
+    note: str = ""
+
+
+DIST_OPT = ("--use-distributed-optimizer",)
+OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
+
+
+FUSED_OPS = (
+    ("torch norm", ("--norm-impl", "torch")),
+    ("compiled norm", ("--norm-impl", "compiled")),
+    ("compiled RoPE", ("--rope-impl", "compiled")),
+    ("fused loss", ("--cross-entropy-loss-fusion",)),
+)
+"""The fused-op candidates of the registry (docs/implementations.md) that both models take: name, flags."""
+DIFF_ONLY_OPS = (("compiled DIFF epilogue", ("--diff-epilogue-impl", "compiled")),)
+FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+"""torchao's float8 training on the local spec (no Transformer Engine on the GPU machine)."""
+
+
+def levers(backends: tuple[str, ...], loss_chunk: int, fused_ops: bool = True) -> tuple[Lever, ...]:
+    """The lever matrix: each DIFF attention backend against the first of `backends`, the chunked loss
+    (`loss_chunk` tokens a chunk), the fused optimizer, the distributed optimizer and its overlap; with
+    `fused_ops` (a GPU: bf16, so the fused loss and FP8 can run) each fused-op candidate on both models,
+    all of them together (the headline: the fast path against today's) and FP8."""
+    base = ("--diff-attn-backend", backends[0])
+    out = [Lever(f"attention {b} vs {backends[0]}", "diff", (base[0], b), base) for b in backends[1:]]
+    out += [
+        Lever("chunked loss", "diff", (*base, "--cross-entropy-chunk-size", str(loss_chunk)), base,
+              "a memory option: its gain is below 1"),
+        Lever("fused optimizer", "diff", (*base, "--optimizer-impl", "fused"),
+              (*base, "--optimizer-impl", "megatron")),
+        Lever("distributed optimizer", "diff", (*base, *DIST_OPT), base),
+        Lever("overlapped communication", "diff", (*base, *DIST_OPT, *OVERLAP), (*base, *DIST_OPT),
+              "one GPU: DP=1, so overlap can only show its overhead here, not its gain"),
+    ]  # fmt: skip
+    if not fused_ops:
+        return (*out, Lever("torch norm", "diff", (*base, *FUSED_OPS[0][1]), base))  # the mechanism, cheaply
+    # one norm of the two candidates: torch's (a fused kernel each way on CUDA)
+    every = tuple(flag for name, flags in FUSED_OPS if name != "compiled norm" for flag in flags)
+    every += ("--optimizer-impl", "fused")
+    for arch, extra in (("diff", base), ("transformer", ())):
+        ops = FUSED_OPS + (DIFF_ONLY_OPS if arch == "diff" else ())
+        out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra) for name, flags in ops]
+        fast = (*extra, *every, *(DIFF_ONLY_OPS[0][1] if arch == "diff" else ()))
+        out.append(Lever(f"every fused op ({arch})", arch, fast, extra, "the fast path against today's"))
+        out.append(Lever(f"FP8 on the fast path ({arch})", arch, (*fast, *FP8), fast, "torchao, tensorwise"))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class FullDepth:
+    """The full-depth 3B rows (GPU only): the whole model where its memory plan fits, else the largest cut
+    of `fallback_layers` that does; many micro-batches a step so the optimizer step is amortized."""
+
+    models: tuple[str, ...]
+    seq: int
+    microbatches: int
+    fallback_layers: tuple[int, ...]
+    amortize_dp: int
+    """The optimizer step is also reported as a data-parallel run of this many ranks sees it: the
+    distributed optimizer's shard is 1/amortize_dp of it (`tokens_per_s_amortized`)."""
 
 
 @dataclass(frozen=True)
@@ -46,9 +121,10 @@ class Plan:
     """Layer counts to try, largest first: the first whose memory plan fits is used."""
     train_seqs: tuple[int, ...]
     train_backends: tuple[str, ...]
-    train_overlap: bool
-    """Also time DIFF (auto backend) at the first length with the distributed optimizer, without and
-    with overlapped communication (OVERLAP_ARGS)."""
+    train_levers: tuple[Lever, ...]
+    """The lever matrix, timed at the first length after the rows above (off twin, then on)."""
+    train_full_depth: FullDepth | None
+    """The full 28-layer 3B where it fits (GPU only; None in the smoke run)."""
     train_profile: bool
     """One more step of each row at the first length (not the variants) under torch.profiler: where the
     step's time goes (benchmarks/step_profile.py), the question a low MFU raises."""
@@ -89,7 +165,14 @@ GPU_PLAN = Plan(
     train_layers=(8, 6, 4, 2),
     train_seqs=(4096, 2048),
     train_backends=("sdpa", "triton"),
-    train_overlap=True,
+    train_levers=levers(("sdpa", "sdpa_split_v_batched", "triton"), loss_chunk=1024),
+    train_full_depth=FullDepth(
+        models=("transformer-3b", "diff-3b"),
+        seq=4096,
+        microbatches=16,
+        fallback_layers=(4, 8),
+        amortize_dp=64,
+    ),
     train_profile=True,
     train_tokens_per_microbatch=4096,
     train_microbatches=4,
@@ -124,7 +207,8 @@ SMOKE_PLAN = Plan(
     train_layers=(2,),
     train_seqs=(64,),
     train_backends=("sdpa", "reference"),
-    train_overlap=True,
+    train_levers=levers(("sdpa", "reference"), loss_chunk=16, fused_ops=False),
+    train_full_depth=None,
     train_profile=True,
     train_tokens_per_microbatch=64,
     train_microbatches=1,

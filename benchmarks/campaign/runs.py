@@ -40,7 +40,7 @@ def run_data(plan: Plan, env: dict[str, str]) -> tuple[list[str], str]:
     ids, saying why."""
     if plan.run_data != "builtin":
         return ["--mock-data"], "mock"
-    from diffmeg.data.tokenizer import TOKENIZER_FILE_ENV, load_tokenizer
+    from diffmeg.data.tiktoken_cl100k import TOKENIZER_FILE_ENV, load_tokenizer
     from diffmeg.errors import DiffmegError
 
     try:

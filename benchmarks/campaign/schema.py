@@ -41,6 +41,15 @@ ROW_FIELDS: dict[str, dict[str, tuple]] = {
         "error": _OPT_STR,
     },
     "memory": {"layout": (str,), "estimated_gib": _OPT_NUM, "measured_gib": _OPT_NUM, "error": _OPT_STR},
+    "levers": {
+        "lever": (str,),
+        "model": (str,),
+        "seq": (int,),
+        "off_tokens_per_s": _OPT_NUM,
+        "on_tokens_per_s": _OPT_NUM,
+        "gain": _OPT_NUM,
+        "error": _OPT_STR,
+    },
     "gpu_train_run": {
         "model": (str,),
         "iterations": (int,),
@@ -86,6 +95,7 @@ OPTIONAL_TOP_LEVEL: dict[str, tuple] = {
     "wheels": (dict, type(None)),  # what --wheels found and installed
     "triton_cache": (dict, type(None)),  # the Triton cache archive restored before and saved after
     "continues": (list,),  # earlier results files of the same revision and GPU merged in (--continue)
+    "levers": (list,),  # the train phase's lever matrix: each lever's gain, tokens/s on over its off twin
 }
 
 

@@ -44,6 +44,12 @@ def summary_lines(result: dict) -> list[str]:
             f"tokens/s {fmt(r['tokens_per_s'], '{:.0f}')}  MFU {fmt(r['mfu'], '{:.1%}')}"
             f" ({fmt(r.get('mfu_vs_matmul'), '{:.1%}')} of matmul) {r['error'] or ''}"
         )
+    for r in result.get("levers") or []:
+        out.append(
+            f"lever {r['lever']:28s} {r['model']:12s} s{r['seq']:<5d} gain {fmt(r['gain'], '{:.3f}')}x "
+            f"({fmt(r['on_tokens_per_s'], '{:.0f}')} / {fmt(r['off_tokens_per_s'], '{:.0f}')} tokens/s) "
+            f"{r['error'] or ''}"
+        )
     for key in ("4k", "2k"):
         ratio, bound = result[f"diff_vs_transformer_ratio_{key}"], result[f"flop_bound_{key}"]
         if ratio is not None:

@@ -215,7 +215,7 @@ class _Inbox:
         self.fd = fd
         os.set_blocking(fd, False)
         try:  # room for a big save's results, so the writer rarely waits for the next poll (Linux)
-            import fcntl
+            import fcntl  # POSIX only
 
             fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
         except (ImportError, AttributeError, OSError):

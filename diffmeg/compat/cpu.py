@@ -92,11 +92,13 @@ def apply_cpu_compat() -> bool:
 
     torch.Tensor.type = tensor_type
     # Activation recompute snapshots and restores the CUDA RNG state.
+    # megatron-core's modules load only when patched (after setup() set TORCHDYNAMO_DISABLE)
     import megatron.core.tensor_parallel.random as mpu_random
 
     mpu_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mpu_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    # The default causal mask is created with device="cuda" (imported by name into fused_softmax).
+    # The default causal mask is created with device="cuda" (imported by name into fused_softmax);
+    # loaded here, as above, after TORCHDYNAMO_DISABLE.
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.transformer.utils as transformer_utils
 
@@ -139,6 +141,7 @@ class CpuRNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str | None = None) -> Iterator[None]:
+        # megatron-core loads only where used (after setup() set TORCHDYNAMO_DISABLE)
         import megatron.core.tensor_parallel.random as mpu_random
 
         name = name or mpu_random._MODEL_PARALLEL_RNG_TRACKER_NAME
@@ -155,14 +158,14 @@ class CpuRNGStatesTracker:
 
 def model_parallel_manual_seed(seed: int) -> None:
     """Seed the default and model-parallel RNG streams (megatron-core's function needs CUDA RNG)."""
+    # megatron-core's modules load only when used (after setup() set TORCHDYNAMO_DISABLE)
+    import megatron.core.tensor_parallel.random as mpu_random
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mpu_tp
 
     if torch.cuda.is_available():
         mpu_tp.model_parallel_cuda_manual_seed(seed)
         return
-    import megatron.core.tensor_parallel.random as mpu_random
-
     tracker = CpuRNGStatesTracker()
     mpu_random._CUDA_RNG_STATE_TRACKER = tracker
     mpu_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -27,11 +27,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from diffmeg.checkpoints import first_line, read_checkpoint_args
+from diffmeg.checkpoints import damaged_checkpoint_message, damaged_file, first_line, read_checkpoint_args
 from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.conversion.safetensors_io import INDEX_FILE, SafetensorsFile
 from diffmeg.errors import DiffmegError
-from diffmeg.storage import is_disk_full
+from diffmeg.storage import check_output, is_disk_full
 
 # megatron-core stores the local spec's layer norms under the names of Transformer Engine's fused
 # layers (so checkpoints move between the local and TE specs); every other key is the state-dict key.
@@ -103,6 +103,8 @@ class McoreCheckpointReader:
             self.metadata = self._storage.read_metadata().state_dict_metadata
         except Exception as exc:
             raise DiffmegError(f"{self.path} is not a readable checkpoint: {first_line(exc)}") from exc
+        if damaged_file(self.path, deep=False) is not None:  # a truncated file: named before any output
+            raise DiffmegError(damaged_checkpoint_message(self.path, RuntimeError("damaged")))
 
     def stored_shape(self, key: str) -> tuple[int, ...] | None:
         meta = self.metadata.get(key)
@@ -161,7 +163,7 @@ class McoreCheckpointReader:
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(by_key, storage_reader=self._storage, planner=_chunk_planner(offsets), no_dist=True)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            raise DiffmegError(f"cannot read {self.path}: {first_line(exc)}") from exc
+            raise DiffmegError(damaged_checkpoint_message(self.path, exc)) from exc  # the file, its sizes
         return {name: by_key[key] for name, (key, _, _) in requests.items()}
 
     def read_globals(self, layout: ModelLayout, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
@@ -285,6 +287,7 @@ def check_output_path(output: str, overwrite: bool, source: str) -> None:
             raise DiffmegError(f"{output} already exists; pass --overwrite to replace it")
         if not os.path.isdir(output):
             raise DiffmegError(f"{output} exists and is not a directory; remove it first")
+    check_output(output, "--save", folder=True)  # read-only, no permission, a file in the way
 
 
 @functools.cache

@@ -154,7 +154,7 @@ def analysis_args(folder: HFModelFolder, seq_length: int | None = None) -> argpa
     export), else `tokenizer_type` cl100k_base when the vocabulary holds cl100k's ids, else "null" (ids
     of no tokenizer)."""
     from diffmeg.conversion.tokenizer_io import folder_tokenizer
-    from diffmeg.data.tokenizer import CL100K_N_VOCAB
+    from diffmeg.data.tiktoken_cl100k import CL100K_N_VOCAB
 
     tokenizer = folder_tokenizer(folder.directory)
     args = resolved_pretrain_args(folder.layout, folder.config, tokenizer.flags(), seq_length=seq_length)

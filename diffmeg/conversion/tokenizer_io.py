@@ -3,9 +3,10 @@ and written out with an export (mcore-to-hf).
 
 In: a model keeps its vocabulary, so a checkpoint made from a folder keeps the folder's tokenizer: its
 files are copied byte for byte into `{checkpoint}/tokenizer/` and args.json records `--tokenizer-type
-HuggingFaceTokenizer --tokenizer-model {checkpoint}/tokenizer` (with its vocabulary's fingerprint), which
-training checks its flags and data against. A folder holding diffmeg's own cl100k_base export records
-cl100k_base (the same ids); a folder without tokenizer files records nothing (cl100k_base, as before).
+HuggingFaceTokenizer --tokenizer-model tokenizer` (relative to the checkpoint folder, which readers
+resolve: the folder can move; with its vocabulary's fingerprint), which training checks its flags and data
+against. A folder holding diffmeg's own cl100k_base export records cl100k_base (the same ids); a folder
+without tokenizer files records nothing (cl100k_base, as before).
 
 Out: a checkpoint trained with a Hugging Face tokenizer exports that tokenizer's files unchanged (and its
 bos / eos ids); a cl100k_base checkpoint gets diffmeg's fast cl100k_base tokenizer.
@@ -18,11 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from diffmeg.checkpoints import TOKENIZER_DIR
 from diffmeg.data.hf_tokenizer import HF_TOKENIZER, HFTokenizer, copy_tokenizer_files, has_tokenizer_files
 from diffmeg.errors import DiffmegError
-
-TOKENIZER_DIR = "tokenizer"
-"""Where a checkpoint made from a Hugging Face folder keeps that folder's tokenizer files."""
 
 
 @dataclass(frozen=True)
@@ -42,10 +41,11 @@ class FolderTokenizer:
             else ["--tokenizer-type", HF_TOKENIZER, "--tokenizer-model", self.source]
         )
 
-    def record(self, args, checkpoint_root: str) -> None:
-        """Point resolved arguments at the checkpoint's own copy of the tokenizer."""
+    def record(self, args) -> None:
+        """Point resolved arguments at the checkpoint's own copy of the tokenizer, by its path relative to
+        the checkpoint folder (`diffmeg.checkpoints.read_checkpoint_args` makes it absolute where it lies)."""
         if self.source is not None:
-            args.tokenizer_model = os.path.join(os.path.abspath(checkpoint_root), TOKENIZER_DIR)
+            args.tokenizer_model = TOKENIZER_DIR
 
     def copy_into(self, directory: str) -> list[str]:
         """Copy the tokenizer files into `directory/tokenizer` (the checkpoint being written)."""
@@ -101,7 +101,7 @@ def export_tokenizer(
     """The tokenizer to export with a checkpoint: its Hugging Face tokenizer folder (`tokenizer_model`, else
     the one args.json records), else cl100k_base when the vocabulary holds cl100k's ids (`tokenizer_file`,
     else the recorded / environment's BPE file), else none."""
-    from diffmeg.data.tokenizer import CL100K_N_VOCAB, EOD_ID, load_tokenizer
+    from diffmeg.data.tiktoken_cl100k import CL100K_N_VOCAB, EOD_ID, load_tokenizer
 
     hf = tokenizer_model is not None or ckpt_args.get("tokenizer_type") == HF_TOKENIZER
     if skip:  # no files; cl100k_base's ids still name <|endoftext|> in the configs

@@ -214,7 +214,7 @@ def upcycled_args(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
     )
-    source.tokenizer.record(resolved, save)
+    source.tokenizer.record(resolved)
     return target, resolved
 
 

@@ -28,6 +28,9 @@ import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch.distributed as dist
+
+from diffmeg.data.hf_tokenizer import HF_TOKENIZER, HFTokenizer
 from diffmeg.data.indexed import exists
 from diffmeg.data.preprocess import PreprocessConfig, output_prefix, preprocess
 from diffmeg.errors import DiffmegError
@@ -82,7 +85,7 @@ def corpus_key(tokenizer_id: str = "cl100k_base") -> str:
 def iter_documents() -> Iterator[str]:
     """The corpus, one document at a time, in its fixed order."""
     if _topics_file():
-        from pydoc_data.topics import topics
+        from pydoc_data.topics import topics  # large, and absent from some installs (_topics_file)
 
         for name in sorted(topics):
             if topics[name].strip():
@@ -175,8 +178,6 @@ def builtin_corpus(tokenizer=None, cache_dir: str | None = None) -> str:
     With torch.distributed initialised, rank 0 builds first and the others follow after a barrier
     (a cache hit on shared storage; on node-local storage one rank per node builds, under the lock).
     """
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         prefix, error = None, None
         if dist.get_rank() == 0:
@@ -192,8 +193,6 @@ def builtin_corpus(tokenizer=None, cache_dir: str | None = None) -> str:
 
 
 def _get_or_build(tokenizer, cache_dir: str | None) -> str:
-    from diffmeg.data.hf_tokenizer import HF_TOKENIZER, HFTokenizer
-
     hf = isinstance(tokenizer, HFTokenizer)  # a Hugging Face tokenizer: an entry per vocabulary
     source = getattr(tokenizer, "source", None)
     tokenizer_file = None if hf or source in (None, "<tiktoken cache>") else source

@@ -17,7 +17,10 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 
+from diffmeg.data.builtin import builtin_corpus
+from diffmeg.data.indexed import check_dataset
 from diffmeg.data.splits import check_splits_nonempty
+from diffmeg.data.tokenizers import check_datasets, record_of
 from diffmeg.errors import DiffmegError
 
 BUILTIN = "builtin"
@@ -59,6 +62,10 @@ def parse_data_path(values: Sequence[str]) -> tuple[list[str], list[float] | Non
 def _check_prefix(prefix: str) -> None:
     missing = [p for p in (get_bin_path(prefix), get_idx_path(prefix)) if not os.path.isfile(p)]
     if not missing:
+        try:
+            check_dataset(prefix)  # a truncated .bin or a damaged .idx: one line now, not a crash later
+        except DiffmegError as exc:
+            raise DiffmegError(f"--data-path {prefix}: {exc}") from None
         return
     hint = ""
     if prefix.endswith((".bin", ".idx")):
@@ -90,13 +97,9 @@ def build_gpt_datasets(
         raise RuntimeError("build_gpt_datasets needs torch.distributed initialised (gloo is fine on CPU)")
     prefixes, weights = parse_data_path(data_path)
     if BUILTIN in prefixes:
-        from diffmeg.data.builtin import builtin_corpus
-
         builtin = builtin_corpus(tokenizer=tokenizer)
         prefixes = [builtin if p == BUILTIN else p for p in prefixes]
     if tokenizer is not None:  # ids made with another vocabulary would train silently on wrong tokens
-        from diffmeg.data.tokenizers import check_datasets, record_of
-
         check_datasets(prefixes, record_of(tokenizer))
     check_splits_nonempty(prefixes, split)
     config = GPTDatasetConfig(

@@ -75,7 +75,7 @@ def _auto_tokenizer(path: str):
             f"Hugging Face model or tokenizer folder"
         )
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional heavy dependency
     except ImportError:
         raise DiffmegError(
             "--tokenizer-type HuggingFaceTokenizer needs transformers (the `hf` extra)"

@@ -18,10 +18,13 @@ import glob
 import os
 import re
 import shutil
+import struct
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import (
+    _INDEX_HEADER,
+    DType,
     IndexedDataset,
     IndexedDatasetBuilder,
     _IndexReader,
@@ -30,7 +33,7 @@ from megatron.core.datasets.indexed_dataset import (
 )
 
 from diffmeg.errors import DiffmegError
-from diffmeg.storage import format_bytes, free_bytes, is_disk_full
+from diffmeg.storage import check_output, format_bytes, free_bytes, is_disk_full
 
 TOKEN_DTYPE = np.int32
 """cl100k ids exceed uint16; megatron-core picks int32 for vocabularies over 65536 too."""
@@ -134,6 +137,55 @@ def exists(prefix: str) -> bool:
     return os.path.isfile(get_bin_path(prefix)) and os.path.isfile(get_idx_path(prefix))
 
 
+_HEADER = struct.Struct("<9sQBQQ")
+"""An `.idx` header: magic, version (1), token dtype code, sequence count, document count."""
+
+
+def check_dataset(prefix: str) -> int:
+    """The tokens of dataset `prefix` after cheap consistency checks of its pair, or one line naming the
+    file and what is wrong: the `.idx` header, its size against its counts, its first and last document
+    indices, and the `.bin` size its last sequence's end implies (a truncated copy). Reads the header
+    and a few index entries, whatever the dataset's size."""
+    idx, bin_ = get_idx_path(prefix), get_bin_path(prefix)
+    again = "copy it again or write the dataset again with tools/preprocess_data.py"
+    idx_size, bin_size = os.path.getsize(idx), os.path.getsize(bin_)
+    with open(idx, "rb") as f:
+        raw = f.read(_HEADER.size)
+    if len(raw) < _HEADER.size or not raw.startswith(_INDEX_HEADER):
+        raise DiffmegError(f"{idx} is not a megatron-core dataset index (no MMIDIDX header); {again}")
+    _, version, code, sequences, documents = _HEADER.unpack(raw)
+    try:
+        itemsize = DType.size(DType.dtype_from_code(code))
+    except (KeyError, ValueError):
+        itemsize = 0
+    if version != 1 or not itemsize:
+        raise DiffmegError(f"{idx} has an unknown version {version} or token type {code}; {again}")
+    expected_idx = _HEADER.size + 12 * sequences + 8 * documents
+    if idx_size not in (expected_idx, expected_idx + sequences):  # + one mode byte per sequence: multimodal
+        raise DiffmegError(
+            f"{idx} is {idx_size} bytes but its header ({sequences} sequences, {documents} document "
+            f"indices) needs {expected_idx}: truncated or damaged; {again}"
+        )
+    index = np.memmap(idx, mode="r", dtype=np.uint8)
+    lengths = index[_HEADER.size : _HEADER.size + 4 * sequences].view(np.int32)
+    pointers = index[_HEADER.size + 4 * sequences : _HEADER.size + 12 * sequences].view(np.int64)
+    docs = index[_HEADER.size + 12 * sequences : expected_idx].view(np.int64)
+    if documents == 0 or docs[0] != 0 or docs[-1] != sequences:
+        raise DiffmegError(
+            f"{idx}: its document indices do not span its {sequences} sequences (damaged); {again}"
+        )
+    end = int(pointers[-1]) + int(lengths[-1]) * itemsize if sequences else 0
+    if sequences and (int(pointers[0]) != 0 or int(lengths.min()) < 0 or end < int(pointers[-1])):
+        raise DiffmegError(f"{idx}: its sequence offsets are damaged; {again}")
+    if bin_size != end:
+        what = "truncated (an interrupted copy?)" if bin_size < end else "longer than its index describes"
+        raise DiffmegError(
+            f"{bin_} is {bin_size} bytes but its index {os.path.basename(idx)} expects {end} "
+            f"({sequences} sequences of {documents - 1} documents): {what}; {again}"
+        )
+    return end // itemsize
+
+
 LOSS_MASK_SUFFIX = ".loss_mask"
 """The mask of dataset PREFIX is the indexed dataset PREFIX.loss_mask (PREFIX.loss_mask.bin/.idx): the
 companion `diffmeg.data.loss_mask` writes and reads; listings and merges here keep the two together."""
@@ -153,14 +205,18 @@ def has_loss_mask(prefix: str) -> bool:
 
 
 def check_can_write(prefixes: Iterable[str], overwrite: bool) -> None:
-    """Fail before any work if an output exists and ``--overwrite`` was not given."""
+    """Fail before any work if an output exists and ``--overwrite`` was not given, or its folder cannot be
+    written (read-only, no permission, a file in the way: `diffmeg.storage.check_output`); then create
+    the missing output folders (as pretrain_diff.py and convert_checkpoint.py do)."""
+    parents = []
     for prefix in prefixes:
         for path in (get_bin_path(prefix), get_idx_path(prefix)):
             if os.path.exists(path) and not overwrite:
                 raise DiffmegError(f"output {path} already exists; pass --overwrite to replace it")
-        parent = os.path.dirname(os.path.abspath(prefix))
-        if not os.path.isdir(parent):
-            raise DiffmegError(f"output directory {parent} does not exist; create it first")
+            check_output(path, "--output-prefix", folder=False)
+        parents.append(os.path.dirname(os.path.abspath(prefix)))
+    for parent in parents:
+        os.makedirs(parent, exist_ok=True)
 
 
 class IndexedWriter:

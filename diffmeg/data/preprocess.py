@@ -48,7 +48,7 @@ from diffmeg.data.indexed import (
     check_can_write,
     remove_stale_temporaries,
 )
-from diffmeg.data.tokenizers import record_of, write_dataset_record
+from diffmeg.data.tokenizers import record_of, record_path, write_dataset_record
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes
 
@@ -227,8 +227,10 @@ class PreprocessConfig:
     """Encoding processes in total."""
     partitions: int = 1
     """Independent reader/writer processes, each with ``workers // partitions`` workers."""
-    log_interval: int = 1000
-    """Print progress every this many documents (0: only the summary)."""
+    log_interval: int | None = None
+    """Print progress every this many documents (0: only the summary); None: every `log_seconds`."""
+    log_seconds: float = 10.0
+    """Print progress every this many seconds (a few lines for any corpus size), unless `log_interval`."""
     tokenizer_file: str | None = None
     """cl100k_base's BPE file (else $DIFFMEG_TOKENIZER_FILE)."""
     tokenizer_type: str = "cl100k_base"
@@ -248,8 +250,10 @@ class PreprocessConfig:
                 raise DiffmegError(f"--json-keys {key!r} cannot be part of a file name")
         if self.workers < 1 or self.partitions < 1:
             raise DiffmegError("--workers and --partitions must be at least 1")
-        if self.log_interval < 0:
+        if self.log_interval is not None and self.log_interval < 0:
             raise DiffmegError("--log-interval must be >= 0")
+        if not self.log_seconds > 0:
+            raise DiffmegError(f"--log-seconds must be > 0, got {self.log_seconds}")
 
 
 @dataclass
@@ -273,6 +277,11 @@ def preprocess(
 ) -> PreprocessResult:
     """Tokenize this rank's slice of ``cfg.inputs`` into its output datasets."""
     files = find_inputs(cfg.inputs)
+    if not any(f.size for f in files):
+        raise DiffmegError(
+            f"--input {' '.join(cfg.inputs)}: every input file is empty (0 bytes), nothing to tokenize; "
+            f"check the path (an unfinished download or copy?)"
+        )
     if any(f.kind == "text" for f in files) and cfg.json_keys != ["text"]:
         raise DiffmegError("plain-text inputs carry only the 'text' field; drop --json-keys or use JSONL")
     base = cfg.output_prefix if world_size == 1 else rank_prefix(cfg.output_prefix, rank, world_size)
@@ -282,7 +291,7 @@ def preprocess(
     tokenizer = text_tokenizer(cfg)  # fail fast, before any process starts
     segments = split_segments([Segment(f, 0, f.size) for f in files], world_size)[rank]
     tag = tag_for(rank, world_size)
-    progress = _Progress(sum(s.nbytes for s in segments), cfg.log_interval, log, tag)
+    progress = _Progress(sum(s.nbytes for s in segments), cfg.log_interval, log, tag, cfg.log_seconds)
     start = time.time()
     if cfg.partitions == 1:
         with _Writers(prefixes) as writers:
@@ -294,6 +303,15 @@ def preprocess(
     for prefix in prefixes.values():  # which ids these are: training checks them against its tokenizer
         write_dataset_record(prefix, record)
     result = _result(prefixes, skipped, progress.done_bytes, time.time() - start)
+    if result.documents == 0 and world_size == 1:  # a dataset of nothing would fail training much later
+        for prefix in prefixes.values():
+            for path in (f"{prefix}.bin", f"{prefix}.idx", record_path(prefix)):
+                if os.path.exists(path):
+                    os.remove(path)
+        raise DiffmegError(
+            f"--input {' '.join(cfg.inputs)} holds no documents ({result.skipped} bad lines skipped); "
+            f"nothing written: check the input and --json-keys"
+        )
     log(
         f"{tag}done: {result.documents} documents, {result.tokens} tokens, "
         f"{result.input_bytes / 1e6:.1f} MB in {result.seconds:.1f} s "
@@ -376,19 +394,36 @@ class _Writers:
 
 
 class _Progress:
-    """Documents/s, MB/s of stored input and an ETA, every ``interval`` documents."""
+    """Documents/s, MB/s of stored input and an ETA, every ``interval`` documents, or (``interval`` None)
+    every ``seconds``: a line per N documents is thousands of lines for a real corpus."""
 
-    def __init__(self, total_bytes: int, interval: int, log: Callable[[str], None], tag: str) -> None:
+    def __init__(
+        self,
+        total_bytes: int,
+        interval: int | None,
+        log: Callable[[str], None],
+        tag: str,
+        seconds: float = 10.0,
+    ) -> None:
         self.total_bytes, self.interval, self.log, self.tag = total_bytes, interval, log, tag
+        self.seconds = seconds
         self.docs = self.done_bytes = 0
-        self.start = time.time()
-        self._next = interval
+        self.start = self._last = time.time()
+        self._next = interval or 0
+
+    def _due(self) -> bool:
+        if self.interval is None:
+            return time.time() - self._last >= self.seconds
+        if self.interval and self.docs >= self._next:
+            self._next = (self.docs // self.interval + 1) * self.interval
+            return True
+        return False
 
     def update(self, docs: int, nbytes: int) -> None:
         self.docs += docs
         self.done_bytes += nbytes
-        if self.interval and self.docs >= self._next:
-            self._next = (self.docs // self.interval + 1) * self.interval
+        if self._due():
+            self._last = time.time()
             elapsed = max(time.time() - self.start, 1e-9)
             rate = self.done_bytes / elapsed
             left = max(self.total_bytes - self.done_bytes, 0)

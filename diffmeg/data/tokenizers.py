@@ -26,7 +26,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from diffmeg.data.hf_tokenizer import HF_TOKENIZER
+from diffmeg.data.hf_tokenizer import HF_TOKENIZER, HFTokenizer
+from diffmeg.data.tiktoken_cl100k import Cl100kTokenizer, IdTokenizer, load_tokenizer
 from diffmeg.errors import DiffmegError
 
 CL100K = "cl100k_base"
@@ -90,12 +91,9 @@ def build_tokenizer(
             raise DiffmegError(
                 "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH (its folder)"
             )
-        from diffmeg.data.hf_tokenizer import HFTokenizer
 
         return HFTokenizer(tokenizer_model)
     if tokenizer_type == NULL:
-        from diffmeg.data.tokenizer import IdTokenizer
-
         if vocab_size is None:
             raise DiffmegError(
                 "--tokenizer-type null needs --vocab-size (one more than the largest token id)"
@@ -103,16 +101,12 @@ def build_tokenizer(
         return IdTokenizer(vocab_size)
     if tokenizer_type != CL100K:
         raise DiffmegError(f"--tokenizer-type {tokenizer_type!r}: choose one of {', '.join(TOKENIZER_TYPES)}")
-    from diffmeg.data.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer_file)
 
 
 def record_of(tokenizer) -> TokenizerRecord:
     """The record of a tokenizer object (`build_tokenizer`'s)."""
-    from diffmeg.data.hf_tokenizer import HFTokenizer
-    from diffmeg.data.tokenizer import Cl100kTokenizer
-
     if isinstance(tokenizer, HFTokenizer):
         if tokenizer.fingerprint == CL100K_HF_FINGERPRINT:
             return TokenizerRecord(CL100K)
@@ -164,18 +158,35 @@ def resolve_tokenizer_args(args: argparse.Namespace) -> None:
         )
 
 
-def text_tokenizer(args: Mapping | argparse.Namespace, tokenizer_file: str | None = None):
-    """The tokenizer that writes text as a checkpoint's ids (evaluation, generation): its recorded Hugging
-    Face tokenizer folder, else cl100k_base (`tokenizer_file`, else the recorded BPE file, else the
-    environment's). Never cl100k_base for a model of another vocabulary."""
+def text_tokenizer(
+    args: Mapping | argparse.Namespace, tokenizer_file: str | None = None, tokenizer_model: str | None = None
+):
+    """The tokenizer that writes text as a checkpoint's ids (evaluation, generation): `tokenizer_model` (a
+    Hugging Face tokenizer folder given on the command line, which must hold the recorded vocabulary), else
+    its recorded Hugging Face tokenizer folder, else cl100k_base (`tokenizer_file`, else the recorded BPE
+    file, else the environment's). Never cl100k_base for a model of another vocabulary."""
     values = vars(args) if isinstance(args, argparse.Namespace) else args
     record = record_of_args(values)
+    if tokenizer_model is not None:
+        if record.type != HF_TOKENIZER:
+            raise DiffmegError(
+                f"--tokenizer-model {tokenizer_model}: the model reads the ids of {record.describe()}, "
+                f"not of a Hugging Face tokenizer; drop --tokenizer-model"
+            )
+        tokenizer = build_tokenizer(HF_TOKENIZER, tokenizer_model=tokenizer_model)
+        given = record_of(tokenizer)
+        if record.fingerprint is not None and given.fingerprint != record.fingerprint:
+            raise DiffmegError(
+                f"--tokenizer-model {tokenizer_model} is {given.describe()}, but the model reads the ids of "
+                f"{record.describe()}; pass that tokenizer's folder"
+            )
+        return tokenizer
     if record.type == HF_TOKENIZER:
         folder = values.get("tokenizer_model")
         if not folder or not os.path.isdir(folder):
             raise DiffmegError(
                 f"the model reads the ids of the Hugging Face tokenizer {folder}, which is gone; restore "
-                f"that folder (its tokenizer files)"
+                f"that folder (its tokenizer files), or pass --tokenizer-model with a copy of it"
             )
         return build_tokenizer(HF_TOKENIZER, tokenizer_model=folder)
     if record.type == NULL:

@@ -39,6 +39,7 @@ from diffmeg.data.indexed import (
     exists,
     remove_stale_temporaries,
 )
+from diffmeg.data.tokenizers import common_record, write_dataset_record
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import free_bytes, is_disk_full
 
@@ -135,7 +136,6 @@ def length_upsample(
         raise DiffmegError(
             f"inputs store different token types {sorted(d.name for d in dtypes)}; use one tokenizer"
         )
-    from diffmeg.data.tokenizers import common_record, write_dataset_record
 
     record = common_record(inputs)  # one tokenizer's ids, or a one-line refusal
     uppers = np.array([b.max_length if b.max_length is not None else np.iinfo(np.int64).max for b in buckets])

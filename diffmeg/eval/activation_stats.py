@@ -32,6 +32,8 @@ import torch
 from diffmeg.errors import DiffmegError
 from diffmeg.eval import common
 from diffmeg.eval.capture import AttentionRecord, capture_attention, capture_layer_outputs
+from diffmeg.eval.long_context import IndexedDocuments
+from diffmeg.eval.plotting import Curve, plot_curves
 
 CSV_NAME = "activation_stats.csv"
 PLOT_NAME = "activation_stats.png"
@@ -147,7 +149,6 @@ def token_windows(
             yield rng.integers(0, vocab_size, n)
             remaining -= n
         return
-    from diffmeg.eval.long_context import IndexedDocuments
 
     source = IndexedDocuments(cfg.data_prefix)
     if cfg.per_document:
@@ -247,8 +248,6 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = common.st
     }
     common.write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
-        from diffmeg.eval.plotting import Curve, plot_curves
-
         curves = []
         for ckpt in checkpoints:
             for kind in ("attention_logits", "hidden_states"):

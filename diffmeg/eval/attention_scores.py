@@ -25,6 +25,7 @@ from diffmeg.eval import common
 from diffmeg.eval.capture import AttentionRecord, capture_attention, decoder_layers
 from diffmeg.eval.needle import build_prompt, needle_vocab
 from diffmeg.eval.needle_eval import NeedlePromptsConfig
+from diffmeg.eval.plotting import Curve, plot_curves
 
 CSV_NAME = "attention_scores.csv"
 PLOT_NAME = "attention_scores.png"
@@ -159,8 +160,6 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: common.Log = common.st
 
 
 def _plot(checkpoints: list[dict], cfg: AttentionScoresConfig, length: int) -> None:
-    from diffmeg.eval.plotting import Curve, plot_curves
-
     x = np.asarray(cfg.depths, dtype=np.float64) * 100
     curves = []
     for ckpt in checkpoints:

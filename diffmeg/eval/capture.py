@@ -20,7 +20,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from diffmeg.attention import override_attention_backend
+from diffmeg.attention_v2 import DiffV2SelfAttention
 from diffmeg.errors import DiffmegError
 from diffmeg.kernels.reference import causal_keep_mask
 
@@ -151,10 +154,6 @@ def capture_attention(
 ) -> Iterator[None]:
     """Within the block, every attention layer reports an `AttentionRecord` to `sink` per forward pass
     and applies `logit_fn` to its logits before the softmax (both maps for DIFF)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    from diffmeg.attention import override_attention_backend
-    from diffmeg.attention_v2 import DiffV2SelfAttention
 
     with ExitStack() as stack:
         v2_lambdas: dict[int, dict] = {}

@@ -17,11 +17,15 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass
+from typing import TextIO
 
 import torch
 
 from diffmeg.checkpoints import DTYPES
+from diffmeg.data.tiktoken_cl100k import EOD_ID
+from diffmeg.data.tokenizers import text_tokenizer
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.plotting import require_matplotlib
 from diffmeg.model_source import CheckpointInfo, load_checkpoint_model, read_checkpoint_info
 from diffmeg.runtime import single_process
 
@@ -66,11 +70,7 @@ def eod_id(info: CheckpointInfo) -> int:
     """The end-of-document token of the ids a checkpoint reads: cl100k's `<|endoftext|>`, a Hugging Face
     tokenizer's end of sequence, or the last id of a mock / `--tokenizer-type null` vocabulary (the
     convention of the generated corpora)."""
-    from diffmeg.data.tokenizer import EOD_ID
-
     if info.tokenizer == "HuggingFaceTokenizer":
-        from diffmeg.data.tokenizers import text_tokenizer
-
         return text_tokenizer(info.args).eod
     return EOD_ID if info.tokenizer == "cl100k_base" else info.vocab_size - 1
 
@@ -198,34 +198,43 @@ def start_outputs(output_dir: str, plot: bool) -> None:
     """Fail on an unwritable directory or a missing matplotlib before any model is loaded."""
     prepare_output_dir(output_dir)
     if plot:
-        from diffmeg.eval.plotting import require_matplotlib
-
         require_matplotlib()
 
 
 def write_json(path: str, data: dict) -> None:
     """`data` as indented JSON, written atomically (a crash leaves the previous file)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+
+    def write(f) -> None:
         json.dump(data, f, indent=2, default=str)
         f.write("\n")
-    os.replace(tmp, path)
+
+    _write_whole(path, write)
 
 
 def write_jsonl(path: str, records: Sequence[dict]) -> None:
     """One JSON object per line, written atomically."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        for record in records:
-            f.write(json.dumps(record, default=str) + "\n")
-    os.replace(tmp, path)
+    _write_whole(path, lambda f: f.writelines(json.dumps(r, default=str) + "\n" for r in records))
 
 
 def write_rows(path: str, rows: Sequence[dict]) -> None:
     """A CSV with the keys of the first row as header (written atomically)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", newline="") as f:
+
+    def write(f) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, path)
+
+    _write_whole(path, write)
+
+
+def _write_whole(path: str, write: Callable[[TextIO], None]) -> None:
+    """`write` into a temporary beside `path`, then rename: a crash or Ctrl-C leaves the previous file and
+    no temporary (the tools' Ctrl-C line says so)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", newline="") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)

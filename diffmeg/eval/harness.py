@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diffmeg.data.tokenizers import text_tokenizer
 from diffmeg.errors import DiffmegError
 from diffmeg.eval import common
+from diffmeg.eval.long_context import final_hidden_states
+from diffmeg.generation import SamplingConfig, generate
 from diffmeg.model import output_logits
 
 try:
@@ -103,8 +106,6 @@ class DiffmegLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), continuation is the greedy choice) per request of
         (cache key, context ids, continuation ids); batched by length, padded on the right."""
-        from diffmeg.eval.long_context import final_hidden_states
-
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         for start in range(0, len(order), self.batch_size):
@@ -158,8 +159,6 @@ class DiffmegLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuation of each context, up to `max_gen_toks` tokens or the end-of-document token,
         cut before the first of the request's stop strings."""
-        from diffmeg.generation import SamplingConfig, generate
-
         out = []
         for context, gen_kwargs in (req.args for req in requests):
             kwargs = dict(gen_kwargs)
@@ -230,7 +229,6 @@ def text_of(info, tokenizer_file: str | None):
     tokenizer), or whitespace-separated ids."""
     if info.tokenizer == "mock":
         return IdText(info.vocab_size)
-    from diffmeg.data.tokenizers import text_tokenizer
 
     return text_tokenizer(info.args, tokenizer_file)
 
@@ -248,7 +246,7 @@ def _metrics(task_results: dict) -> dict[str, float]:
 def run_harness(cfg: HarnessConfig, log: common.Log = common.stderr) -> dict:
     """Every checkpoint on every task through lm-eval's `simple_evaluate`; writes harness_results.json,
     harness_results.csv (label, task, metric, value) and, with `log_samples`, harness_samples.jsonl."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # optional dependency; its task index loads slowly
 
     tasks = resolve_tasks(cfg.tasks)
     common.prepare_output_dir(cfg.output_dir)

@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 
 from diffmeg.checkpoints import first_line
+from diffmeg.data.tiktoken_cl100k import PADDED_VOCAB_SIZE
+from diffmeg.data.tokenizers import text_tokenizer
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.common import (
     EvalConfig,
@@ -36,6 +39,7 @@ from diffmeg.eval.common import (
     stderr,
     write_json,
 )
+from diffmeg.eval.plotting import Curve, plot_curves
 from diffmeg.model import output_logits
 from diffmeg.model_source import CheckpointInfo
 
@@ -122,8 +126,6 @@ class IndexedDocuments(DocumentSource):
     """A megatron-core indexed dataset (`{prefix}.bin/.idx`), read lazily through its memory map."""
 
     def __init__(self, prefix: str) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
-
         if prefix.endswith((".bin", ".idx")):
             prefix = prefix[:-4]
         missing = [p for p in (get_bin_path(prefix), get_idx_path(prefix)) if not os.path.isfile(p)]
@@ -405,8 +407,6 @@ class LongContextConfig(EvalConfig):
 def _document_source(cfg: LongContextConfig, info: CheckpointInfo) -> DocumentSource:
     if cfg.data_prefix is not None:
         return IndexedDocuments(cfg.data_prefix)
-    from diffmeg.data.tokenizer import PADDED_VOCAB_SIZE
-    from diffmeg.data.tokenizers import text_tokenizer
 
     if info.tokenizer == "mock" or (info.tokenizer == "cl100k_base" and info.vocab_size < PADDED_VOCAB_SIZE):
         raise DiffmegError(
@@ -463,8 +463,6 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
     curves = {info.label: stats.cumulative()[:covered] for info, stats, _ in results}
     write_csv(os.path.join(cfg.output_dir, CSV_NAME), curves, cfg.csv_every)
     if cfg.plot:
-        from diffmeg.eval.plotting import Curve, plot_curves
-
         x = np.arange(1, covered + 1)
         plot_curves(
             [Curve(label, x, y) for label, y in curves.items()],

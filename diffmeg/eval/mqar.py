@@ -19,16 +19,19 @@ import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from diffmeg.checkpoints import iteration_dirs
+from diffmeg.data.gpt_datasets import parse_data_path
+from diffmeg.data.indexed import has_loss_mask, loss_mask_prefix
+from diffmeg.data.loss_mask import MaskedDocuments
+from diffmeg.data.mqar import pair_indices, read_mqar_metadata
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.common import EvalConfig, loaded_models, start_outputs
-
-if TYPE_CHECKING:
-    from diffmeg.eval.mqar_attention import AttentionTally
+from diffmeg.eval.mqar_attention import AttentionTally, write_attention
+from diffmeg.model_source import read_checkpoint_info
 
 SUMMARY_NAME = "mqar_summary.json"
 CSV_NAME = "mqar_accuracy.csv"
@@ -95,8 +98,6 @@ def evaluate_documents(
 ) -> Tally:
     """Accuracy of `model` on the first `max_documents` of a `MaskedDocuments` (all when None); with
     `attention`, the same forward passes also add their attention at the answers to it."""
-    from diffmeg.data.mqar import pair_indices
-
     device = next(model.parameters()).device
     count = len(documents) if max_documents is None else min(max_documents, len(documents))
     tally = Tally()
@@ -154,9 +155,6 @@ class MQAREvalConfig(EvalConfig):
 def resolve_checkpoints(cfg: MQAREvalConfig) -> list:
     """`CheckpointInfo`s of every (load, iteration) to evaluate; every iteration of a load keeps the
     load's label."""
-    from diffmeg.checkpoints import iteration_dirs
-    from diffmeg.model_source import read_checkpoint_info
-
     infos = cfg.checkpoints.resolve()  # labels, one vocabulary, --iteration
     if not cfg.all_iterations:
         return infos
@@ -178,11 +176,6 @@ def resolve_checkpoints(cfg: MQAREvalConfig) -> list:
 
 def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> dict:
     """Evaluate every (checkpoint, iteration) on every dataset; write the summary and CSV if asked."""
-    from diffmeg.data.gpt_datasets import parse_data_path
-    from diffmeg.data.indexed import has_loss_mask, loss_mask_prefix
-    from diffmeg.data.loss_mask import MaskedDocuments
-    from diffmeg.data.mqar import read_mqar_metadata
-
     if not cfg.data_prefixes:
         raise DiffmegError("give at least one --data-prefix")
     if (cfg.max_documents is not None and cfg.max_documents < 1) or cfg.batch_size < 1:
@@ -200,8 +193,6 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> 
         start_outputs(cfg.output_dir, plot=cfg.plot and cfg.attention)
     datasets = [(prefix, MaskedDocuments(prefix), read_mqar_metadata(prefix)) for prefix in prefixes]
     if cfg.attention:
-        from diffmeg.eval.mqar_attention import AttentionTally, write_attention
-
         for prefix, _, meta in datasets:
             if meta is None:
                 raise DiffmegError(

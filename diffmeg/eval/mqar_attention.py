@@ -34,6 +34,8 @@ import torch
 from diffmeg.data.mqar import query_key_positions
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.capture import AttentionRecord, capture_attention, decoder_layers
+from diffmeg.eval.common import write_json, write_rows
+from diffmeg.eval.plotting import Curve, plot_curves
 
 MASSES = ("pair", "noise", "query")
 SCALES = ("normalised", "raw")
@@ -213,8 +215,6 @@ def table_rows(results: Sequence[dict]) -> list[dict]:
 def plot(results: Sequence[dict], path: str) -> None:
     """Normalised pair and noise masses against the layer, one pair of curves per checkpoint and dataset
     (its last iteration when several were read)."""
-    from diffmeg.eval.plotting import Curve, plot_curves
-
     last: dict[tuple, dict] = {}
     for r in results:
         key = (r["label"], r["data_prefix"])
@@ -239,8 +239,6 @@ def plot(results: Sequence[dict], path: str) -> None:
 
 def write_attention(output_dir: str, results: list[dict], max_documents: int | None, with_plot: bool) -> None:
     """mqar_attention.json, .csv and (with `with_plot`) .png under `output_dir`."""
-    from diffmeg.eval.common import write_json, write_rows
-
     summary = {
         "max_documents": max_documents,
         "rows": ROWS_NOTE,

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diffmeg.data.tokenizers import text_tokenizer
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.common import expand_text_files, read_text_file
 
 CITIES = (
     "Chicago Yangon Antananarivo Colombo Almaty Sydney Mexico-City Seattle Lagos Amsterdam Belgrade Cairo "
@@ -225,8 +227,6 @@ def needle_vocab(info, text_files: Sequence[str] | None, tokenizer_file: str | N
         return IdVocab(info.vocab_size)  # fixed ids per vocabulary: what an id-corpus model was trained on
     if not text_files:
         raise DiffmegError(f"{info.root} reads cl100k text: give --text-files for the filler")
-    from diffmeg.data.tokenizers import text_tokenizer
-    from diffmeg.eval.common import expand_text_files, read_text_file
 
     text = "\n".join(read_text_file(path) for path in expand_text_files(text_files))
     return TextVocab(text_tokenizer(info.args, tokenizer_file), text)  # cl100k_base or its own tokenizer

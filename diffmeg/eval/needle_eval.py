@@ -21,6 +21,7 @@ import torch
 from diffmeg.errors import DiffmegError
 from diffmeg.eval import common
 from diffmeg.eval.needle import NeedlePrompt, build_prompt, needle_vocab
+from diffmeg.eval.plotting import plot_heatmaps
 
 CSV_NAME = "needle_accuracy.csv"
 PLOT_NAME = "needle_heatmap.png"
@@ -117,8 +118,6 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: common.Log = common.stderr) -> d
     }
     common.write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
-        from diffmeg.eval.plotting import plot_heatmaps
-
         grids = []
         for ckpt in checkpoints:
             mine = {

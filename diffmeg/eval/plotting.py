@@ -40,7 +40,7 @@ def count_label(value: float) -> str:
 def require_matplotlib() -> None:
     """Fail before any long computation when the plot could not be written at its end."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - optional dependency, checked before a long computation
     except ImportError:
         raise DiffmegError(
             "matplotlib is not installed: pip install matplotlib (or pass --no-plot for the CSV only)"
@@ -68,7 +68,7 @@ def plot_curves(
     for x, label in vlines:
         ax.axvline(x, color="0.45", linestyle="--", linewidth=1.0, label=label)
     if logx:
-        from matplotlib.ticker import FuncFormatter
+        from matplotlib.ticker import FuncFormatter  # optional dependency
 
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: count_label(v)))
@@ -116,6 +116,7 @@ def plot_heatmaps(
 def _figure(size: tuple[float, float]):
     """A matplotlib Figure on its own Agg canvas (no pyplot, no global backend)."""
     require_matplotlib()
+    # optional dependency (require_matplotlib above names the fix)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

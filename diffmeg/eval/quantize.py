@@ -22,9 +22,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from diffmeg.data.tokenizers import text_tokenizer
 from diffmeg.errors import DiffmegError
 from diffmeg.eval import common
+from diffmeg.eval.activation_stats import ActivationStatsConfig, token_windows
 from diffmeg.eval.capture import LogitFn, capture_attention
+from diffmeg.eval.long_context import per_token_nll
+from diffmeg.eval.plotting import Curve, plot_curves
 
 CSV_NAME = "quantize_eval.csv"
 PLOT_NAME = "quantize_eval.png"
@@ -104,8 +108,6 @@ def read_choices(path: str, vocab_size: int, tokenizer) -> list[Choice]:
 
 def choice_scores(model: torch.nn.Module, item: Choice) -> list[tuple[float, int]]:
     """(log-likelihood of each choice's tokens after the context, its token count)."""
-    from diffmeg.eval.long_context import per_token_nll
-
     device = next(model.parameters()).device
     out = []
     for choice in item.choices:
@@ -118,8 +120,6 @@ def choice_scores(model: torch.nn.Module, item: Choice) -> list[tuple[float, int
 
 def validation_loss(model: torch.nn.Module, windows: list[np.ndarray]) -> float:
     """Mean NLL per predicted token over the windows (each window predicts its tokens 1..n-1)."""
-    from diffmeg.eval.long_context import per_token_nll
-
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for w in windows:
@@ -140,8 +140,6 @@ class QuantizeEvalConfig(common.EvalConfig):
 
 
 def _windows(cfg: QuantizeEvalConfig, vocab_size: int, mock: bool, length: int) -> Iterator[np.ndarray]:
-    from diffmeg.eval.activation_stats import ActivationStatsConfig, token_windows
-
     # One more token per window than positions scored: the window's first token has no prediction.
     acfg = ActivationStatsConfig(
         common.CheckpointSet([]), tokens=cfg.tokens, data_prefix=cfg.data_prefix, seed=cfg.seed
@@ -161,8 +159,6 @@ def run_quantize_eval(cfg: QuantizeEvalConfig, log: common.Log = common.stderr) 
     mock = infos[0].tokenizer == "mock"
     tokenizer = None
     if cfg.choices and not mock:
-        from diffmeg.data.tokenizers import text_tokenizer
-
         tokenizer = text_tokenizer(infos[0].args, cfg.tokenizer_file)
     items = read_choices(cfg.choices, infos[0].vocab_size, tokenizer) if cfg.choices else []
     windows = list(_windows(cfg, infos[0].vocab_size, mock, length))
@@ -200,8 +196,6 @@ def run_quantize_eval(cfg: QuantizeEvalConfig, log: common.Log = common.stderr) 
     }
     common.write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
-        from diffmeg.eval.plotting import Curve, plot_curves
-
         metric = "acc" if items else "val_loss"
         x = np.array(cfg.bits, dtype=np.float64)
         order = np.argsort(x)

@@ -34,10 +34,14 @@ def load(path: str) -> dict:
 def write_results(path: str, data: dict) -> None:
     """results.json as the committed docs/results/toy_compare.json is written (indent 1), atomically."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:  # a crash or Ctrl-C leaves the previous file and no temporary
+        if os.path.lexists(tmp):
+            os.remove(tmp)
 
 
 # ----------------------------------------------------------------------------------------------------

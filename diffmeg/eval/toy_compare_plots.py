@@ -29,10 +29,10 @@ def _seed_line(model: str, first: bool) -> dict:
 def plot(results: dict, out_dir: str) -> list[str]:
     """mqar_accuracy.png (held-out accuracy vs step, a panel per setting), lm_val_loss.png and, with the
     analyses, mqar_attention.png (normalised pair and noise masses per layer, a panel per setting)."""
-    import matplotlib
+    import matplotlib  # optional dependency, for the plots only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
 
     written = []
     runs = curves(results)
@@ -84,10 +84,10 @@ def plot(results: dict, out_dir: str) -> list[str]:
 def plot_attention(results: dict, path: str) -> None:
     """Per setting, the normalised mass on the queried pair (solid) and on the rest of the context
     (dashed) against the layer, mean over seeds, a colour per model."""
-    import matplotlib
+    import matplotlib  # optional dependency, for the plots only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
 
     rows = [r for r in results["attention"] if r["normalised"]]
     settings = settings_in(results, rows)

@@ -138,10 +138,10 @@ def tables(results: dict) -> str:
 
 def plot(results: dict, path: str) -> str:
     """Validation loss vs tokens of continued training, one line per seed, a colour per model."""
-    import matplotlib
+    import matplotlib  # optional dependency, for the plots only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for model, seeds in sorted(_curves(results).items(), key=lambda kv: list(MODELS).index(kv[0])):

@@ -1,18 +1,22 @@
-"""Differential attention from two (or four) fused-attention calls: `A1 V - lam * A2 V`.
+"""Differential attention from fused-attention calls: `A1 V - lam * A2 V`.
 
 torch's SDPA (and flash-attn) compute softmax(QK^T)V without materialising the map, so DIFF costs two
 calls that share V. Kernels that need equal q/k/v head sizes (FlashAttention on GPU) get V split into
-its two d-wide halves: four calls, same result.
+its two d-wide halves: four calls, or those four stacked into one batched call. Which path a length
+takes is `diffmeg.kernels.sdpa_paths` (measured crossovers).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from diffmeg.fusions.diff_combine import diff_combine
 from diffmeg.kernels.reference import causal_keep_mask
+from diffmeg.kernels.sdpa_paths import check_path, path_for_length
 
 
 def flash_attn_available() -> bool:
@@ -49,28 +53,24 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, drop
     return out.transpose(1, 2)
 
 
-class _Combine(torch.autograd.Function):
-    """`o1 - lam * o2` computed in fp32 (or wider), as the reference and the fused kernel do.
-
-    In the activation dtype lambda would be rounded to bf16 and its gradient -sum(dO * o2) summed in bf16.
-    Autograd of the fp32 expression would save o2 in fp32 (twice the bytes); this keeps o2 as it came.
-    """
-
-    @staticmethod
-    def forward(ctx, o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-        wide = torch.promote_types(o1.dtype, torch.float32)
-        ctx.save_for_backward(o2, lam)
-        return (o1.to(wide) - lam.to(wide) * o2.to(wide)).to(o1.dtype)
-
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        o2, lam = ctx.saved_tensors
-        wide = torch.promote_types(dout.dtype, torch.float32)
-        do2 = (-lam.to(wide) * dout.to(wide)).to(o2.dtype) if ctx.needs_input_grad[1] else None
-        dlam = None
-        if ctx.needs_input_grad[2]:
-            dlam = -(dout.to(wide) * o2.to(wide)).sum().to(lam).reshape(lam.shape)
-        return (dout if ctx.needs_input_grad[0] else None), do2, dlam
+def _split_v_batched(
+    q1: torch.Tensor,
+    q2: torch.Tensor,
+    k1: torch.Tensor,
+    k2: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    dropout_p: float,
+    call: Callable,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-V's four (d, d) products as one call: (map 1, half a), (1, b), (2, a), (2, b) on the batch."""
+    b, d = q1.shape[0], v.shape[-1] // 2
+    q = torch.cat([q1, q1, q2, q2])  # [4b, h, sq, d]
+    k = torch.cat([k1, k1, k2, k2])  # [4b, g, sk, d]
+    va, vb = v[..., :d], v[..., d:]
+    out = call(q, k, torch.cat([va, vb, va, vb]), scale, dropout_p)  # [4b, h, sq, d]
+    o1a, o1b, o2a, o2b = out.split(b)
+    return torch.cat([o1a, o1b], dim=-1), torch.cat([o2a, o2b], dim=-1)  # [b, h, sq, 2d] each
 
 
 def diff_attention_sdpa(
@@ -85,20 +85,28 @@ def diff_attention_sdpa(
     dropout_p: float = 0.0,
     attention_mask: torch.Tensor | None = None,
     split_v: bool | None = None,
+    path: str | None = None,
     use_flash_attn: bool = False,
 ) -> torch.Tensor:
-    """Same contract as `diff_attention_reference`; `split_v` defaults to True on CUDA."""
+    """Same contract as `diff_attention_reference`. `path` (`sdpa_paths.PATHS`) forces one; `split_v`
+    True/False means `split_v`/`two_call`; neither: flash-attn takes split-V (equal head sizes), torch's
+    SDPA the measured path for this many keys on this device (`sdpa_paths.path_for_length`)."""
     if attention_mask is not None:
         raise ValueError("the sdpa backend is causal-only; use the reference backend for custom masks")
     call = _flash if use_flash_attn else _sdpa
-    if split_v is None:
-        split_v = use_flash_attn or q1.is_cuda
-    if split_v:
+    if path is None and split_v is not None:
+        path = "split_v" if split_v else "two_call"
+    if path is None:
+        path = "split_v" if use_flash_attn else path_for_length(k1.shape[-2], q1.device.type)
+    check_path(path)
+    if path == "split_v":
         d = v.shape[-1] // 2
         halves = (v[..., :d], v[..., d:])  # [b, g, sk, d] each
         o1 = torch.cat([call(q1, k1, vh, scale, dropout_p) for vh in halves], dim=-1)  # [b, h, sq, 2d]
         o2 = torch.cat([call(q2, k2, vh, scale, dropout_p) for vh in halves], dim=-1)
+    elif path == "split_v_batched":
+        o1, o2 = _split_v_batched(q1, q2, k1, k2, v, scale, dropout_p, call)
     else:
         o1 = call(q1, k1, v, scale, dropout_p)  # [b, h, sq, 2d]
         o2 = call(q2, k2, v, scale, dropout_p)
-    return _Combine.apply(o1, o2, lam)
+    return diff_combine(o1, o2, lam)

@@ -17,6 +17,7 @@ import itertools
 import re
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def _signature(fn, constexprs: dict, dtype: str) -> dict[str, str]:
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:
-    import triton
+    import triton  # optional GPU dependency
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -82,9 +83,7 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
 
 def compile_kernel(name: str, meta: dict, dtype: torch.dtype = torch.bfloat16, arch: int = 90) -> KernelStats:
     """Compile one kernel for sm_<arch> with the given constexprs/launch options; ptxas' resource usage."""
-    import time
-
-    import triton
+    import triton  # optional GPU dependency, as are its compiler's modules
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -70,6 +70,7 @@ def _kernels() -> ModuleType:
     """The kernels module, (re)imported so its `triton.jit` matches the current TRITON_INTERPRET."""
     global _kernels_module
     if _kernels_module is None:
+        # needs triton (optional), and is reloaded when TRITON_INTERPRET changes
         from diffmeg.kernels import triton_diff_kernels
 
         _kernels_module = triton_diff_kernels

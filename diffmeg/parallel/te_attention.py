@@ -35,7 +35,7 @@ def default_cp_attention() -> type[torch.nn.Module] | None:
     """megatron-core's TEDotProductAttention where Transformer Engine can run here, else None."""
     if not transformer_engine_available():
         return None
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention  # optional GPU dependency
 
     return TEDotProductAttention
 

@@ -13,9 +13,14 @@ import os
 import sys
 from collections.abc import Sequence
 
+from diffmeg import registry
+from diffmeg.data.tokenizers import resolve_tokenizer_args
 from diffmeg.errors import DiffmegError
+from diffmeg.parallel import cp_attention_available
 from diffmeg.parallel.validation import validate_cp
-from diffmeg.presets import PRESETS, get_preset
+from diffmeg.presets import PADDED_VOCAB_SIZE, PRESETS, get_preset, swiglu_ffn_size
+from diffmeg.runtime import transformer_engine_available
+from diffmeg.training.checkpoint_args import checkpoint_model_args
 
 # Defaults for everything a preset may set (Megatron-LM's defaults where it has one).
 DEFAULTS: dict[str, object] = {
@@ -51,11 +56,89 @@ def _bool_flag(parser: argparse.ArgumentParser, name: str, dest: str, help: str)
     parser.add_argument(name, dest=dest, action="store_true", default=None, help=help)
 
 
+HELP = {
+    "num_layers": "transformer layers (else the --model preset's)",
+    "hidden_size": "model width (else the preset's)",
+    "ffn_hidden_size": "SwiGLU inner width (default: the preset's, else 8/3 x hidden rounded up to 64)",
+    "group_query_attention": "use --num-query-groups KV groups (Megatron-LM's flag)",
+    "seq_length": "tokens per sample (else the preset's)",
+    "max_position_embeddings": "positions the model is built for (default: --seq-length)",
+    "rotary_base": "RoPE base",
+    "init_method_std": "standard deviation of the weight init",
+    "norm_epsilon": "RMSNorm epsilon",
+    "hidden_dropout": "dropout after attention and MLP",
+    "attention_dropout": "dropout on attention probabilities",
+    "lambda_std": "standard deviation of the lambda vectors' init",
+    "diff_attn_backend": "differential attention kernel (auto: the fastest available)",
+    "tensor_model_parallel_size": "tensor-parallel ranks",
+    "pipeline_model_parallel_size": "pipeline stages",
+    "context_parallel_size": "context-parallel ranks (the sequence split over them)",
+    "sequence_parallel": "split activations over the tensor-parallel ranks (needs TP > 1)",
+    "use_distributed_optimizer": "shard the optimizer state over data-parallel ranks",
+    "distributed_backend": "torch.distributed backend (auto: nccl on GPU, gloo on CPU)",
+    "distributed_timeout_minutes": "collective timeout",
+    "micro_batch_size": "samples per rank per forward pass (default 1, or the preset's)",
+    "global_batch_size": "samples per optimizer step (default: --micro-batch-size x data-parallel ranks)",
+    "train_iters": "optimizer steps (or give --train-tokens)",
+    "lr": "peak learning rate (required unless the preset sets one)",
+    "min_lr": "learning rate at the end of the decay (default 0)",
+    "lr_warmup_iters": "linear warmup steps (default 0)",
+    "lr_decay_style": "learning-rate schedule after warmup (default linear)",
+    "weight_decay": "AdamW weight decay (default 0.01)",
+    "adam_beta1": "AdamW beta1 (default 0.9)",
+    "adam_beta2": "AdamW beta2 (default 0.999)",
+    "adam_eps": "AdamW epsilon",
+    "clip_grad": "gradient-norm clipping (0: none)",
+    "bf16": "bfloat16 mixed precision",
+    "fp16": "float16 mixed precision with loss scaling",
+    "fp8_format": "FP8 matmuls through Transformer Engine (GPU)",
+    "fp8_recipe": "FP8 scaling recipe (with --fp8-format)",
+    "recompute_granularity": "activation recomputation: full layers or selective (attention only)",
+    "recompute_method": "which layers full recomputation covers (default uniform)",
+    "recompute_num_layers": "layers per recomputed group (default 1)",
+    "seed": "random seed of weights and data order",
+    "split": "train,valid,test weights of every dataset",
+    "data_cache_path": "where dataset index caches go (default: a cache/ folder beside each dataset)",
+    "num_workers": "data-loader worker processes",
+    "save": "checkpoint folder (default: nothing saved)",
+    "load": "checkpoint folder to resume from (its latest iteration, or --ckpt-step)",
+    "save_interval": "iterations between checkpoints (default: only at the end)",
+    "no_load_optim": "resume the weights without the optimizer state",
+    "no_load_rng": "resume without the random-number state",
+    "log_interval": "iterations between log lines",
+    "eval_interval": "iterations between validation passes",
+    "eval_iters": "validation batches per pass (0: none)",
+    "tensorboard_dir": "write TensorBoard scalars there (default: none)",
+}
+"""Help for the flags whose `add_argument` has none (`build_parser` fills them in; a test keeps every flag
+documented)."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except an unset one (None: the preset or a derived value, which the help says)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag answers with a one-line usage before the error, not the 65 lines listing every flag."""
+
+    def error(self, message: str):
+        self.exit(
+            2,
+            f"usage: {self.prog} [--model PRESET] [FLAGS ...]  (--help lists every flag)\n"
+            f"{self.prog}: error: {message}\n",
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pretrain_diff.py",
         description="Pretrain a Differential Transformer (or its Transformer baseline) on megatron-core.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help=f"preset: {', '.join(sorted(PRESETS))}")
@@ -98,7 +181,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lambda-init", default="exp", help="'exp' (layer-wise schedule) or a constant in [0, 1)")
     g.add_argument("--lambda-std", type=float, default=0.1)
     g.add_argument(
-        "--diff-attn-backend", default="auto", choices=["auto", "reference", "sdpa", "flash", "triton"]
+        "--diff-attn-backend",
+        default=registry.AUTO,
+        choices=registry.choices("diff_attention"),
+        help=f"DIFF V1's attention backend (docs/implementations.md); auto: "
+        f"{registry.resolve('diff_attention')}, the fastest measured",
+    )
+    g.add_argument(
+        "--norm-impl",
+        default=registry.AUTO,
+        choices=[c for c in registry.choices("norm") if c != "transformer_engine"],
+        help="RMSNorm of the local spec's blocks and DIFF V1's head norm (docs/implementations.md): local "
+        "(fp32 eager ops), torch (F.rms_norm, fused on CUDA), compiled (torch.compile); auto: "
+        f"{registry.resolve('norm', spec='local')} on the local spec, TE's norm on the TE spec",
+    )
+    g.add_argument(
+        "--rope-impl",
+        default=registry.AUTO,
+        choices=registry.choices("rope"),
+        help="RoPE of q and k: megatron (megatron-core's eager ops) or compiled (one torch.compile'd "
+        f"region each way); auto: {registry.resolve('rope')} until a GPU run measures it",
+    )
+    g.add_argument(
+        "--diff-epilogue-impl",
+        default=registry.AUTO,
+        choices=registry.choices("diff_epilogue"),
+        help="DIFF V1's epilogue (head RMSNorm, x (1 - lambda_init), seq-first): eager ops or one "
+        f"torch.compile'd region; auto: {registry.resolve('diff_epilogue')} until a GPU run measures it",
     )
     g.add_argument(
         "--transformer-impl",
@@ -175,10 +284,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument(
+        "--optimizer-impl",
+        choices=["auto", "megatron", "fused"],  # diffmeg.training.fused_optim.OPTIMIZER_IMPLS
+        default="auto",
+        help="the optimizer step: megatron (megatron-core's: its Python grad norm syncs the host), fused "
+        "(torch's fused AdamW on CUDA, foreach on CPU; grad norm, clipping and the main-to-model copy on "
+        "the device without host syncs or temporaries; same weights to fp32 rounding) or auto (megatron "
+        "until a GPU run measures fused faster: docs/recipes.md)",
+    )
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None)
-    g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise"], default="delayed")
+    g.add_argument(
+        "--fp8-format",
+        choices=["e4m3", "hybrid"],
+        default=None,
+        help="FP8 linears: Transformer Engine's on its spec; torchao's on the local spec (an Ada/Hopper GPU, "
+        "with --fp8-recipe tensorwise)",
+    )
+    g.add_argument(
+        "--fp8-recipe",
+        choices=["delayed", "tensorwise"],
+        default="delayed",
+        help="FP8 scaling (Transformer Engine's recipes; torchao's FP8 on the local spec is tensorwise)",
+    )
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
@@ -190,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute the output layer and the loss over this many tokens at a time, recomputing each "
         "chunk's logits in backward: the whole [tokens, vocab] logits never exist (long context). "
         "Default: megatron-core's loss over the whole logits",
+    )
+    g.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="megatron-core's native fused cross entropy (its steps compiled, the softmax made in place of "
+        "the fp32 logits; bf16 gradients, so --bf16 only). Default: megatron-core's unfused loss",
     )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(
@@ -280,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print every resolved argument at start (always written to arguments.json beside --save)",
     )
+    for action in p._actions:
+        if action.option_strings and not action.help:
+            action.help = HELP.get(action.dest)
     return p
 
 
@@ -305,8 +443,6 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
     if ns.model is not None:
         values.update(get_preset(ns.model))
     if ns.use_checkpoint_args:
-        from diffmeg.training.checkpoint_args import checkpoint_model_args
-
         values.update(checkpoint_model_args(ns.load, ns.pretrained_checkpoint, typed=explicit))
     values.update(explicit)
     untie, tie = "untie_embeddings_and_output_weights", "tie_embeddings_and_output_weights"
@@ -327,10 +463,40 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
     return args
 
 
+POSITIVE_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "seq_length",
+    "max_position_embeddings",
+    "vocab_size",
+    "micro_batch_size",
+    "global_batch_size",
+)
+"""Sizes that must be >= 1 when given (0 or a negative one would fail deep inside model building)."""
+NON_NEGATIVE_ARGS = ("train_iters", "train_tokens", "lr", "min_lr", "lr_warmup_iters", "weight_decay")
+"""Counts and rates that may be 0 (the placeholders of weights-only imports) but never negative."""
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """One line for a size below 1 or a negative count or rate, naming the flag."""
+    for names, low in ((POSITIVE_ARGS, 1), (NON_NEGATIVE_ARGS, 0)):
+        for name in names:
+            value = getattr(args, name, None)
+            if value is None or isinstance(value, bool):
+                continue
+            if not math.isfinite(value) or value < low:
+                raise DiffmegError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
 def _derive(args: argparse.Namespace) -> None:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(args, name) is None:
             raise DiffmegError(f"--{name.replace('_', '-')} is required (or pick a preset with --model)")
+    _check_ranges(args)
     if args.kv_channels is None:
         # V1: 2h sub-heads of d share the hidden size; V2 and the baseline: h heads of d.
         v1 = args.diff_attention and args.diff_version == 1
@@ -341,8 +507,6 @@ def _derive(args: argparse.Namespace) -> None:
             )
         args.kv_channels = args.hidden_size // width
     if args.ffn_hidden_size is None:
-        from diffmeg.presets import swiglu_ffn_size
-
         args.ffn_hidden_size = swiglu_ffn_size(args.hidden_size)
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
@@ -352,15 +516,11 @@ def _derive(args: argparse.Namespace) -> None:
         args.tokenizer_type = "null" if args.mock_data else "cl100k_base"
     if args.tokenizer_type == "null" and not args.mock_data and args.vocab_size is None:
         raise DiffmegError("--tokenizer-type null needs --vocab-size (one more than the largest token id)")
-    from diffmeg.data.tokenizers import resolve_tokenizer_args
-
     resolve_tokenizer_args(args)  # HuggingFaceTokenizer: the folder loads; its fingerprint, its vocab size
     if args.vocab_size is None:
         if args.mock_data:
             args.vocab_size = 1024
         else:
-            from diffmeg.presets import PADDED_VOCAB_SIZE
-
             args.vocab_size = PADDED_VOCAB_SIZE
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size
@@ -380,8 +540,6 @@ def _derive(args: argparse.Namespace) -> None:
     if args.tokenizer_type == "null" and not args.mock_data and "builtin" in (args.data_path or []):
         raise DiffmegError("the builtin corpus is cl100k_base text: give --data-path with id datasets")
     if args.transformer_impl == "auto":
-        from diffmeg.runtime import transformer_engine_available
-
         args.transformer_impl = "transformer_engine" if transformer_engine_available() else "local"
     if args.save_interval is None:
         args.save_interval = args.train_iters
@@ -416,8 +574,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     v2 = args.diff_attention and args.diff_version == 2
     if args.diff_attention and not v2:
-        from diffmeg.parallel import cp_attention_available
-
         te_ok = cp_attention_available()
     else:  # the baseline's and V2's CP modes are megatron-core's own attention with Transformer Engine
         te_ok = args.transformer_impl == "transformer_engine"
@@ -458,10 +614,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             "other; keep one (untied is the default)"
         )
     _validate_overlap(args)
-    if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
-        raise DiffmegError(
-            "--fp8-format needs Transformer Engine on a GPU (--transformer-impl transformer_engine)"
-        )
+    _validate_fp8(args)
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise DiffmegError(
             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay horizon {args.lr_decay_iters}"
@@ -481,6 +634,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise DiffmegError("--finetune needs --load")
     if args.ckpt_step is not None and args.load is None:
         raise DiffmegError("--ckpt-step needs --load (the checkpoint directory whose iteration it names)")
+    from diffmeg.storage import check_output  # the logs' outputs, before anything is built (--save: later)
+
+    if getattr(args, "tensorboard_dir", None):
+        check_output(args.tensorboard_dir, "--tensorboard-dir", folder=True)
+    if getattr(args, "metrics_file", None):
+        check_output(args.metrics_file, "--metrics-file", folder=False)
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int, dp: int) -> None:
@@ -512,6 +671,26 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int, dp: int) -> No
             f"of PP {pp}; change --global-batch-size or --micro-batch-size"
         )
     args.virtual_pipeline_model_parallel_size = vp
+
+
+def _validate_fp8(args: argparse.Namespace) -> None:
+    """--fp8-format: Transformer Engine's on its spec; torchao's on the local spec, tensorwise, on a GPU
+    with FP8 matmuls (emulation is for tests, set on the model config)."""
+    if args.fp8_format is None or args.transformer_impl == "transformer_engine":
+        return
+    from diffmeg.fusions.torchao_fp8 import fp8_unsupported_reason
+
+    reason = fp8_unsupported_reason(emulate=False)
+    if reason is not None:
+        raise DiffmegError(
+            "--fp8-format needs Transformer Engine (--transformer-impl transformer_engine) or torchao's FP8 "
+            f"on the local spec, which cannot run here: {reason}"
+        )
+    if args.fp8_recipe != "tensorwise":
+        raise DiffmegError(
+            "--fp8-format on the local spec is torchao's FP8, which scales per tensor: "
+            "add --fp8-recipe tensorwise"
+        )
 
 
 def _validate_overlap(args: argparse.Namespace) -> None:
@@ -548,10 +727,12 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
     if "fp8_recipe" in explicit and args.fp8_format is None:
         notes.append("--fp8-recipe has no effect without --fp8-format")
     if not args.diff_attention:
-        for name in ("lambda_init", "lambda_std", "diff_attn_backend"):
+        for name in ("lambda_init", "lambda_std", "diff_attn_backend", "diff_epilogue_impl"):
             if name in explicit:
                 flag = "--" + name.replace("_", "-")
                 notes.append(f"{flag} has no effect: the Transformer baseline has no differential attention")
+    elif args.diff_version == 2 and "diff_epilogue_impl" in explicit:
+        notes.append("--diff-epilogue-impl has no effect: DIFF V2 has no head norm (its own combination)")
     if args.data_parallel_size * args.context_parallel_size == 1:
         for name in ("overlap_grad_reduce", "overlap_param_gather"):
             if explicit.get(name):

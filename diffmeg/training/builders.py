@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
-
 from megatron.core.transformer.module import Float16Module
 
-from diffmeg.model import build_model, config_from_args
+from diffmeg.model import build_model, transformer_config
 from diffmeg.training.ddp import (
     clear_schedule_hooks,
     ddp_config,
@@ -16,34 +14,32 @@ from diffmeg.training.ddp import (
 )
 from diffmeg.training.grads import finalize_diff_model_grads
 from diffmeg.training.optim import build_optimizer, build_scheduler
-from diffmeg.training.run_config import RunConfig, as_run_config
+from diffmeg.training.run_config import RunConfig
 
 
-def build_training_objects(run: RunConfig | argparse.Namespace):
+def build_training_objects(run: RunConfig):
     """(config, model chunks, optimizer, scheduler) for this rank; parallel state must be initialised.
 
     The model is a list of DDP-wrapped chunks: one, or one per virtual pipeline stage under the
-    interleaved schedule (Megatron-LM's `model` list). `run` may also be resolved flat arguments (the
-    benchmarks hold those). The TransformerConfig comes from `config_from_args`, the one mapping of flags
-    to megatron-core's config that the offline readers (conversion, single-rank models of checkpoints)
-    share with training.
+    interleaved schedule (Megatron-LM's `model` list). The TransformerConfig comes from
+    `transformer_config`, the one mapping of a run's fields to megatron-core's config that the offline
+    readers (conversion, single-rank models of checkpoints) share with training.
     """
-    run = as_run_config(run)
-    m, t = run.model, run.training
-    config = config_from_args(run.to_args())
+    model_fields, training = run.model, run.training
+    config = transformer_config(model_fields, run.parallel, training)
     chunks = []
     stages = range(run.parallel.model_chunks) if run.parallel.model_chunks > 1 else [None]  # None: no VP
     for vp_stage in stages:
         chunk = build_model(
             config,
-            vocab_size=m.vocab_size,
-            max_sequence_length=m.max_position_embeddings,
-            rotary_base=m.rotary_base,
-            use_te=m.transformer_impl == "transformer_engine",
-            seed=t.seed,
+            vocab_size=model_fields.vocab_size,
+            max_sequence_length=model_fields.max_position_embeddings,
+            rotary_base=model_fields.rotary_base,
+            use_te=model_fields.transformer_impl == "transformer_engine",
+            seed=training.seed,
             vp_stage=vp_stage,
         )
-        chunks.append(Float16Module(config, chunk) if t.bf16 or t.fp16 else chunk)
+        chunks.append(Float16Module(config, chunk) if training.bf16 or training.fp16 else chunk)
     model = wrap_model_chunks(config, ddp_config(run), chunks)
     optimizer = build_optimizer(run, model)
     scheduler = build_scheduler(run, optimizer)

@@ -19,17 +19,16 @@ from __future__ import annotations
 import math
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from diffmeg.errors import DiffmegError
 from diffmeg.training import collectives
 from diffmeg.training.logger import TrainingLogger
-
-if TYPE_CHECKING:
-    from diffmeg.training.run_config import RunConfig
+from diffmeg.training.run_config import RunConfig
 
 
 class BackgroundWrites(Protocol):
@@ -58,7 +57,8 @@ class StepOutput:
     iteration: int
     loss: torch.Tensor | None
     """This rank's mean over its micro-batches (a device scalar); None off the last pipeline stage."""
-    grad_norm: float | None
+    grad_norm: float | torch.Tensor | None
+    """A float from megatron-core's step; a 0-dim device tensor from the fused one (read it at log steps)."""
     update_ok: bool
 
 
@@ -78,6 +78,12 @@ class LogRecord:
     loss_scale: float
     lambdas: dict[str, float]
     skipped: int
+    mfu: float | None = None
+    """`tflops` over the device's dense peak (`diffmeg.training.hardware`); None where the peak is unknown
+    (a CPU, a GPU the table lacks, an fp32 run)."""
+    early: bool = False
+    """The line after the run's first iteration, before its first --log-interval: stdout only (no metrics
+    or tensorboard record), so a slow start is not minutes of silence."""
 
 
 class Callback:
@@ -115,33 +121,77 @@ class NanGuard(Callback):
 
 
 class MetricsLogger(Callback):
-    """Megatron-style stdout lines, tensorboard scalars and --metrics-file, on the logging rank."""
+    """Megatron-style stdout lines, tensorboard scalars and --metrics-file, on the logging rank.
 
-    def __init__(self, tensorboard_dir: str | None, metrics_file: str | None, enabled: bool) -> None:
+    A log that cannot be written (a full disk under --metrics-file or --tensorboard-dir) stops the run:
+    every rank saves after the next step (the ranks agree in `SignalHandler`), then the error is one line
+    saying where that checkpoint went.
+    """
+
+    def __init__(
+        self,
+        tensorboard_dir: str | None,
+        metrics_file: str | None,
+        enabled: bool,
+        save: str | None = None,
+        stop: Callable[[str], None] | None = None,
+    ) -> None:
         self.logger = TrainingLogger(tensorboard_dir, metrics_file, enabled=enabled)
+        self.save = save
+        self.stop = stop
+        self.failure: DiffmegError | None = None
+
+    def _write(self, trainer: TrainerControl, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except DiffmegError as exc:
+            self.failure = self.failure or exc
+            if self.stop is not None:
+                self.stop("a log write failed")
+
+    def on_step_end(self, trainer: TrainerControl, out: StepOutput) -> None:
+        if self.failure is not None and self.stop is None:  # no agreement wired (one rank): stop here
+            trainer.request_stop("a log write failed")
 
     def on_log(self, trainer: TrainerControl, record: LogRecord) -> None:
-        self.logger.training(**vars(record))
+        self._write(trainer, lambda: self.logger.training(**vars(record)))
 
     def on_evaluation(self, trainer: TrainerControl, iteration: int, loss: float) -> None:
-        self.logger.validation(iteration, loss)
+        self._write(trainer, lambda: self.logger.validation(iteration, loss))
 
     def on_train_end(self, trainer: TrainerControl) -> None:
-        self.logger.close()
+        try:
+            self.logger.close()
+        except DiffmegError as exc:  # the last write, at close
+            self.failure = self.failure or exc
+        if self.failure is not None:
+            saved = (
+                f"the last step is saved in {self.save}: resume with --load {self.save}"
+                if self.save
+                else "nothing saved (no --save)"
+            )
+            raise DiffmegError(f"{self.failure}; {saved}") from self.failure
 
 
 class SignalHandler(Callback):
     """SIGTERM, SIGUSR1 (Slurm's pre-timeout signal) and SIGINT (Ctrl-C): save and exit after this step.
 
     A second Ctrl-C exits at once, without saving. Installed for the training loop only: before it, Ctrl-C
-    is an ordinary KeyboardInterrupt (the entry point turns it into one line).
+    is an ordinary KeyboardInterrupt (the entry point turns it into one line). A stop that one rank
+    decides alone (`stop_soon`: a log it cannot write) goes through the same agreement, so every rank
+    saves the same step.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self.local: str | None = None
         self._previous: dict[int, object] = {}
+
+    def stop_soon(self, reason: str) -> None:
+        """Stop every rank after the next step (saving with --save), for a reason only this rank knows."""
+        self.local = self.local or reason
 
     def on_train_start(self, trainer: TrainerControl) -> None:
         for sig in self.SIGNALS:
@@ -163,8 +213,8 @@ class SignalHandler(Callback):
             )
 
     def on_step_end(self, trainer: TrainerControl, out: StepOutput) -> None:
-        if collectives.any_rank(self.received is not None):
-            reason = self.received or "a signal on another rank"
+        if collectives.any_rank(self.received is not None or self.local is not None):
+            reason = self.received or self.local or "a signal on another rank"
             trainer.request_stop(reason, interrupted=self.received == "SIGINT")
 
     def on_train_end(self, trainer: TrainerControl) -> None:
@@ -197,10 +247,18 @@ class BackgroundSaves(Callback):
 
 def default_callbacks(run: RunConfig, is_logging_rank: bool) -> list[Callback]:
     """The callbacks of a pretrain_diff.py run; the NaN guard comes before the logger (no NaN is logged)."""
+    signals = SignalHandler()
+    logging = run.logging
     callbacks = [
         NanGuard(),
-        MetricsLogger(run.logging.tensorboard_dir, run.logging.metrics_file, enabled=is_logging_rank),
-        SignalHandler(),
+        MetricsLogger(
+            logging.tensorboard_dir,
+            logging.metrics_file,
+            enabled=is_logging_rank,
+            save=run.checkpoint.save,
+            stop=signals.stop_soon,
+        ),
+        signals,
         ExitInterval(run.training.exit_interval),
     ]
     if run.checkpoint.async_save and run.checkpoint.save is not None:

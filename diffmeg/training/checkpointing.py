@@ -29,10 +29,12 @@ from diffmeg.checkpoints import (
     WEIGHTS_ONLY_KEY,
     begin_checkpoint,
     checkpoint_path,
+    damaged_checkpoint_message,
     iteration_dirs,
     load_sharded,
     read_checkpoint_args,
     read_tracker,
+    upgrade_saved_args,
 )
 from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite, run_now
 from diffmeg.errors import DiffmegError
@@ -337,7 +339,7 @@ class CheckpointManager:
                     f"--ckpt-step {cfg.ckpt_step}: {root} holds no complete checkpoint of that iteration "
                     f"(complete: {_complete_list(root)})"
                 )
-            self.load_iteration = cfg.ckpt_step
+            self.load_iteration = self._not_past_the_end(cfg.ckpt_step)
             return self.load_iteration
         if latest is None:
             if any(name.startswith("iter_") for name in os.listdir(root)):
@@ -356,12 +358,23 @@ class CheckpointManager:
                 f"{TRACKER_FILE} in {root} names iteration {latest} but {checkpoint_path(root, latest)} is "
                 f"missing; complete iterations: {_complete_list(root)}; start from one with --ckpt-step N"
             )
-        self.load_iteration = latest
+        self.load_iteration = self._not_past_the_end(latest)
         return latest
 
+    def _not_past_the_end(self, iteration: int) -> int:
+        """A checkpoint past --train-iters would load, train nothing and exit 0: one line instead."""
+        train_iters = self.run.training.train_iters
+        if iteration > train_iters and not self.config.finetune:
+            raise DiffmegError(
+                f"--load {self.config.load} is at iteration {iteration}, past --train-iters {train_iters}: "
+                f"nothing to train; raise --train-iters (or --train-tokens) above {iteration} to continue "
+                f"the run, or add --finetune to train its weights on a new schedule"
+            )
+        return iteration
+
     def source_args(self) -> tuple[str, dict] | None:
-        """(where, args.json) of the checkpoint `load` will read: --load's iteration, else the latest of
-        --pretrained-checkpoint; None when the run starts from scratch."""
+        """(where, args.json upgraded) of the checkpoint `load` will read: --load's iteration, else the latest
+        of --pretrained-checkpoint; None when the run starts from scratch."""
         pretrained = self.config.pretrained_checkpoint
         if self.load_iteration is not None:
             args, path = read_checkpoint_args(self.config.load, self.load_iteration)
@@ -369,16 +382,18 @@ class CheckpointManager:
             args, path = read_checkpoint_args(pretrained)
         else:
             return None
-        return f"checkpoint {path}", vars(args)
+        return f"checkpoint {path}", vars(upgrade_saved_args(args))
 
     def check_output_layer(self) -> None:
-        """The checkpoint the run starts from ties (or unties) its output layer as this run does: a tied
-        checkpoint has no output-layer tensor to load, an untied one's would be dropped unseen."""
+        """The checkpoint the run starts from has this run's model shape (`check_shape`) and ties (or
+        unties) its output layer as this run does: a tied checkpoint has no output-layer tensor to load,
+        an untied one's would be dropped unseen."""
         source = self.source_args()
         if source is None:
             return
         where, args = source
-        saved = bool(args.get("tie_embeddings_and_output_weights", False))  # absent: untied, as then always
+        check_shape(where, args, vars(self.run.to_args()))
+        saved = bool(args["tie_embeddings_and_output_weights"])
         if saved == self.run.model.tie_embeddings_and_output_weights:
             return
         if saved:
@@ -458,7 +473,10 @@ class CheckpointManager:
 
     def _load(self, iteration: int, model, optimizer, scheduler) -> LoadedState:
         cfg, path = self.config, checkpoint_path(self.config.load, iteration)
-        common = dist_checkpointing.load_common_state_dict(path)
+        try:
+            common = dist_checkpointing.load_common_state_dict(path)
+        except Exception as exc:  # a damaged common.pt: one line naming it, never torch's unsafe advice
+            raise DiffmegError(damaged_checkpoint_message(path, exc, "--ckpt-step")) from exc
         saved_layout = {"vp": 1, **common.get("layout", {})}  # no "vp": saved before interleaving existed
         same_model_layout = all(saved_layout.get(k) == _layout()[k] for k in ("tp", "pp", "vp"))
         # A weights-only checkpoint (an HF import) has no optimizer/scheduler/RNG state to resume.
@@ -572,6 +590,43 @@ class CheckpointManager:
             self.checkpoint_bytes = directory_bytes(path) or self.checkpoint_bytes  # measured from now on
         how = f" (written in the background in {background_s:.1f} s)" if background_s is not None else ""
         self.log(f" saved checkpoint at iteration {iteration} to {path}{how}")
+
+
+SHAPE_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "diff_attention",
+    "diff_version",
+)
+"""The arguments that set a model's tensor shapes (every iteration of a run has the same)."""
+
+
+def check_shape(where: str, saved: dict, run: dict) -> None:
+    """A checkpoint's model (its args.json, `saved`) has the run's shape, or one line naming each flag that
+    differs and the fix: another iteration of the same run cannot help, every one has that shape."""
+    defaults = {"diff_attention": True, "diff_version": 1}  # args.json files from before the flags
+    differ = []
+    for name in SHAPE_ARGS:
+        theirs, ours = saved.get(name, defaults.get(name)), run.get(name, defaults.get(name))
+        if name == "diff_version" and not (saved.get("diff_attention", True) and run.get("diff_attention")):
+            continue  # the Transformer baseline has no DIFF version
+        if theirs is None or ours is None or theirs == ours:
+            continue
+        if name == "diff_attention":
+            kind = {True: "differential attention", False: "the Transformer baseline (--no-diff-attention)"}
+            differ.append(f"{kind[bool(theirs)]} (this run: {kind[bool(ours)]})")
+        else:
+            differ.append(f"--{name.replace('_', '-')} {theirs} (this run: {ours})")
+    if differ:
+        raise DiffmegError(
+            f"{where} holds a model of another shape: {', '.join(differ)}; pass the checkpoint's values, or "
+            f"--use-checkpoint-args to take its shape from its args.json"
+        )
 
 
 def load_pretrained_weights(root: str, model: torch.nn.Module | list[torch.nn.Module]) -> int:

@@ -8,13 +8,15 @@ and resuming from `consumed_samples` continues exactly where the run stopped.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 from megatron.core import parallel_state
 
+from diffmeg.data.gpt_datasets import build_gpt_datasets, parse_data_path
+from diffmeg.data.indexed import has_loss_mask
+from diffmeg.data.loss_mask import build_loss_mask_datasets
 from diffmeg.parallel import slice_sequence_for_cp
 from diffmeg.training.run_config import RunConfig
 
@@ -42,12 +44,8 @@ class MockTokenDataset(torch.utils.data.Dataset):
         }
 
 
-def build_datasets(run: RunConfig | argparse.Namespace, tokenizer=None):
-    """(train, valid, test) datasets for the run; valid/test may be None.
-
-    `run` may also be flat arguments holding just the fields read here (tools and tests build those)."""
-    if isinstance(run, argparse.Namespace):
-        run = RunConfig.from_args(run, partial=True)
+def build_datasets(run: RunConfig, tokenizer=None):
+    """(train, valid, test) datasets for the run; valid/test may be None."""
     m, t, d, log = run.model, run.training, run.data, run.logging
     if d.mock_data:
         return (
@@ -55,9 +53,6 @@ def build_datasets(run: RunConfig | argparse.Namespace, tokenizer=None):
             MockTokenDataset(m.vocab_size, m.seq_length, t.seed + 1),
             None,
         )
-    from diffmeg.data.gpt_datasets import build_gpt_datasets, parse_data_path
-    from diffmeg.data.indexed import has_loss_mask
-    from diffmeg.data.loss_mask import build_loss_mask_datasets
 
     eval_runs = t.train_iters // log.eval_interval + 1 if log.eval_iters > 0 else 0
     num_samples = (

@@ -9,7 +9,9 @@ Per token and layer (forward, multiply-add = 2 FLOPs, causal attention counted a
   SwiGLU MLP            2 * 3 H F
 plus the logits 2 H V once per token (tied or untied output weights alike). Training = 3 x forward
 (backward is twice the forward); activation recompute is not counted (model FLOPs, as MFU is defined).
-DIFF's core is 1.5x the baseline's.
+DIFF's core is 1.5x the baseline's. `causal=False` counts the full square instead (s in place of s/2):
+Megatron-LM's published MFU convention, which a user comparing with its figures needs (higher by the
+attention core's share).
 
 DIFF V2 (h output heads, 2h query heads of d, g KV heads):
   QKV projection        2 H (2h d + 2 g d)          Q twice the baseline's
@@ -22,6 +24,9 @@ DIFF V2 (h output heads, 2h query heads of d, g KV heads):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from diffmeg.config import megatron_head_counts
+from diffmeg.training.run_config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,10 @@ def forward_flops_per_token(
     vocab_size: int,
     diff_attention: bool,
     diff_version: int = 1,
+    causal: bool = True,
 ) -> FlopsBreakdown:
-    """Forward FLOPs per token; head counts as on the command line (DIFF heads for DIFF models)."""
-    from diffmeg.config import megatron_head_counts
-
+    """Forward FLOPs per token; head counts as on the command line (DIFF heads for DIFF models).
+    `causal`: the attention core counted as half the square (ours), else the full square (Megatron-LM's)."""
     d, H = kv_channels, hidden_size
     query_heads, kv_heads = megatron_head_counts(
         num_attention_heads, num_query_groups, diff_attention, diff_version
@@ -60,7 +65,7 @@ def forward_flops_per_token(
     proj = 2 * (num_attention_heads if v2 else query_heads) * d * H
     lam = 2 * H * num_attention_heads if v2 else 0
     mlp = 2 * 3 * H * ffn_hidden_size
-    half = seq_length / 2  # causal
+    half = seq_length / 2 if causal else seq_length  # the keys a query attends to, on average
     scores = 2 * half * query_heads * d
     if diff_attention and not v2:
         context = 2 * half * num_attention_heads * 2 * (2 * d)  # two maps against V of 2d
@@ -73,18 +78,20 @@ def forward_flops_per_token(
     )
 
 
-def train_flops_per_iteration(args) -> float:
-    """Model FLOPs of one optimizer step of the run described by resolved `args`."""
+def train_flops_per_iteration(run: RunConfig, causal: bool = True) -> float:
+    """Model FLOPs of one optimizer step of the run (`causal` as in forward_flops_per_token)."""
+    m = run.model
     per_token = forward_flops_per_token(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        diff_attention=args.diff_attention,
-        diff_version=getattr(args, "diff_version", 1),
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        seq_length=m.seq_length,
+        vocab_size=m.vocab_size,
+        diff_attention=m.diff_attention,
+        diff_version=m.diff_version,
+        causal=causal,
     )
-    return 3.0 * per_token.total * args.global_batch_size * args.seq_length
+    return 3.0 * per_token.total * run.training.global_batch_size * m.seq_length

@@ -3,14 +3,22 @@ summary printed at start."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from diffmeg.training.run_config import RunConfig
+import torch
+
+from diffmeg.errors import DiffmegError
+from diffmeg.training.run_config import RunConfig
+
+
+def _device_kind() -> str:
+    """What the FLOP/s of a log line are per: a GPU, or (a run without one) a CPU process."""
+    return "GPU" if torch.cuda.is_available() else "CPU"
 
 
 def _ts() -> str:
@@ -24,9 +32,13 @@ class TrainingLogger:
         self.enabled = enabled
         self.writer = None
         self.metrics = None
+        self.metrics_file = metrics_file
+        self.tensorboard_dir = tensorboard_dir
+        self.device = _device_kind()
         if not enabled:
             return
         if tensorboard_dir:
+            # loads tensorboard (seconds): only for runs that write its scalars
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
@@ -49,19 +61,29 @@ class TrainingLogger:
         loss_scale: float,
         lambdas: dict[str, float],
         skipped: int,
+        mfu: float | None = None,
+        early: bool = False,
     ) -> None:
+        """One logged iteration; `mfu` (a fraction of the device's peak) is shown where it is known. The
+        line's ETA is the time left to `train_iters` at this line's time per iteration. An `early` line
+        (after the run's first iteration) goes to stdout only."""
         if not self.enabled:
             return
         gn = "nan" if grad_norm is None else f"{grad_norm:.3f}"
+        utilization = "" if mfu is None else f"MFU: {100 * mfu:.1f}% | "
+        eta = _duration(max(0, train_iters - iteration) * elapsed_ms / 1000)
         print(
-            f" [{_ts()}] iteration {iteration:8d}/{train_iters:8d} | "
+            f" [{_ts()}] iteration {iteration:8d}/{train_iters:8d} | ETA: {eta} | "
             f"consumed samples: {consumed_samples:12d} | "
             f"elapsed time per iteration (ms): {elapsed_ms:.1f} | "
-            f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f} | "
+            f"throughput per {self.device} (TFLOP/s/{self.device}): {tflops:.3f} | "
+            f"{utilization}"
             f"learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} | lm loss: {loss:.6E} | "
             f"loss scale: {loss_scale:.1f} | grad norm: {gn} | number of skipped iterations: {skipped:3d} |",
             flush=True,
         )
+        if early:
+            return
         if self.writer is not None:
             scalars = {
                 "lm loss": loss,
@@ -72,11 +94,17 @@ class TrainingLogger:
                 "batch-size": global_batch_size,
                 "loss-scale": loss_scale,
             }
+            if mfu is not None:
+                scalars["throughput/mfu"] = mfu
             scalars.update({f"lambda/{k}": v for k, v in lambdas.items()})
-            for name, value in scalars.items():
-                self.writer.add_scalar(name, value, iteration)
-            self.writer.add_scalar("lm loss vs samples", loss, consumed_samples)
-            self.writer.flush()
+
+            def write(writer) -> None:
+                for name, value in scalars.items():
+                    writer.add_scalar(name, value, iteration)
+                writer.add_scalar("lm loss vs samples", loss, consumed_samples)
+                writer.flush()
+
+            self._write_tensorboard(iteration, write)
         if self.metrics is not None:
             record = {
                 "iteration": iteration,
@@ -88,8 +116,39 @@ class TrainingLogger:
                 "tflops_per_gpu": tflops,
                 "lambdas": lambdas,
             }
+            if mfu is not None:
+                record["mfu"] = mfu
+            self._write_metrics(record)
+
+    def _write_metrics(self, record: dict) -> None:
+        """One JSON line, flushed; a failed write (a full disk) ends the run in one line, never silently."""
+        try:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
+        except OSError as exc:
+            metrics, self.metrics = self.metrics, None  # closed once, here: its buffer cannot be written
+            with contextlib.suppress(OSError):
+                metrics.close()
+            raise DiffmegError(
+                f"cannot write --metrics-file {self.metrics_file} at iteration {record['iteration']}: "
+                f"{exc.strerror or exc}; the run stops here (its earlier records are in that file, every "
+                f"loss in the log above): free space or choose another --metrics-file"
+            ) from exc
+
+    def _write_tensorboard(self, iteration: int, write: Callable[[object], None]) -> None:
+        """`write(writer)`, flushed; a failed write (a full disk: tensorboard's writer thread raises it at
+        the next call) ends the run in one line, as the metrics file's does."""
+        try:
+            write(self.writer)
+        except OSError as exc:
+            writer, self.writer = self.writer, None  # no further scalars: its event file cannot grow
+            with contextlib.suppress(OSError):
+                writer.close()
+            raise DiffmegError(
+                f"cannot write --tensorboard-dir {self.tensorboard_dir} at iteration {iteration}: "
+                f"{exc.strerror or exc}; the run stops here (the losses are in the log above): free space "
+                f"or choose another --tensorboard-dir"
+            ) from exc
 
     def validation(self, iteration: int, loss: float) -> None:
         if not self.enabled:
@@ -101,17 +160,37 @@ class TrainingLogger:
         )
         print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
         if self.writer is not None:
-            self.writer.add_scalar("lm loss validation", loss, iteration)
-            self.writer.flush()
+
+            def write(writer) -> None:
+                writer.add_scalar("lm loss validation", loss, iteration)
+                writer.flush()
+
+            self._write_tensorboard(iteration, write)
         if self.metrics is not None:
-            self.metrics.write(json.dumps({"iteration": iteration, "validation_lm_loss": loss}) + "\n")
-            self.metrics.flush()
+            self._write_metrics({"iteration": iteration, "validation_lm_loss": loss})
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.metrics is not None:
-            self.metrics.close()
+        """Close both logs; a last write that fails there is one line too (the metrics file first)."""
+        metrics, self.metrics = self.metrics, None
+        writer, self.writer = self.writer, None
+        failed = []
+        for flag, path, log in (
+            ("--metrics-file", self.metrics_file, metrics),
+            ("--tensorboard-dir", self.tensorboard_dir, writer),
+        ):
+            try:
+                if log is not None:
+                    log.close()
+            except OSError as exc:
+                failed.append(f"cannot write {flag} {path} at the end of the run: {exc.strerror or exc}")
+        if failed:
+            raise DiffmegError(f"{'; '.join(failed)}; free space or choose another folder for the logs")
+
+
+def _duration(seconds: float) -> str:
+    """H:MM:SS (M:SS under an hour), as the end summary's wall time."""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
 
 
 def _count(n: float) -> str:
@@ -145,3 +224,29 @@ def run_summary(run: RunConfig, num_parameters: int, arguments_file: str | None)
         f"(global batch {t.global_batch_size} x {m.seq_length}), {t.train_iters:,} iterations, {t.precision} "
         f"| data: {data} | {ranks} ({layout}) | {where}"
     )
+
+
+def end_summary(args, result: dict, seconds: float) -> str:
+    """The run's last line: iterations, tokens, final loss, wall time, and where its checkpoint and logs
+    went (or that nothing was saved), so a finished run never ends without a word."""
+    from diffmeg.checkpoints import checkpoint_path, read_tracker
+
+    wall = _duration(seconds)
+    loss = result.get("lm_loss")
+    tokens = result["consumed_samples"] * args.seq_length
+    line = (
+        f" done: {result['iteration']:,} iterations, {_count(tokens)} tokens"
+        + (f", final lm loss {loss:.4f}" if loss is not None else "")
+        + f", wall time {wall}"
+    )
+    latest = read_tracker(args.save) if args.save and os.path.isdir(args.save) else None
+    if latest is not None:
+        line += f" | last checkpoint: {checkpoint_path(args.save, latest)}"
+    else:
+        line += " | nothing saved: pass --save DIR to keep the model"
+    logs = [
+        f"{name} {path}"
+        for name, path in (("metrics", args.metrics_file), ("tensorboard", args.tensorboard_dir))
+        if path
+    ]
+    return line + (f" | {', '.join(logs)}" if logs else "")

@@ -32,10 +32,13 @@ times the plain schedule's activations once there are enough micro-batches.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass
 
 import torch
+
+from diffmeg import registry
+from diffmeg.config import megatron_head_counts
+from diffmeg.training.run_config import RunConfig
 
 GIB = 1024**3
 
@@ -62,93 +65,98 @@ class MemoryEstimate:
         return out
 
 
-def _param_bytes(args: argparse.Namespace) -> int:
-    return 2 if (args.bf16 or args.fp16) else 4
+def _param_bytes(run: RunConfig) -> int:
+    return 2 if (run.training.bf16 or run.training.fp16) else 4
 
 
-def parameters_per_rank(args: argparse.Namespace) -> int:
+def parameters_per_rank(run: RunConfig) -> int:
     """Parameters held by the largest pipeline stage of one tensor-parallel rank."""
-    from diffmeg.config import megatron_head_counts
+    model, parallel = run.model, run.parallel
 
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    d, H, F, V = args.kv_channels, args.hidden_size, args.ffn_hidden_size, args.vocab_size
-    v2 = _is_v2(args)
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    d, H, F, V = model.kv_channels, model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    v2 = _is_v2(run)
     query_heads, kv_heads = megatron_head_counts(
-        args.num_attention_heads, args.num_query_groups, args.diff_attention, 2 if v2 else 1
+        model.num_attention_heads, model.num_query_groups, model.diff_attention, 2 if v2 else 1
     )
     q_width, kv_width = query_heads * d, 2 * kv_heads * d
-    out_width = args.num_attention_heads * d if v2 else q_width  # V2 projects the h combined heads
-    lambda_proj = H * args.num_attention_heads if v2 else 0
+    out_width = model.num_attention_heads * d if v2 else q_width  # V2 projects the h combined heads
+    lambda_proj = H * model.num_attention_heads if v2 else 0
     sharded = H * (q_width + kv_width) + out_width * H + lambda_proj + 3 * H * F
-    replicated = 2 * H + (6 * d if args.diff_attention and not v2 else 0)
+    replicated = 2 * H + (6 * d if model.diff_attention and not v2 else 0)
     per_layer = sharded // tp + replicated
-    layers = args.num_layers // pp
+    layers = model.num_layers // pp
     # The last stage's output layer: its own matrix, or under tied weights megatron-core's copy of the
     # embedding (with one stage, tied weights are one matrix).
     first = layers * per_layer + V * H // tp
     last = layers * per_layer + V * H // tp + H
-    output_layers = 1 if getattr(args, "tie_embeddings_and_output_weights", False) else 2
+    output_layers = 1 if model.tie_embeddings_and_output_weights else 2
     return max(first, last) if pp > 1 else layers * per_layer + output_layers * V * H // tp + H
 
 
-def _is_v2(args: argparse.Namespace) -> bool:
-    return bool(args.diff_attention) and getattr(args, "diff_version", 1) == 2
+def _is_v2(run: RunConfig) -> bool:
+    return bool(run.model.diff_attention) and run.model.diff_version == 2
 
 
-def attention_kernel(args: argparse.Namespace, on_gpu: bool) -> str:
+def attention_kernel(run: RunConfig, on_gpu: bool) -> str:
     """What the built model's attention keeps for backward: "fused" (flash-style kernels: q, k, v, the
     output and a log-sum-exp) or "maps" (both probability maps, the math path).
 
     The Transformer baseline and DIFF V2 always run fused attention (the local spec's SDPA core, or TE's);
-    DIFF V1 follows its backend (diffmeg.kernels): triton and flash are fused, sdpa is fused on a GPU
-    (split-V flash calls) but the math path on a CPU (V twice as wide as q), reference keeps the maps.
+    DIFF V1 follows its backend (diffmeg.kernels): triton and flash are fused, sdpa (each path) and flex
+    are fused on a GPU (flash, cuDNN, memory-efficient or compiled kernels) but the math path on a CPU
+    (V twice as wide as q), reference keeps the maps.
     """
-    if not args.diff_attention or _is_v2(args):
+    model = run.model
+    if not model.diff_attention or _is_v2(run):
         return "fused"
-    backend = "sdpa" if args.diff_attn_backend == "auto" else args.diff_attn_backend
-    if backend in ("triton", "flash", "te") or (backend == "sdpa" and on_gpu):
+    backend = model.diff_attn_backend
+    if backend == registry.AUTO:
+        backend = registry.resolve("diff_attention")
+    if backend in ("triton", "flash", "te") or (on_gpu and (backend.startswith("sdpa") or backend == "flex")):
         return "fused"
     return "maps"
 
 
-def activation_bytes_per_microbatch(args: argparse.Namespace, on_gpu: bool) -> float:
+def activation_bytes_per_microbatch(run: RunConfig, on_gpu: bool) -> float:
     """Bytes autograd keeps for one micro-batch on one rank (all layers of the stage)."""
-    return _activations(args, on_gpu)[0]
+    return _activations(run, on_gpu)[0]
 
 
-def _activations(args: argparse.Namespace, on_gpu: bool) -> tuple[float, float]:
+def _activations(run: RunConfig, on_gpu: bool) -> tuple[float, float]:
     """(bytes kept for one micro-batch, bytes of one layer's activations per micro-batch)."""
-    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    b_act = _param_bytes(args)
-    tokens = args.micro_batch_size * args.seq_length / cp
-    d, H, F = args.kv_channels, args.hidden_size, args.ffn_hidden_size
-    v2 = _is_v2(args)
-    sub = 2 if args.diff_attention else 1
-    heads = args.num_attention_heads  # DIFF heads, or baseline heads
+    model, parallel, training = run.model, run.parallel, run.training
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
+    b_act = _param_bytes(run)
+    tokens = training.micro_batch_size * model.seq_length / cp
+    d, H, F = model.kv_channels, model.hidden_size, model.ffn_hidden_size
+    v2 = _is_v2(run)
+    sub = 2 if model.diff_attention else 1
+    heads = model.num_attention_heads  # DIFF heads, or baseline heads
     q = sub * heads * d / tp  # V1: 2h sub-heads; V2: 2h query heads; baseline: h heads
-    k = (1 if v2 else sub) * args.num_query_groups * d / tp
+    k = (1 if v2 else sub) * model.num_query_groups * d / tp
     # V2 beside its core: sigmoid(lambda) in fp32, the combined heads (projection input), and the fp32 copy
     # of the core output kept by the combination when the core runs in bf16/fp16.
     v2_extra = (4 * heads / tp + b_act * heads * d / tp + (4 * q if b_act != 4 else 0)) if v2 else 0.0
-    te = args.transformer_impl == "transformer_engine"
+    te = model.transformer_impl == "transformer_engine"
     # Norm blocks: TE fuses the norm into the next linear (keeps input and normalised input); ours keeps
     # x, the fp32 normalised tensor and the output (fp32 internals cost 4 bytes under bf16 too).
     norm = 2 * b_act * H if te else (4 + 4 + b_act) * H if b_act == 2 else 12 * H
-    if args.sequence_parallel:
+    if parallel.sequence_parallel:
         norm /= tp
-    fused_attention = attention_kernel(args, on_gpu) == "fused"
-    if args.recompute_granularity == "selective":
+    fused_attention = attention_kernel(run, on_gpu) == "fused"
+    if training.recompute_granularity == "selective":
         # The checkpoint keeps its inputs: post-RoPE q and k, and v, a view that keeps the whole fused
         # QKV output (q + 2k wide) alive; plus the projection input.
         attn = b_act * (2 * q + 3 * k + q) + v2_extra
     elif v2:
         attn = b_act * (3 * q + 3 * k) + 4 * 2 * heads / tp + v2_extra
-    elif args.diff_attention and fused_attention:
+    elif model.diff_attention and fused_attention:
         # q, k, v, o1, o2 and the projection input in the activation dtype; head-norm input and
         # normalised tensor in fp32.
         attn = b_act * (q + k + k + 2 * q + q) + 8 * q
-    elif args.diff_attention:
-        per_head_scores = 2 * (heads / tp / cp) * args.seq_length * cp  # two maps, full sequence
+    elif model.diff_attention:
+        per_head_scores = 2 * (heads / tp / cp) * model.seq_length * cp  # two maps, full sequence
         attn = 4 * (7 * q) + 4 * per_head_scores  # the math path runs in fp32
     else:
         # SDPACoreAttention (the local spec) or TE's fused attention: post-RoPE q and k, the fused QKV
@@ -156,35 +164,36 @@ def _activations(args: argparse.Namespace, on_gpu: bool) -> tuple[float, float]:
         # projection input is the norms' share, as for DIFF).
         attn = b_act * (3 * q + 3 * k) + 4 * heads / tp
     mlp = (3 if on_gpu else 5) * b_act * F / tp  # fused SwiGLU on a GPU (bias_activation_fusion)
-    rope = 2 * 2 * 4 * d * cp / args.micro_batch_size  # fp32 cos/sin for q and k, per sequence
+    rope = 2 * 2 * 4 * d * cp / training.micro_batch_size  # fp32 cos/sin for q and k, per sequence
     per_layer_per_token = 2 * norm + attn + mlp + rope
-    layers = args.num_layers // args.pipeline_model_parallel_size
-    if args.recompute_granularity == "full":
+    layers = model.num_layers // parallel.pipeline_model_parallel_size
+    if training.recompute_granularity == "full":
         # Only each layer's input is kept; one layer's activations exist again while it is recomputed
         # in backward, after the loss's logits are gone (counted with the loss peak, not here).
-        stored = layers * b_act * H * (1 / tp if args.sequence_parallel else 1) * tokens
+        stored = layers * b_act * H * (1 / tp if parallel.sequence_parallel else 1) * tokens
     else:
         stored = layers * per_layer_per_token * tokens
     stored += (b_act * H + 2 * norm) * tokens  # embedding output, final norm, output-layer input
     return stored, per_layer_per_token * tokens
 
 
-def loss_peak_bytes(args: argparse.Namespace, chunk_size: int | None) -> float:
+def loss_peak_bytes(run: RunConfig, chunk_size: int | None) -> float:
     """Bytes the loss of one micro-batch adds at its peak on the last stage (`chunk_size` None: the whole
-    logits, megatron-core's loss; else `diffmeg.cross_entropy` over that many tokens at a time)."""
-    b_act = _param_bytes(args)
-    tokens = args.micro_batch_size * args.seq_length / args.context_parallel_size
-    vocab = args.vocab_size / args.tensor_model_parallel_size
+    logits, megatron-core's loss; else `diffmeg.fusions.cross_entropy` over that many tokens at a time)."""
+    model, parallel, training = run.model, run.parallel, run.training
+    b_act = _param_bytes(run)
+    tokens = training.micro_batch_size * model.seq_length / parallel.context_parallel_size
+    vocab = model.vocab_size / parallel.tensor_model_parallel_size
     if not chunk_size:
         return tokens * vocab * (b_act + 4 + 4)  # logits, fp32 softmax, its gradient
-    chunk, weight = min(chunk_size, tokens) * vocab, vocab * args.hidden_size  # elements
+    chunk, weight = min(chunk_size, tokens) * vocab, vocab * model.hidden_size  # elements
     if b_act == 4:  # fp32 logits are the softmax and the gradient; the weight's gradient is summed in place
         loss = 4 * chunk + 4 * weight
     else:  # the fp32 copy of a chunk's logits (softmax, gradient) next to the logits, then the gradient
         # in the model dtype and its product with the input next to the weight's fp32 gradient sum
         loss = max((b_act + 4) * chunk + 4 * weight, b_act * chunk + (4 + b_act) * weight)
-    gathered = args.sequence_parallel and args.tensor_model_parallel_size > 1
-    hidden = tokens * args.hidden_size * b_act * (2 if gathered else 1)  # (gathered input,) its gradient
+    gathered = parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1
+    hidden = tokens * model.hidden_size * b_act * (2 if gathered else 1)  # (gathered input,) its gradient
     return loss + hidden + 3 * 4 * tokens  # + the fp32 loss, max and sum per token
 
 
@@ -197,23 +206,24 @@ def in_flight_microbatches(pp: int, chunks: int, num_micro: int) -> float:
     return min(2 * (pp - 1) + (chunks - 1) * pp + 1, chunks * num_micro) / chunks
 
 
-def estimate_memory(args: argparse.Namespace, on_gpu: bool | None = None) -> MemoryEstimate:
-    """The plan for the busiest rank of the run described by resolved `args`."""
+def estimate_memory(run: RunConfig, on_gpu: bool | None = None) -> MemoryEstimate:
+    """The plan for the busiest rank of the run."""
+    parallel, training = run.parallel, run.training
     if on_gpu is None:
         on_gpu = torch.cuda.is_available()
-    params = parameters_per_rank(args)
-    weights = params * _param_bytes(args)
+    params = parameters_per_rank(run)
+    weights = params * _param_bytes(run)
     gradients = params * 4  # DDP reduces gradients in an fp32 buffer
-    master = 4 if (args.bf16 or args.fp16) else 0  # fp32 main params next to bf16/fp16 weights
+    master = 4 if (training.bf16 or training.fp16) else 0  # fp32 main params next to bf16/fp16 weights
     optimizer = params * (8 + master)  # Adam's two moments in fp32
-    if args.use_distributed_optimizer:
-        optimizer /= args.data_parallel_size * args.context_parallel_size
-    num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    in_flight = in_flight_microbatches(args.pipeline_model_parallel_size, chunks, num_micro)
-    stored, one_layer = _activations(args, on_gpu)
+    if parallel.use_distributed_optimizer:
+        optimizer /= parallel.data_parallel_size * parallel.context_parallel_size
+    num_micro = run.num_microbatches
+    chunks = parallel.model_chunks
+    in_flight = in_flight_microbatches(parallel.pipeline_model_parallel_size, chunks, num_micro)
+    stored, one_layer = _activations(run, on_gpu)
     activations = in_flight * stored
-    loss_peak = loss_peak_bytes(args, getattr(args, "cross_entropy_chunk_size", None))
-    if args.recompute_granularity == "full":
+    loss_peak = loss_peak_bytes(run, training.cross_entropy_chunk_size)
+    if training.recompute_granularity == "full":
         loss_peak = max(loss_peak, one_layer)  # the recomputed layer lives only after the loss
     return MemoryEstimate(params, weights, gradients, optimizer, activations, loss_peak)

@@ -6,11 +6,14 @@ import torch
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from diffmeg.training.fused_optim import apply_fused_step, megatron_has_fused_adam, resolve_optimizer_impl
 from diffmeg.training.run_config import RunConfig
 
 
 def build_optimizer(run: RunConfig, model: list[torch.nn.Module]) -> MegatronOptimizer:
-    """AdamW with fp32 main params; weight decay skips 1-D params (norms, lambda vectors) as in Megatron."""
+    """AdamW with fp32 main params; weight decay skips 1-D params (norms, lambda vectors) as in Megatron.
+    `--optimizer-impl` fused (or auto on CUDA): the same optimizer with the fused step of
+    diffmeg.training.fused_optim."""
     o, t = run.optim, run.training
     config = OptimizerConfig(
         optimizer="adam",
@@ -28,7 +31,16 @@ def build_optimizer(run: RunConfig, model: list[torch.nn.Module]) -> MegatronOpt
         overlap_param_gather=run.parallel.overlap_param_gather,  # Megatron-LM passes it on as well
         # megatron-core's gloo side groups would double the process groups on CPU; not needed here.
     )
-    return get_megatron_optimizer(config, model, use_gloo_process_groups=False)
+    optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=False)
+    if optimizer_impl(run) == "fused":
+        apply_fused_step(optimizer)
+    return optimizer
+
+
+def optimizer_impl(run: RunConfig) -> str:
+    """The optimizer step this run takes on this machine: "megatron" or "fused"."""
+    cuda = torch.cuda.is_available()
+    return resolve_optimizer_impl(run.optim.optimizer_impl, cuda, megatron_has_fused_adam())
 
 
 def build_scheduler(run: RunConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:

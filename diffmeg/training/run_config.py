@@ -5,9 +5,11 @@
 the builders) reads typed groups: `run.model.hidden_size`, `run.optim.lr`, `run.checkpoint.save`.
 
 Every field is named as its flag (`--hidden-size` -> `hidden_size`), so `to_args()` gives the flat form
-back exactly: checkpoints keep writing the flat `args.json` that old checkpoints and the offline tools
-(conversion, the memory and FLOPs estimates) read. Flags no group knows (`--dry-run` and its options, or
-a flag added before a group names it) travel in `extra`, so nothing resolved is ever dropped.
+back exactly: it is used only to write `args.json` (and the run directory's arguments.json), which old
+checkpoints and the offline tools (conversion, evaluation) read; below the entry point the model config
+(`diffmeg.model.transformer_config`), the FLOPs and memory estimates, the data and the dry run read the
+typed groups. Flags no group knows (`--dry-run` and its options, or a flag added before a group names it)
+travel in `extra`, so nothing resolved is ever dropped.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ class ModelConfig:
     lambda_init: str = "exp"
     lambda_std: float = 0.1
     diff_attn_backend: str = "auto"
+    norm_impl: str = "auto"
+    """The RMSNorm implementation (the registry's `norm` slot; auto: the spec's own)."""
+    rope_impl: str = "auto"
+    """The RoPE implementation (the registry's `rope` slot; auto: megatron-core's)."""
+    diff_epilogue_impl: str = "auto"
+    """DIFF V1's epilogue implementation (the registry's `diff_epilogue` slot; auto: eager)."""
     transformer_impl: str = "local"
     tie_embeddings_and_output_weights: bool = False
     """One matrix for the word embedding and the output layer (False, the default and what an args.json
@@ -127,7 +135,11 @@ class TrainingConfig:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     cross_entropy_chunk_size: int | None = None
-    """Tokens per chunk of the output layer + loss (`diffmeg.cross_entropy`); None: the whole logits."""
+    """Tokens per chunk of the output layer + loss (`diffmeg.fusions.cross_entropy`); None: whole logits."""
+    cross_entropy_loss_fusion: bool = False
+    """megatron-core's native fused cross entropy (the registry's `loss` entry `fused`; bf16 runs)."""
+    deterministic_mode: bool = False
+    """Deterministic kernels: megatron-core's own choices read it from the model config."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -153,6 +165,10 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     override_opt_param_scheduler: bool = False
+    optimizer_impl: str = "auto"
+    """The optimizer step: "megatron" (megatron-core's, as built), "fused" (torch's fused AdamW on CUDA,
+    foreach elsewhere; grad norm, clip and copies without host syncs: diffmeg.training.fused_optim) or
+    "auto" (fused on CUDA unless megatron-core has TE's or apex's fused Adam, else megatron)."""
 
 
 @dataclass(kw_only=True)
@@ -282,8 +298,3 @@ class RunConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.training.global_batch_size * self.model.seq_length
-
-
-def as_run_config(run: RunConfig | argparse.Namespace) -> RunConfig:
-    """A `RunConfig`, from itself or from resolved flat arguments (benchmarks and tools hold those)."""
-    return run if isinstance(run, RunConfig) else RunConfig.from_args(run)

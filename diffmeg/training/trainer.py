@@ -20,12 +20,20 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from diffmeg.compat import model_parallel_manual_seed
+from diffmeg.data.tokenizers import (
+    NULL,
+    TokenizerRecord,
+    build_tokenizer,
+    check_checkpoint,
+    record_of,
+)
 from diffmeg.errors import DiffmegError
 from diffmeg.model import lambda_parameters
 from diffmeg.training import collectives, ddp
@@ -36,8 +44,30 @@ from diffmeg.training.checkpointing import ARGUMENTS_FILE, CheckpointManager, mo
 from diffmeg.training.data import build_datasets, microbatches, to_device
 from diffmeg.training.distributed import initialize_distributed
 from diffmeg.training.flops import train_flops_per_iteration
+from diffmeg.training.hardware import model_flops_utilization, peak_tflops
 from diffmeg.training.logger import run_summary
+from diffmeg.training.memory import estimate_memory
 from diffmeg.training.run_config import RunConfig
+
+
+class ModelParallelSizes(NamedTuple):
+    """megatron-core's model-parallel layout: the run's, or the one a process has set up already."""
+
+    tensor: int
+    pipeline: int
+    context: int
+    virtual_pipeline: int | None
+    """Model chunks per pipeline rank of the interleaved schedule (None: no interleaving)."""
+
+    @classmethod
+    def set_up(cls) -> ModelParallelSizes:
+        """The layout megatron-core's parallel state holds now."""
+        return cls(
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        )
 
 
 @dataclass
@@ -85,33 +115,30 @@ class Trainer:
 
     def __init__(self, run: RunConfig, callbacks: Sequence[Callback] | None = None) -> None:
         self.run = run
-        p, t = run.parallel, run.training
-        self.rank, self.world = initialize_distributed(p.distributed_backend, p.distributed_timeout_minutes)
-        if self.world != p.world_size:
+        parallel = run.parallel
+        self.rank, self.world = initialize_distributed(
+            parallel.distributed_backend, parallel.distributed_timeout_minutes
+        )
+        if self.world != parallel.world_size:
             raise DiffmegError(f"world size {self.world} does not match the layout validated from WORLD_SIZE")
-        sizes = (
-            p.tensor_model_parallel_size,
-            p.pipeline_model_parallel_size,
-            p.context_parallel_size,
-            p.virtual_pipeline_model_parallel_size,
+        sizes = ModelParallelSizes(
+            tensor=parallel.tensor_model_parallel_size,
+            pipeline=parallel.pipeline_model_parallel_size,
+            context=parallel.context_parallel_size,
+            virtual_pipeline=parallel.virtual_pipeline_model_parallel_size,
         )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=sizes[0],
-                pipeline_model_parallel_size=sizes[1],
-                context_parallel_size=sizes[2],
-                virtual_pipeline_model_parallel_size=sizes[3],
+                tensor_model_parallel_size=sizes.tensor,
+                pipeline_model_parallel_size=sizes.pipeline,
+                context_parallel_size=sizes.context,
+                virtual_pipeline_model_parallel_size=sizes.virtual_pipeline,
             )
-        elif sizes != (  # a process that already set up megatron-core (tests) must match the run
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_context_parallel_world_size(),
-            parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        ):
+        elif sizes != ModelParallelSizes.set_up():  # a process that already set up megatron-core (tests)
             raise DiffmegError(
-                f"megatron-core's parallel state is set up for another layout than TP/PP/CP/VP {sizes}"
+                f"megatron-core's parallel state is set up for another layout than TP/PP/CP/VP {tuple(sizes)}"
             )
-        model_parallel_manual_seed(t.seed)
+        model_parallel_manual_seed(run.training.seed)
         self.checkpoints = CheckpointManager(run, log=self.log)
         self.checkpoints.resolve()  # every bad --load / --ckpt-step fails here, before anything is built
         self.checkpoints.check_save_target()
@@ -135,7 +162,10 @@ class Trainer:
         self.callbacks = (
             list(callbacks) if callbacks is not None else default_callbacks(run, self.is_logging_rank)
         )
-        self.flops_per_iteration = train_flops_per_iteration(run.to_args())
+        self.flops_per_iteration = train_flops_per_iteration(run)
+        training = run.training  # the matmuls' precision picks MFU's peak
+        precision = "fp8" if training.fp8_format else training.precision
+        self.peak_tflops = peak_tflops(self.device, precision)  # None on a CPU: the log shows no MFU
         self.stop_reason: str | None = None
         self.interrupted = False
         self.last_loss = math.nan
@@ -152,31 +182,23 @@ class Trainer:
     def _tokenizer(self):
         """The run's tokenizer (None with mock data), after checking that the checkpoint it starts from
         was trained on the same vocabulary (the datasets are checked when they are built)."""
-        from diffmeg.data.tokenizers import (
-            NULL,
-            TokenizerRecord,
-            build_tokenizer,
-            check_checkpoint,
-            record_of,
-        )
-
-        d, m = self.run.data, self.run.model
+        data, vocab_size = self.run.data, self.run.model.vocab_size
         tokenizer = None
-        if not d.mock_data:
+        if not data.mock_data:
             tokenizer = build_tokenizer(
-                d.tokenizer_type,
-                tokenizer_file=d.tokenizer_file,
-                tokenizer_model=d.tokenizer_model,
-                vocab_size=m.vocab_size,
+                data.tokenizer_type,
+                tokenizer_file=data.tokenizer_file,
+                tokenizer_model=data.tokenizer_model,
+                vocab_size=vocab_size,
             )
         source = self.checkpoints.source_args()
         if source is not None:  # first: a checkpoint of another tokenizer is the mistake to name
             where, args = source
-            run = record_of(tokenizer) if tokenizer is not None else TokenizerRecord(NULL)
-            check_checkpoint(args, run, where)
-        if tokenizer is not None and tokenizer.vocab_size > m.vocab_size:
+            record = record_of(tokenizer) if tokenizer is not None else TokenizerRecord(NULL)
+            check_checkpoint(args, record, where)
+        if tokenizer is not None and tokenizer.vocab_size > vocab_size:
             raise DiffmegError(
-                f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
+                f"--vocab-size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )
         return tokenizer
 
@@ -227,14 +249,14 @@ class Trainer:
 
     def _forward_backward(self, batches: Iterator, forward_only: bool) -> torch.Tensor | None:
         """This rank's mean loss over the micro-batches (last stage; a device scalar), else None."""
-        t = self.run.training
+        training = self.run.training
         losses = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=batches,
             model=self.model,
             num_microbatches=self.run.num_microbatches,
             seq_length=self.run.model.seq_length,
-            micro_batch_size=t.micro_batch_size,
+            micro_batch_size=training.micro_batch_size,
             forward_only=forward_only,
         )
         if parallel_state.is_pipeline_last_stage():
@@ -244,11 +266,15 @@ class Trainer:
     def _batches(self, dataset, start: int) -> Iterator[dict[str, torch.Tensor]] | list[Iterator]:
         """This rank's micro-batches of the global batch at `start`; under the interleaved schedule one
         iterator per model chunk (each chunk's forward step reads every micro-batch once)."""
-        t = self.run.training
+        training = self.run.training
 
         def one() -> Iterator[dict[str, torch.Tensor]]:
             return microbatches(
-                dataset, start, t.global_batch_size, t.micro_batch_size, pin_memory=self.device.type == "cuda"
+                dataset,
+                start,
+                training.global_batch_size,
+                training.micro_batch_size,
+                pin_memory=self.device.type == "cuda",
             )
 
         return [one() for _ in self.model] if len(self.model) > 1 else one()
@@ -270,13 +296,15 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean validation loss over `--eval-iters` global batches (deterministic: always the first ones)."""
-        n, batch = self.run.logging.eval_iters, self.run.training.global_batch_size
+        iters, batch = self.run.logging.eval_iters, self.run.training.global_batch_size
         self._set_training(False)
         with torch.no_grad(), ddp.params_gathered(self.model):  # full weights, no param-gather hooks
-            losses = [self._forward_backward(self._batches(self.valid_ds, i * batch), True) for i in range(n)]
+            losses = [
+                self._forward_backward(self._batches(self.valid_ds, i * batch), True) for i in range(iters)
+            ]
         self._set_training(True)
         values, _ = self._to_host(losses)
-        return sum(values) / max(1, n)
+        return sum(values) / max(1, iters)
 
     def _set_training(self, mode: bool) -> None:
         for chunk in self.model:
@@ -317,9 +345,22 @@ class Trainer:
         for callback in self.callbacks:
             getattr(callback, hook)(self, *args)
 
-    def _flush(self, log_step: bool) -> list[float]:
+    def _end(self) -> None:
+        """Every callback's `on_train_end`, even after one raised (signal handlers restored, the background
+        writer stopped); then the first error (e.g. a log write that failed) is raised."""
+        errors = []
+        for callback in self.callbacks:
+            try:
+                callback.on_train_end(self)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _flush(self, log_step: bool) -> float | None:
         """Bring the pending losses to the host (the callbacks' `on_losses`, e.g. the NaN guard, see them);
-        at a logging step also the loss scale and lambdas, which it returns."""
+        at a logging step also the lambdas (kept for the log record) and the loss scale, which it returns
+        (None at other steps)."""
         extras, lambdas = [], {}
         if log_step:
             ddp.finish_param_gather(self.model)  # the step's updated lambdas, not this rank's stale copy
@@ -332,14 +373,39 @@ class Trainer:
         if values:
             self.last_loss = values[-1]
         self._call("on_losses", losses)
-        self._lambdas = dict(zip(lambdas, extra_values[1:], strict=True))
-        return extra_values
+        loss_scale, *lambda_values = extra_values if log_step else [None]
+        self._lambdas = dict(zip(lambdas, lambda_values, strict=True))
+        return loss_scale
+
+    def _log(self, out: StepOutput, loss_scale: float, seconds: float, iterations: int, early: bool) -> None:
+        """The callbacks' `on_log` for `out`'s iteration, timed over the `iterations` since the last one."""
+        run, state = self.run, self.state
+        elapsed = seconds / iterations
+        tflops = self.flops_per_iteration / elapsed / self.world / 1e12
+        record = LogRecord(
+            iteration=out.iteration,
+            train_iters=run.training.train_iters,
+            consumed_samples=state.consumed_samples,
+            elapsed_ms=elapsed * 1000,
+            tflops=tflops,
+            lr=self.optimizer.param_groups[0]["lr"],
+            global_batch_size=run.training.global_batch_size,
+            loss=self.last_loss,
+            grad_norm=None if out.grad_norm is None else float(out.grad_norm),
+            loss_scale=loss_scale,
+            lambdas=self._lambdas,
+            skipped=state.skipped_iterations,
+            mfu=model_flops_utilization(tflops, self.peak_tflops),
+            early=early,
+        )
+        self._call("on_log", record)
 
     def train(self) -> dict:
         """Train to --train-iters (or until a callback stops the run). Returns a summary for callers."""
         run, state = self.run, self.state
         train_iters, log_interval = run.training.train_iters, run.logging.log_interval
         window_start, window_iters = time.perf_counter(), 0
+        first = state.iteration + 1  # this run's first iteration (a resume's too) gets an early line
         self._set_training(True)
         self._call("on_train_start")
         try:
@@ -352,25 +418,11 @@ class Trainer:
                 final = it == train_iters
                 save = self.checkpoints.due(it, final or stopping)
                 log_step = it % log_interval == 0 or final
-                if log_step or save or stopping:
-                    extra = self._flush(log_step)
-                    if log_step:
-                        elapsed = (time.perf_counter() - window_start) / window_iters
-                        record = LogRecord(
-                            iteration=it,
-                            train_iters=train_iters,
-                            consumed_samples=state.consumed_samples,
-                            elapsed_ms=elapsed * 1000,
-                            tflops=self.flops_per_iteration / elapsed / self.world / 1e12,
-                            lr=self.optimizer.param_groups[0]["lr"],
-                            global_batch_size=run.training.global_batch_size,
-                            loss=self.last_loss,
-                            grad_norm=out.grad_norm,
-                            loss_scale=extra[0],
-                            lambdas=self._lambdas,
-                            skipped=state.skipped_iterations,
-                        )
-                        self._call("on_log", record)
+                early = it == first and not log_step
+                if log_step or early or save or stopping:
+                    loss_scale = self._flush(log_step or early)
+                    if log_step or early:
+                        self._log(out, loss_scale, time.perf_counter() - window_start, window_iters, early)
                         window_start, window_iters = time.perf_counter(), 0
                 if (
                     self.valid_ds is not None
@@ -389,7 +441,7 @@ class Trainer:
             self.checkpoints.wait()  # an --async-save checkpoint still being written
             ddp.finish_param_gather(self.model)  # a caller of train() reads the final weights
         finally:
-            self._call("on_train_end")
+            self._end()
         memory = self._memory_report()
         if self.is_logging_rank:
             print(
@@ -408,9 +460,7 @@ class Trainer:
 
     def _memory_report(self) -> dict:
         """Measured peak vs `diffmeg.training.memory` estimate (GPU: allocator peak; CPU: RSS growth)."""
-        from diffmeg.training.memory import estimate_memory
-
-        estimate = estimate_memory(self.run.to_args())
+        estimate = estimate_memory(self.run)
         if torch.cuda.is_available():
             measured, what = torch.cuda.max_memory_allocated(), "GPU max allocated"
         else:

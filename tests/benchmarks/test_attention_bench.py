@@ -139,3 +139,30 @@ def test_diff_v2_rows_appear_once_v2_exists(monkeypatch):
     )
     assert [r["impl"] for r in rows] == [bench.BASELINE, "diff2"] and rows[1]["error"] is None
     assert calls[0] == ((1, 8, 32, 8), (1, 2, 32, 8), (1, 4, 32))  # 2H = 8 query heads over the baseline's KV
+
+
+def test_a_timing_pair_brackets_back_to_back_calls():
+    """Issue 30, item 9: a 0.3 ms call timed alone includes its dispatch; on a GPU a pair holds >= 20."""
+    calls = []
+    seconds = bench.time_it(lambda: calls.append(1), "cpu", warmup=2, iters=3, calls=5)
+    assert len(calls) == 2 + 3 * 5 and seconds >= 0
+    calls.clear()
+    bench.time_it(lambda: calls.append(1), "cpu", warmup=0, iters=3)
+    assert len(calls) == 3  # a CPU call runs synchronously: one per pair unless asked
+    assert bench.BACK_TO_BACK_CALLS >= 20
+
+
+def test_rows_record_the_sdpa_backend_chosen_per_shape(monkeypatch):
+    from benchmarks.step_profile import SDPA_OPS
+
+    monkeypatch.setattr(bench, "v2_attention_fn", lambda: None)
+    rows = bench.run_rows(
+        [32], heads=2, kv_heads=1, head_dim=8, dtype=torch.float32, device="cpu", warmup=0, iters=1,
+        backends={bench.SDPA_TWO_CALL: bench.make_backends(False, "cpu")[bench.SDPA_TWO_CALL]},
+    )  # fmt: skip
+    assert [r["impl"] for r in rows] == [bench.BASELINE, bench.SDPA_TWO_CALL]
+    for row in rows:
+        assert row["sdpa"], row  # both attend through SDPA: what it chose is on the row
+        assert {c["backend"] for c in row["sdpa"]} <= set(SDPA_OPS.values())
+        assert all(c["q_shape"][2] == 32 for c in row["sdpa"])
+    assert len(rows[1]["sdpa"]) >= 1 and sum(c["calls"] for c in rows[1]["sdpa"]) == 2  # two calls

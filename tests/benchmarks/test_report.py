@@ -84,3 +84,35 @@ def test_the_repository_doc_matches_its_results_files():
     if not report.DOC.is_file():
         pytest.skip("docs/benchmarks.md missing")
     assert report.main(["--check"]) == 0
+
+
+def test_the_lever_table_shows_each_gain_from_a_results_file():
+    """Rendered from any results file's `levers` (here a CPU smoke's; GPU files fill the doc)."""
+    r = cpu_smoke_result()
+    base = ["--diff-attn-backend", "sdpa"]
+    fused = {"lever": "fused optimizer", "model": "diff-tiny", "seq": 64, "note": "", "error": None}
+    fused.update(on=[*base, "--optimizer-impl", "fused"], off=[*base, "--optimizer-impl", "megatron"])
+    fused.update(off_tokens_per_s=100.0, on_tokens_per_s=125.0, gain=1.25)
+    chunked = {"lever": "chunked loss", "model": "diff-tiny", "seq": 64, "note": "a memory option"}
+    chunked.update(on=[*base, "--cross-entropy-chunk-size", "16"], off=base, error="skipped: time budget")
+    chunked.update(off_tokens_per_s=100.0, on_tokens_per_s=None, gain=None)
+    r["levers"] = [fused, chunked]
+    assert report.schema.validate(r) == []
+    text = "\n".join(report.levers_table("campaign-cpu-1.json", r))
+    assert "| fused optimizer | diff-tiny | 64 | 100 | 125 | 1.250x | `--optimizer-impl` `fused` |" in text
+    assert "| `--optimizer-impl` `megatron` |" in text
+    assert "| `--cross-entropy-chunk-size` `16` | – | a memory option | skipped: time budget |" in text
+    assert report.levers_table("x.json", cpu_smoke_result()) == []  # files before the matrix: no table
+    gpu = gpu_result()
+    gpu["levers"] = r["levers"]
+    assert "| fused optimizer | diff-tiny | 64 | 100 | 125 | 1.250x" in report.render([("g.json", gpu)])
+
+
+def test_mfu_in_the_full_square_convention_from_the_row_or_the_flop_model():
+    row = {"model": "transformer-3b", "seq": 4096, "layers": 8, "mfu": 0.304}
+    derived = report.mfu_full_square(row)
+    assert 0.304 < derived < 0.304 * 1.2  # the core is a minor share of a 3B's FLOPs at 4K
+    assert report.mfu_full_square({**row, "mfu_full_square": 0.33}) == 0.33  # the row's own wins
+    assert report.mfu_full_square({**row, "mfu": None}) is None
+    text = report.render([("g.json", gpu_result())])
+    assert "full square (Megatron-LM's convention)" in text

@@ -51,3 +51,21 @@ def test_a_matmul_step_on_the_cpu_is_mostly_matmul():
     s = step_profile.profile_step(step, "cpu")
     assert s["total_ms"] > 0 and s["share"]["matmul"] > 0.5, s
     assert step_profile.kind_of(s["top"][0][0]) == "matmul"
+
+
+def test_the_profile_records_busy_time_and_the_sdpa_backend_per_shape():
+    q = torch.randn(1, 2, 16, 8)
+
+    def step():
+        for _ in range(3):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        (q.flatten(0, 2) @ q.flatten(0, 2).T).sum()
+
+    s = step_profile.profile_step(step, "cpu")
+    assert 0 < s["busy"] <= 1.5 and s["busy_basis"].startswith("cpu"), s
+    chosen = {r["backend"]: r for r in s["sdpa"]}
+    assert set(chosen) <= set(step_profile.SDPA_OPS.values()) and chosen, s["sdpa"]
+    (row,) = s["sdpa"]
+    assert row["q_shape"] == [1, 2, 16, 8] and row["calls"] == 3
+    assert s["cudnn"] is None or isinstance(s["cudnn"], int)
+    assert "busy" in step_profile.format_share(s)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 
 from benchmarks.train_step import baseline_of
 from tests.conftest import REPO_ROOT
@@ -65,3 +67,45 @@ def test_a_row_is_charged_only_with_its_own_memory(monkeypatch):
     r = train_step.run_one("diff-tiny", 64, train_step.StepOptions(), "cuda")
     assert r["error"] is None and r["backend"] == "sdpa"
     assert (r["mem_gib"], r["resident_gib"], r["left_gib"]) == (25.0, 10.0, 1.0)
+
+
+def test_the_rows_time_the_trainers_own_step(single_rank_parallel_state, monkeypatch):
+    """Issue 32, item 3: what a row times is `Trainer.train_step` on mock data (warm-up, timed and profiled
+    steps alike), no step of the benchmark's own, and the run's model is freed after it (the overlapped
+    parameter gather's hooks would keep it alive unless `release_training_objects` removes them)."""
+    from benchmarks import step_profile, train_step
+    from diffmeg.training import builders
+    from diffmeg.training.trainer import Trainer
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # the Trainer sets the launcher variables; restored at teardown
+        monkeypatch.delenv(key)
+    steps, released = [], []
+    trainer_step, release = Trainer.train_step, builders.release_training_objects
+
+    def counted(self):
+        out = trainer_step(self)
+        steps.append(out.iteration)
+        return out
+
+    def recorded(config, model) -> None:
+        released.extend(weakref.ref(chunk) for chunk in model)
+        release(config, model)
+
+    monkeypatch.setattr(Trainer, "train_step", counted)
+    monkeypatch.setattr(builders, "release_training_objects", recorded)
+    opts = train_step.StepOptions(tokens_per_microbatch=32, microbatches=2, warmup=1, iters=2, vocab_size=256)
+    opts.num_layers, opts.profile, opts.time_optimizer = 1, True, True
+    opts.extra_args = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    r = train_step.run_one("diff-tiny", 32, opts, "cpu")
+    assert r["error"] is None, r["error"]
+    assert steps == [1, 2, 3, 4]  # 1 warm-up, 2 timed, 1 profiled
+    gc.collect()
+    assert len(released) == 1 and released[0]() is None  # nothing holds the run's model after it
+    assert (r["mbs"], r["microbatches"], r["backend"]) == (1, 2, "sdpa")
+    assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["profile"]["total_ms"] > 0
+    assert r["tflops_full_square"] > r["tflops"]  # Megatron-LM's convention counts the full square
+    assert r["optimizer_s"] > 0 and r["profile"]["busy"] > 0
+    chosen = r["profile"]["sdpa"]  # what SDPA chose per shape on this CPU (whatever it is, recorded)
+    assert chosen and {c["backend"] for c in chosen} <= set(step_profile.SDPA_OPS.values())
+    assert all(c["q_shape"][-1] == 32 for c in chosen)  # diff-tiny's head dim

@@ -10,7 +10,8 @@ docs/conversion.md), which would make every comparison meaningless.
 `random` saves a random DiffLlama (or Llama: "model_type": "llama" in the config) as safetensors
 (and, with --prompts, runs it reloaded like `run`);
 `run` writes {"logits": [logits per prompt, fp32 unless --dtype], "generated": [greedy ids per prompt] (if
-asked), "class": model class name, "tied": lm_head is the input embedding's tensor}.
+asked; with the KV cache), "generated_nocache": [the same without the cache], "transformers": version,
+"class": model class name, "tied": lm_head is the input embedding's tensor}.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def make_random(out: str, config: dict, seed: int) -> None:
 
 
 def run(model_dir: str, prompts: list[torch.Tensor], generate: int, dtype: str = "float32") -> dict:
+    import transformers
     from transformers import AutoModelForCausalLM
 
     # trust_remote_code: DIFF V2 folders carry their modeling file (auto_map); others ignore it
@@ -51,20 +53,29 @@ def run(model_dir: str, prompts: list[torch.Tensor], generate: int, dtype: str =
         model_dir, dtype=getattr(torch, dtype), trust_remote_code=True
     ).eval()
     tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-    result: dict = {"class": type(model).__name__, "logits": [], "generated": [], "tied": tied}
+    result: dict = {
+        "class": type(model).__name__,
+        "logits": [],
+        "generated": [],
+        "generated_nocache": [],
+        "tied": tied,
+        "transformers": transformers.__version__,
+    }
     with torch.no_grad():
         for ids in prompts:
             logits = model(ids.unsqueeze(0)).logits[0]  # [s, V]
             result["logits"].append(logits if dtype == "float64" else logits.float())
             if generate:
-                out = model.generate(
-                    ids.unsqueeze(0),
-                    attention_mask=torch.ones_like(ids).unsqueeze(0),
-                    max_new_tokens=generate,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-                result["generated"].append(out[0, ids.numel() :].tolist())
+                for use_cache, key in ((True, "generated"), (False, "generated_nocache")):
+                    out = model.generate(
+                        ids.unsqueeze(0),
+                        attention_mask=torch.ones_like(ids).unsqueeze(0),
+                        max_new_tokens=generate,
+                        do_sample=False,
+                        pad_token_id=0,
+                        use_cache=use_cache,
+                    )
+                    result[key].append(out[0, ids.numel() :].tolist())
     return result
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.conversion.helpers import (
@@ -38,6 +39,7 @@ def _exported(factory, ckpt, name: str):
     return cached(factory, name, lambda path: convert_ok("mcore-to-hf", "--load", ckpt, "--save", path))
 
 
+@pytest.mark.hf_export
 def test_v2_export_loads_with_remote_code_and_computes_our_logits(
     tmp_path_factory, single_rank_parallel_state
 ):
@@ -61,7 +63,9 @@ def test_v2_export_loads_with_remote_code_and_computes_our_logits(
     model, _ = load_model(str(ckpt))
     for ids, theirs in zip(prompts, reference["logits"], strict=True):
         assert max_relative_error(our_logits(model, ids), theirs) < 1e-5, ids.numel()
-    # transformers' generate (its KV cache) continues every prompt as ours does
+    # transformers' generate continues every prompt as ours does, with its KV cache as without it
+    version = reference["transformers"]
+    assert reference["generated"] == reference["generated_nocache"], f"transformers {version}: KV cache"
     for ids, theirs in zip(prompts, reference["generated"], strict=True):
         ours = generate(model, ids.tolist(), NEW_TOKENS, SamplingConfig(greedy=True))
         assert ours.output_ids == theirs[: len(ours.output_ids)], ids.numel()
@@ -89,3 +93,30 @@ def test_v2_round_trip_is_bit_identical_from_any_layout(
     assert from_tp2.keys() == from_tp1.keys()
     for key, value in from_tp1.items():  # same run at another layout: Adam-rounding differences only
         torch.testing.assert_close(from_tp2[key], value, rtol=1e-4, atol=5e-5, msg=key)
+
+
+def test_v2_attention_takes_the_cache_under_any_name_it_is_passed():
+    """The remote code's attention hands a KV cache on under the name the installed transformers' LLaMA
+    attention takes, whichever name the caller used; two different caches are refused."""
+    import pytest
+    from transformers.cache_utils import DynamicCache
+
+    from diffmeg.conversion.modeling_diff2 import Diff2Config, Diff2ForCausalLM
+
+    config = Diff2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Diff2ForCausalLM(config).eval()
+    attention = model.model.layers[0].self_attn
+    x = torch.randn(1, 3, 32)
+    rope = model.model.rotary_emb(x, torch.arange(3).unsqueeze(0))
+    for name in ("cache", "past_key_values", "past_key_value"):
+        cache = DynamicCache()
+        with torch.no_grad():
+            out, _ = attention(x, position_embeddings=rope, attention_mask=None, **{name: cache})
+        assert cache.get_seq_length(0) == 3, name  # the cache was updated, not ignored
+        assert out.shape == (1, 3, 32) and attention.o_proj.lam is None
+    with pytest.raises(TypeError, match="several KV caches"):
+        attention(x, position_embeddings=rope, cache=DynamicCache(), past_key_values=DynamicCache())

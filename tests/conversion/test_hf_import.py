@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conversion.helpers import (
+    GENERATE_TOKENS,
     LLAMA_GQA_HF,
     cached,
     convert_ok,
@@ -31,9 +32,11 @@ from tests.conversion.helpers import (
 from tests.data.helpers import find_bpe_file
 
 
+@pytest.mark.hf_export
 def test_baseline_export_loads_as_llama_with_our_logits(tmp_path_factory, single_rank_parallel_state):
-    """Golden: transformers' LlamaForCausalLM on the export computes our baseline's fp32 logits."""
-    from diffmeg.generation import load_model
+    """Golden: transformers' LlamaForCausalLM on the export computes our baseline's fp32 logits and greedy
+    continuations."""
+    from diffmeg.generation import SamplingConfig, generate, load_model
 
     ckpt, exported = exported_eval(tmp_path_factory, "transformer")
     config = json.loads((exported / "config.json").read_text())
@@ -43,7 +46,7 @@ def test_baseline_export_loads_as_llama_with_our_logits(tmp_path_factory, single
     reference = cached(
         tmp_path_factory,
         "exported-eval-transformer-hf-outputs",
-        lambda path: hf_outputs(path, exported, tiny_prompts()),
+        lambda path: hf_outputs(path, exported, tiny_prompts(), GENERATE_TOKENS),
     )
     reference = torch.load(reference / "hf_out.pt")
     assert reference["class"] == "LlamaForCausalLM"
@@ -52,6 +55,12 @@ def test_baseline_export_loads_as_llama_with_our_logits(tmp_path_factory, single
         ours = our_logits(model, ids)
         assert max_relative_error(ours, theirs) < 1e-5, ids.numel()  # measured: ~3e-7
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    # transformers' generate, with its KV cache as without it, continues every prompt as ours does
+    version = reference["transformers"]
+    assert reference["generated"] == reference["generated_nocache"], f"transformers {version}: KV cache"
+    for ids, theirs in zip(tiny_prompts(), reference["generated"], strict=True):
+        ours = generate(model, ids.tolist(), GENERATE_TOKENS, SamplingConfig(greedy=True))
+        assert ours.output_ids == theirs[: len(ours.output_ids)], ids.numel()
 
 
 def test_baseline_round_trip_is_bit_identical(tmp_path_factory, tmp_path, single_rank_parallel_state):

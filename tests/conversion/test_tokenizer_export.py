@@ -24,7 +24,7 @@ SAMPLES = [
 def exported(tmp_path_factory):
     from diffmeg.conversion.checkpoint_io import save_hf_tokenizer
     from diffmeg.conversion.tokenizer_export import build_fast_tokenizer
-    from diffmeg.data.tokenizer import load_tokenizer
+    from diffmeg.data.tiktoken_cl100k import load_tokenizer
 
     tokenizer_file = find_bpe_file()
     if tokenizer_file is None:

@@ -135,6 +135,7 @@ def test_upcycled_logits_equal_the_source_in_float64(name, tmp_path_factory, sin
         assert hf_err < 2e-6, hf_err  # float32 RoPE tables on both sides (measured 1.4e-7-1.7e-7)
 
 
+@pytest.mark.hf_export
 def test_hf_round_trip_of_an_upcycled_llama_is_bit_exact(
     tmp_path_factory, tmp_path, single_rank_parallel_state
 ):
@@ -189,11 +190,14 @@ def test_hf_round_trip_of_an_upcycled_llama_is_bit_exact(
     assert nll[1] == pytest.approx(nll[0], rel=1e-6) and nll[2] == pytest.approx(nll[0], rel=1e-6)
 
     tokens = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (1, 33)]
-    llama = hf_outputs(tmp_path / "llama", source, tokens, dtype="float64")
-    diff2 = hf_outputs(tmp_path / "diff2", exported, tokens, dtype="float64")
+    llama = hf_outputs(tmp_path / "llama", source, tokens, generate=6, dtype="float64")
+    diff2 = hf_outputs(tmp_path / "diff2", exported, tokens, generate=6, dtype="float64")
     assert diff2["class"] == "Diff2ForCausalLM" and diff2["tied"] and llama["tied"]
     for ours, theirs in zip(diff2["logits"], llama["logits"], strict=True):
         assert max_relative_error(ours, theirs) < 1e-12  # one RoPE table, exact head pairs
+    # and so does transformers' generate, with its KV cache as without it
+    version = diff2["transformers"]
+    assert diff2["generated"] == diff2["generated_nocache"] == llama["generated"], f"transformers {version}"
 
 
 def test_training_refuses_cl100k_for_an_upcycled_llama(tmp_path_factory, tmp_path):

@@ -19,7 +19,7 @@ def bpe_file() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(bpe_file):
-    from diffmeg.data.tokenizer import load_tokenizer
+    from diffmeg.data.tiktoken_cl100k import load_tokenizer
 
     return load_tokenizer(bpe_file)
 

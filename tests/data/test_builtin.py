@@ -10,7 +10,7 @@ import pytest
 
 from diffmeg.data import builtin
 from diffmeg.data.indexed import read_documents
-from diffmeg.data.tokenizer import EOD_ID, load_tokenizer
+from diffmeg.data.tiktoken_cl100k import EOD_ID, load_tokenizer
 
 
 def _build_in_child(bpe_file: str, cache_dir: str, results) -> None:

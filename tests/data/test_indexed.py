@@ -56,8 +56,10 @@ def test_check_can_write(tmp_path):
     with pytest.raises(DiffmegError, match="already exists; pass --overwrite"):
         check_can_write([str(tmp_path / "d")], overwrite=False)
     check_can_write([str(tmp_path / "d")], overwrite=True)
-    with pytest.raises(DiffmegError, match="does not exist"):
-        check_can_write([str(tmp_path / "no" / "such" / "dir")], overwrite=False)
+    check_can_write([str(tmp_path / "no" / "such" / "d")], overwrite=False)  # issue 31: the folder is made
+    assert (tmp_path / "no" / "such").is_dir()
+    with pytest.raises(DiffmegError, match=r"--output-prefix .*/d\.bin/x\.bin: .*/d\.bin is a file, so"):
+        check_can_write([str(tmp_path / "d.bin" / "x")], overwrite=False)
 
 
 def test_merge_concatenates_in_order(tmp_path):
@@ -114,3 +116,36 @@ def test_add_documents_writes_the_same_files_as_add_document(tmp_path):
         w.commit()
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"one{ext}").read_bytes() == (tmp_path / f"many{ext}").read_bytes()
+
+
+def test_check_dataset_counts_tokens_of_a_consistent_pair(tmp_path):
+    from diffmeg.data.indexed import check_dataset
+
+    assert check_dataset(make_dataset(tmp_path / "d", [[1, 2, 3], [], list(range(50))])) == 53
+    assert check_dataset(make_dataset(tmp_path / "u", [[7] * 9], dtype=np.uint16)) == 9
+    assert check_dataset(make_dataset(tmp_path / "empty", [])) == 0
+
+
+def test_a_truncated_bin_or_a_garbage_idx_is_named_in_one_line(tmp_path):
+    """An interrupted copy (the .bin cut short, its .idx whole) or a damaged .idx: the file, the sizes and
+    what to do, before megatron-core reads past the end."""
+    from diffmeg.data.indexed import check_dataset
+
+    prefix = make_dataset(tmp_path / "d", [list(range(100)), list(range(20))])
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(300)
+    with pytest.raises(DiffmegError) as info:
+        check_dataset(prefix)
+    assert str(info.value) == (
+        f"{prefix}.bin is 300 bytes but its index d.idx expects 480 (2 sequences of 2 documents): truncated "
+        "(an interrupted copy?); copy it again or write the dataset again with tools/preprocess_data.py"
+    )
+    (tmp_path / "g.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "g.idx").write_bytes(b"this is not an index at all, just some bytes")
+    with pytest.raises(DiffmegError, match=r"g\.idx is not a megatron-core dataset index \(no MMIDIDX"):
+        check_dataset(str(tmp_path / "g"))
+    whole = make_dataset(tmp_path / "w", [list(range(10))])
+    idx = (tmp_path / "w.idx").read_bytes()
+    (tmp_path / "w.idx").write_bytes(idx[:-5])
+    with pytest.raises(DiffmegError, match=r"w\.idx is \d+ bytes but its header \(1 sequences, 2 document"):
+        check_dataset(whole)

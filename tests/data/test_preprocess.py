@@ -22,7 +22,7 @@ from diffmeg.data.preprocess import (
     preprocess,
     split_segments,
 )
-from diffmeg.data.tokenizer import EOD_ID
+from diffmeg.data.tiktoken_cl100k import EOD_ID
 from diffmeg.errors import DiffmegError
 from tests.data.helpers import leftovers, write_jsonl
 
@@ -316,3 +316,41 @@ def test_stale_temporaries_of_dead_processes_go_and_those_of_live_ones_stop_the_
     with pytest.raises(DiffmegError, match=rf"process {os.getppid()} is writing the same output now"):
         preprocess(cfg, log=lines.append)
     assert live.read_bytes() == b"being written"
+
+
+def test_an_empty_input_is_refused_and_nothing_is_written(tmp_path, bpe_file):
+    """An empty corpus (an unfinished copy) would give a 0-document dataset with rc 0 and fail training."""
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DiffmegError, match=r"every input file is empty \(0 bytes\), nothing to tokenize"):
+        run(tmp_path, [str(tmp_path / "empty.jsonl")], tokenizer_file=bpe_file)
+    with gzip.open(tmp_path / "nothing.jsonl.gz", "wt") as f:
+        f.write("")
+    with pytest.raises(DiffmegError, match=r"nothing\.jsonl\.gz holds no documents \(0 bad lines skipped\)"):
+        run(tmp_path, [str(tmp_path / "nothing.jsonl.gz")], name="gz", tokenizer_file=bpe_file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl", "nothing.jsonl.gz"]
+
+
+def test_progress_is_timed_not_counted_by_default(monkeypatch):
+    """A line every --log-seconds (a few for any corpus), not one per 1000 documents; --log-interval N
+    still counts documents and 0 prints none."""
+    now = [100.0]
+    monkeypatch.setattr(pp.time, "time", lambda: now[0])
+    lines: list[str] = []
+    progress = pp._Progress(10_000, None, lines.append, "", seconds=10.0)
+    for _ in range(5000):  # 5000 documents in 5 s: no line yet
+        now[0] += 0.001
+        progress.update(1, 1)
+    assert lines == []
+    now[0] += 6.0
+    progress.update(1, 1)
+    assert len(lines) == 1 and lines[0].startswith("processed 5001 documents")
+    counted = pp._Progress(10_000, 1000, lines.append, "")
+    for _ in range(2500):
+        counted.update(1, 1)
+    assert len(lines) == 3
+    silent = pp._Progress(10_000, 0, lines.append, "")
+    now[0] += 100
+    silent.update(10_000, 10_000)
+    assert len(lines) == 3
+    with pytest.raises(DiffmegError, match="--log-seconds must be > 0, got 0"):
+        PreprocessConfig(inputs=["x"], output_prefix="y", log_seconds=0)

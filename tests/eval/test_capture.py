@@ -102,7 +102,7 @@ def test_the_capturing_sdpa_is_torch_sdpa(groups, masking):
 def test_diff_v2_heads_are_reported_as_pairs_with_their_lambda():
     """Heads 2i and 2i+1 become A1 and A2 of pair i; the pair's effective map times V is DIFF V2's
     combined output (`combine_head_pairs`)."""
-    from diffmeg.attention_v2 import combine_head_pairs
+    from diffmeg.fusions.diff_combine import combine_head_pairs
 
     q, k, v = _qkv(4, 1, 7, 7)
     lam = torch.rand(7, 2, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # [s, b, h]

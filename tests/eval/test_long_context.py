@@ -130,7 +130,7 @@ def test_indexed_documents_read_prefixes_of_multi_sequence_documents(tmp_path):
 
 
 def test_text_documents_tokenize_each_file_whole(tmp_path, tokenizer_file):
-    from diffmeg.data.tokenizer import load_tokenizer
+    from diffmeg.data.tiktoken_cl100k import load_tokenizer
 
     for name, text in [("a.txt", "hello world " * 50), ("b.txt", "short")]:
         (tmp_path / name).write_text(text)

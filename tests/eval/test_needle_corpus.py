@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from diffmeg.data.tokenizer import IdTokenizer
+from diffmeg.data.tiktoken_cl100k import IdTokenizer
 from diffmeg.errors import DiffmegError
 from diffmeg.eval.needle import IdVocab
 from diffmeg.eval.needle_corpus import NeedleCorpusConfig, needle_document, write_needle_corpus

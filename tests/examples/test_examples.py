@@ -67,6 +67,10 @@ def _check_quickstart_outputs(proc: subprocess.CompletedProcess, out: Path, iter
     assert greedy.startswith(PROMPT) and sampled.startswith(PROMPT), section
     assert sampled[len(PROMPT) :].strip(), section  # the sampled text is more than whitespace
     assert f"has seen {iters * 1024} tokens ({iters} iterations" in section
+    from diffmeg.data.indexed import check_dataset
+
+    corpus = check_dataset(str(out / "data" / "quickstart_text_document"))  # QUICKSTART_DOCS sets it
+    assert f"the corpus\nit drew them from: {corpus / 1e3:.0f}K)" in section, section
     hf = _generated(section, "the Hugging Face export")
     assert hf.startswith(f"(DiffLlamaForCausalLM) {PROMPT}"), section
     # What was printed is the model's own output: the seeded sample comes out the same again.

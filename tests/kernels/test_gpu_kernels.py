@@ -111,6 +111,18 @@ def test_sdpa_backend_bf16_close_to_float64(split_v, dtype):
     assert max(mine) <= 2e-2, dict(zip(NAMES, mine, strict=True))
 
 
+@pytest.mark.parametrize("name", ["sdpa_two_call", "sdpa_split_v", "sdpa_split_v_batched", "flex"])
+@pytest.mark.parametrize("case", [CASES[1].values, CASES[5].values], ids=["gqa3-ragged1000", "decode-gqa4"])
+def test_every_registered_candidate_within_twice_torch_error(name, case):
+    """The per-length table's candidates and FlexAttention (gradients: here only, no CPU backward), bf16."""
+    from diffmeg import registry
+
+    fn = registry.select("diff_attention", name, "cuda").load()
+    mine, theirs = _errors(fn, *case, torch.bfloat16)
+    for label, e_mine, e_base in zip(NAMES, mine, theirs, strict=True):
+        assert e_mine <= 2 * e_base + 1e-3, f"{name} {label}: {e_mine:.2e} vs torch {e_base:.2e}"
+
+
 def test_triton_refuses_interpreter_with_cuda_tensors(monkeypatch):
     from diffmeg.errors import DiffmegError
     from diffmeg.kernels.triton_diff import diff_attention_triton

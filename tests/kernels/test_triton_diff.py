@@ -265,11 +265,11 @@ def test_core_attention_with_triton_backend(single_rank_parallel_state):
     from megatron.core.transformer.enums import AttnMaskType
 
     from diffmeg.attention import DiffCoreAttention
-    from diffmeg.kernels import resolve_backend
+    from diffmeg.registry import select
     from tests.builders import make_config
 
     try:
-        resolve_backend("triton", DEVICE)
+        select("diff_attention", "triton", DEVICE)
     except DiffmegError as exc:
         pytest.skip(f"backend registry has no 'triton' entry yet: {exc}")
     d, s, b, heads, kv_heads = 16, 37, 2, 2, 1

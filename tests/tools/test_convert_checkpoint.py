@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ from tests.data.helpers import find_bpe_file
 from tests.tools.helpers import tool_cmd, tool_env
 
 
+@pytest.mark.hf_export
 def test_export_loads_as_diffllama_with_our_logits(tmp_path_factory, single_rank_parallel_state):
     from diffmeg.generation import load_model
 
@@ -55,6 +57,8 @@ def test_export_loads_as_diffllama_with_our_logits(tmp_path_factory, single_rank
 
     reference = tiny_hf_reference(tmp_path_factory)
     assert reference["class"] == "DiffLlamaForCausalLM"
+    version = reference["transformers"]  # transformers' generate, with its KV cache as without it
+    assert reference["generated"] == reference["generated_nocache"], f"transformers {version}: KV cache"
     model, _ = load_model(str(trained_tiny(tmp_path_factory, "tp1")))
     for ids, theirs in zip(tiny_prompts(), reference["logits"], strict=True):
         assert max_relative_error(our_logits(model, ids), theirs) < 1e-4, ids.numel()
@@ -97,7 +101,7 @@ def test_random_diffllama_round_trips_exactly(tmp_path_factory, single_rank_para
     if config["vocab_size"] >= 100277 and tokenizer_file:
         from transformers import AutoTokenizer
 
-        from diffmeg.data.tokenizer import load_tokenizer
+        from diffmeg.data.tiktoken_cl100k import load_tokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(out))
         text = "Grüße, 世界! 🙂 x = 1_000_000\n\n  done<|endoftext|>"
@@ -393,3 +397,47 @@ def test_a_real_full_disk(tmp_path_factory, tmp_path, capsys):
         assert sorted(p.name for p in mount.iterdir()) == []
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+INTERRUPT_AT_FIRST_LAYER = """
+import runpy, sys
+from diffmeg.conversion.progress import Progress
+def stop(self, done):
+    raise KeyboardInterrupt  # Ctrl-C while the first layer is written
+Progress.layer_done = stop
+sys.argv = ["tools/convert_checkpoint.py", *sys.argv[1:]]
+runpy.run_path("tools/convert_checkpoint.py", run_name="__main__")
+"""
+
+
+def test_ctrl_c_during_a_conversion_is_one_line_rc_130_and_leaves_nothing(tmp_path_factory, tmp_path):
+    from tests.conversion.upcycle_helpers import llama_folder
+
+    source = llama_folder(tmp_path_factory, "llama-gqa-tied", tied=True)
+    out = tmp_path / "out" / "diff2"
+    argv = ["upcycle", "--load", str(source), "--save", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_AT_FIRST_LAYER, *argv],
+        cwd=REPO_ROOT,
+        env=tool_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: interrupted; nothing was written to --save (the partial output is removed); run it again"
+    )
+    assert not out.exists() and os.listdir(out.parent) == []
+
+
+def test_an_unwritable_save_is_named_before_any_work(tmp_path_factory, tmp_path, capsys):
+    """Every direction checks --save up front (storage.check_output): no permission, a file in the way."""
+    from tests.conversion.upcycle_helpers import llama_folder
+
+    source = llama_folder(tmp_path_factory, "llama-gqa-tied", tied=True)
+    err = refused(capsys, "upcycle", "--load", source, "--save", "/proc/sys/diff2")
+    assert err == "error: --save /proc/sys/diff2: no permission to write in /proc/sys; choose another --save"
+    (tmp_path / "file").write_text("x")
+    err = refused(capsys, "hf-to-mcore", "--load", source, "--save", tmp_path / "file/c")
+    assert err.endswith(f"{tmp_path}/file is a file, so the folder cannot be made under it")

@@ -4,10 +4,13 @@ generation of the exported model; sampling is seeded; generation stops at the en
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from tests.conftest import REPO_ROOT
 from tests.conversion.helpers import (
     GENERATE_PROMPT,
     GENERATE_PROMPT_IDS,
@@ -17,7 +20,7 @@ from tests.conversion.helpers import (
     trained_tiny,
 )
 from tests.data.helpers import find_bpe_file
-from tests.tools.helpers import run_tool
+from tests.tools.helpers import run_tool, tool_env
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +97,19 @@ def test_bad_requests_are_refused(tiny, tmp_path_factory, capsys):
             "generate", "--load", ckpt, "--prompt", "x", "--max-new-tokens", "300", "--tokenizer-file", bpe
         )
         assert proc.returncode == 2 and "exceeds the model's 256 positions" in proc.stderr
+
+
+def test_ctrl_c_is_one_line_and_rc_130():
+    code = (
+        "import runpy, sys\n"
+        "from diffmeg import checkpoints\n"
+        "def stop(*args, **kwargs):\n"
+        "    raise KeyboardInterrupt  # Ctrl-C while the checkpoint is read\n"
+        "checkpoints.read_checkpoint_args = stop\n"
+        "sys.argv = ['tools/generate.py', '--load', 'ckpt', '--prompt', 'x', '--max-new-tokens', '1']\n"
+        "runpy.run_path('tools/generate.py', run_name='__main__')\n"
+    )
+    cmd = [sys.executable, "-c", code]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=tool_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == ["error: interrupted; nothing was written"]

@@ -68,6 +68,31 @@ def test_measurement_main_reports_then_names_the_output_dir(capsys):
     assert capsys.readouterr().out.splitlines() == ["checkpoint", "a", "b", "wrote out_dir"]
 
 
+def test_ctrl_c_in_a_measurement_leaves_no_partial_file(tmp_path, capsys):
+    """An evaluation tool stopped while it writes an output: one line, exit 130, the file's earlier
+    version kept and no temporary left (each output is written whole or not at all)."""
+    from diffmeg.eval.common import write_rows
+
+    out = tmp_path / "rows.csv"
+    out.write_text("earlier\n")
+
+    class Row(dict):
+        def keys(self):  # csv reads each row's keys: Ctrl-C arrives mid-write
+            raise KeyboardInterrupt
+
+    def measure(args: argparse.Namespace) -> dict:
+        write_rows(str(out), [{"a": 1}, Row(a=2)])
+        return {}
+
+    p = cli.parser(None, output_dir=str(tmp_path))
+    main = cli.measurement_main(lambda argv: cli.parse(p, argv), measure, lambda summary, args: None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--load", "a"])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err == f"error: interrupted; {cli.INTERRUPTED_WHOLE_FILES}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.csv"] and out.read_text() == "earlier\n"
+
+
 def test_dataset_parser_help_keeps_the_docstring_and_requires_input_and_output():
     p = cli.dataset_parser("usage:\n    line one \\\n        line two", "the inputs", "the outputs")
     assert "    line one \\\n        line two" in p.format_help()

@@ -53,6 +53,12 @@ VP1 = ["--num-layers-per-virtual-pipeline-stage", "1"]
         (["--model", "nope"], 1, "unknown model preset"),
         (["--num-layers", "2"], 1, "--hidden-size is required"),
         (["--model", "diff-tiny", "--min-lr", "1"], 1, "larger than --lr"),
+        (["--model", "diff-tiny", "--seq-length", "0"], 1, r"^--seq-length must be >= 1, got 0$"),
+        (["--model", "diff-tiny", "--seq-length", "-8"], 1, r"^--seq-length must be >= 1, got -8$"),
+        (["--model", "diff-tiny", "--micro-batch-size", "0"], 1, r"^--micro-batch-size must be >= 1, got 0$"),
+        (["--model", "diff-tiny", "--lr=-1e-3"], 1, r"^--lr must be >= 0, got -0.001$"),
+        (["--model", "diff-tiny", "--lr", "nan"], 1, r"^--lr must be >= 0, got nan$"),
+        (["--model", "diff-tiny", "--train-iters", "-1"], 1, r"^--train-iters must be >= 0, got -1$"),
         (["--model", "diff-tiny", "--finetune"], 1, "--finetune needs --load"),
         (["--model", "diff-tiny", "--overlap-param-gather"], 2, "add --use-distributed-optimizer"),
         (
@@ -78,6 +84,22 @@ def test_impossible_arguments(monkeypatch, argv, world, match):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(DiffmegError, match=match):
         resolve_args(argv)
+
+
+def test_fp8_on_the_local_spec_is_torchaos_and_needs_the_tensorwise_recipe(monkeypatch):
+    """Where torchao's FP8 can run (faked: an FP8-capable GPU), the local spec takes --fp8-format with
+    --fp8-recipe tensorwise and refuses the delayed recipe in one line naming the fix."""
+    pytest.importorskip("torchao.float8")
+    from diffmeg.fusions import torchao_fp8
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(torchao_fp8, "fp8_unsupported_reason", lambda emulate: None)
+    local = ["--model", "diff-tiny", "--transformer-impl", "local", "--fp8-format", "hybrid"]
+    with pytest.raises(
+        DiffmegError, match="is torchao's FP8, which scales per tensor: add --fp8-recipe tensorwise$"
+    ):
+        resolve_args(local)
+    assert resolve_args([*local, "--fp8-recipe", "tensorwise"]).fp8_format == "hybrid"
 
 
 def test_an_explicit_token_budget_beats_the_presets_iteration_count(monkeypatch):
@@ -125,3 +147,13 @@ def test_virtual_pipeline_size_is_derived_as_megatron_lm_does(monkeypatch):
     plain = resolve_args([*PP2, "--num-layers-per-virtual-pipeline-stage", "2"])
     assert plain.virtual_pipeline_model_parallel_size is None
     assert resolve_args(PP2).virtual_pipeline_model_parallel_size is None
+
+
+def test_a_bad_flag_gets_a_short_usage_line_then_the_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        resolve_args(["--model", "diff-tiny", "--lr"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "usage: pretrain_diff.py [--model PRESET] [FLAGS ...]  (--help lists every flag)",
+        "pretrain_diff.py: error: argument --lr: expected one argument",
+    ]

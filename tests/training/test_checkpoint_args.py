@@ -70,3 +70,27 @@ def test_tied_output_layer_is_carried_and_a_typed_untie_wins(tmp_path):
     )
     manager.resolve()
     manager.check_output_layer()  # the same tying: nothing to say
+
+
+def test_a_checkpoint_of_another_shape_names_the_flags_never_another_iteration(tmp_path):
+    """--load a run of 3 layers with --num-layers 2: every iteration has 3 layers, so the fix is the
+    checkpoint's values or --use-checkpoint-args, never --ckpt-step."""
+    from diffmeg.training.checkpointing import CheckpointManager
+    from diffmeg.training.run_config import RunConfig
+
+    _checkpoint(tmp_path / "run", 3)  # an earlier iteration beside the latest
+    root = _checkpoint(tmp_path / "run", 5)
+    flags = ["--mock-data", "--lr", "1e-3", "--train-iters", "9", "--load", root, "--use-checkpoint-args"]
+    args = resolve_args([*flags, "--num-layers", "2", "--hidden-size", "128"], world_size=1)
+    manager = CheckpointManager(RunConfig.from_args(args), log=lambda line: None)
+    assert manager.resolve() == 5
+    with pytest.raises(DiffmegError) as error:
+        manager.check_output_layer()
+    assert str(error.value) == (
+        f"checkpoint {root}/iter_0000005 holds a model of another shape: --num-layers 3 (this run: 2), "
+        "--hidden-size 64 (this run: 128); pass the checkpoint's values, or --use-checkpoint-args to take "
+        "its shape from its args.json"
+    )
+    manager = CheckpointManager(RunConfig.from_args(resolve_args(flags, world_size=1)), log=lambda line: None)
+    manager.resolve()
+    manager.check_output_layer()  # its own shape: nothing to say

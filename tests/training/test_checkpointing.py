@@ -78,6 +78,19 @@ def test_ckpt_step_picks_any_complete_iteration(tmp_path):
         _manager("--load", root, "--ckpt-step", "3")[0].resolve()
 
 
+def test_a_checkpoint_past_train_iters_is_one_line_not_a_silent_exit(tmp_path):
+    root = _fake_checkpoints(tmp_path / "c", [20], tracker=20)
+    with pytest.raises(DiffmegError) as err:
+        _manager("--load", root, "--train-iters", "15")[0].resolve()
+    assert str(err.value) == (
+        f"--load {root} is at iteration 20, past --train-iters 15: nothing to train; raise --train-iters (or "
+        "--train-tokens) above 20 to continue the run, or add --finetune to train its weights on a new "
+        "schedule"
+    )
+    assert _manager("--load", root, "--train-iters", "20")[0].resolve() == 20  # a finished job requeued
+    assert _manager("--load", root, "--train-iters", "15", "--finetune")[0].resolve() == 20
+
+
 def test_checkpoints_without_tracker_list_what_can_be_resumed(tmp_path):
     root = _fake_checkpoints(tmp_path / "c", [2, 4])
     os.makedirs(tmp_path / "c" / "iter_0000006")  # died mid-save: no args.json

@@ -95,6 +95,27 @@ def test_datasets_found_are_counted_from_their_files(tmp_path, capsys):
     assert summary["checks"]["dataset_tokens"] == {}
 
 
+def test_a_truncated_dataset_fails_the_dry_run_and_the_run_in_one_line(tmp_path, capsys):
+    """The .idx knows the .bin's size: a copy cut short is named by --dry-run and when the run opens its
+    data (parse_data_path), not in a traceback mid-training."""
+    from diffmeg.data.gpt_datasets import parse_data_path
+
+    prefix = _dataset(tmp_path / "cut", 1000)
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(1000)
+    expected = (
+        f"--data-path {prefix}: {prefix}.bin is 1000 bytes but its index cut.idx expects 4000 (1 sequences "
+        "of 1 documents): truncated (an interrupted copy?); copy it again or write the dataset again with "
+        "tools/preprocess_data.py"
+    )
+    with pytest.raises(DiffmegError) as info:
+        _dry(["--model", "diff-tiny", "--data-path", prefix], capsys)
+    assert str(info.value) == expected
+    with pytest.raises(DiffmegError) as info:
+        parse_data_path([prefix])
+    assert str(info.value) == expected
+
+
 @pytest.mark.parametrize(
     "argv,note",
     [

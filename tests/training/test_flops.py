@@ -50,6 +50,12 @@ def test_diff2_counts_and_throughput_bound_for_3b():
     """V2: core 2x the baseline's, Q projection 2x plus lambda_proj; bound 0.892 (2K), 0.861 (4K)."""
     from diffmeg.training.arguments import resolve_args
     from diffmeg.training.flops import train_flops_per_iteration
+    from diffmeg.training.run_config import RunConfig
+
+    def flops(preset: str, seq: int) -> float:
+        return train_flops_per_iteration(
+            RunConfig.from_args(resolve_args(["--model", preset, "--seq-length", str(seq)]))
+        )
 
     for seq in (2048, 4096):
         v2 = _flops("diff2-3b", seq)
@@ -57,10 +63,27 @@ def test_diff2_counts_and_throughput_bound_for_3b():
         assert v2.attention_core == pytest.approx(2 * base.attention_core)
         h, d, H, layers = 24, 128, 3072, 28
         assert v2.linear - base.linear == pytest.approx(layers * (2 * H * h * d + 2 * H * h))
-    ratio = {
-        s: train_flops_per_iteration(resolve_args(["--model", "transformer-3b", "--seq-length", str(s)]))
-        / train_flops_per_iteration(resolve_args(["--model", "diff2-3b", "--seq-length", str(s)]))
-        for s in (2048, 4096)
-    }
+    ratio = {s: flops("transformer-3b", s) / flops("diff2-3b", s) for s in (2048, 4096)}
     assert ratio[2048] == pytest.approx(0.892, abs=0.001)
     assert ratio[4096] == pytest.approx(0.861, abs=0.001)
+
+
+def test_full_square_counts_twice_the_causal_core_and_nothing_else():
+    """Megatron-LM's convention (full square): the core doubles, linears and logits stay."""
+    sizes = dict(num_layers=1, hidden_size=8, ffn_hidden_size=16, kv_channels=2, vocab_size=10)
+    kw = dict(**sizes, num_attention_heads=2, num_query_groups=2, seq_length=4, diff_attention=True)
+    causal, full = forward_flops_per_token(**kw), forward_flops_per_token(**kw, causal=False)
+    assert (full.linear, full.attention_core, full.logits) == (1280, 192, 160)
+    assert causal.attention_core == 96
+
+
+def test_train_flops_full_square_for_3b_at_4k():
+    from diffmeg.training.arguments import resolve_args
+    from diffmeg.training.flops import train_flops_per_iteration
+    from diffmeg.training.run_config import RunConfig
+
+    args = resolve_args(["--model", "transformer-3b", "--seq-length", "4096"])
+    run = RunConfig.from_args(args)
+    causal, full = train_flops_per_iteration(run), train_flops_per_iteration(run, causal=False)
+    core = 3 * _flops("transformer-3b", 4096).attention_core * args.global_batch_size * 4096
+    assert full - causal == pytest.approx(core)

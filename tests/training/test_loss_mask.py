@@ -67,6 +67,7 @@ def test_the_logged_loss_is_the_mean_over_answer_tokens(masked_run):
 def test_the_trainer_builds_whole_document_samples_for_a_masked_path(tmp_path):
     from diffmeg.data.loss_mask import LossMaskDataset, MaskedDocuments
     from diffmeg.training.data import build_datasets
+    from diffmeg.training.run_config import RunConfig
 
     prefix = str(tmp_path / "d")
     write_mqar_dataset(prefix, SETTING, documents=10, seed=0)
@@ -82,7 +83,7 @@ def test_the_trainer_builds_whole_document_samples_for_a_masked_path(tmp_path):
         eval_iters=1,
         data_cache_path=None,
     )
-    train, valid, test = build_datasets(args)
+    train, valid, test = build_datasets(RunConfig.from_args(args, partial=True))
     assert isinstance(train, LossMaskDataset) and isinstance(valid, LossMaskDataset) and test is None
     assert len(train) == 9 and len(valid) == 6  # max(documents, samples asked for)
     tokens, mask = MaskedDocuments(prefix).get(train.document_index(0))

@@ -38,6 +38,7 @@ def _per_layer_bytes(preset: str, extra: list[str], gpu_fusions: bool = False) -
     from diffmeg.model import build_model, config_from_args
     from diffmeg.training.arguments import resolve_args
     from diffmeg.training.memory import activation_bytes_per_microbatch
+    from diffmeg.training.run_config import RunConfig
 
     measured = {}
     for layers in (2, 4):
@@ -65,7 +66,7 @@ def _per_layer_bytes(preset: str, extra: list[str], gpu_fusions: bool = False) -
             model = model.bfloat16()
         model.train()
         tokens = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(0))
-        planned = activation_bytes_per_microbatch(args, on_gpu=gpu_fusions)
+        planned = activation_bytes_per_microbatch(RunConfig.from_args(args), on_gpu=gpu_fusions)
         measured[layers] = (_saved_bytes(model, tokens), planned)
     return (measured[4][0] - measured[2][0]) / 2, (measured[4][1] - measured[2][1]) / 2
 
@@ -163,13 +164,14 @@ def test_plan_follows_the_attention_that_is_built(monkeypatch):
     megatron-core's score-materialising core the 1.4B baseline at 4K was planned at ~104 GiB."""
     from diffmeg.training.arguments import resolve_args
     from diffmeg.training.memory import attention_kernel, estimate_memory
+    from diffmeg.training.run_config import RunConfig
 
     monkeypatch.setenv("WORLD_SIZE", "1")
 
     def args(preset, *extra):
         argv = ["--model", preset, "--bf16", "--seq-length", "4096", "--micro-batch-size", "1"]
-        return resolve_args(
-            [*argv, "--global-batch-size", "1", "--mock-data", "--vocab-size", "100288", *extra]
+        return RunConfig.from_args(
+            resolve_args([*argv, "--global-batch-size", "1", "--mock-data", "--vocab-size", "100288", *extra])
         )
 
     base = args("transformer-1.4b")

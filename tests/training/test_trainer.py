@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -82,12 +83,15 @@ def test_hooks_and_one_host_read_of_the_losses_per_logging_interval(trainer_of, 
     summary = trainer.train()
     monkeypatch.undo()
 
-    assert [r for r in reads if r[1] != "any_rank"] == [(3, "_to_host"), (6, "_to_host")]
+    # the run's first iteration is read too, for the early progress line (issue 31)
+    assert [r for r in reads if r[1] != "any_rank"] == [(1, "_to_host"), (3, "_to_host"), (6, "_to_host")]
     assert [r[0] for r in reads if r[1] == "any_rank"] == [1, 2, 3, 4, 5, 6]  # one flag per step
     kinds = [e[0] for e in recorder.events]
     assert kinds == [
         "start",
         "step",
+        "losses",
+        "log",
         "step",
         "step",
         "losses",
@@ -99,11 +103,31 @@ def test_hooks_and_one_host_read_of_the_losses_per_logging_interval(trainer_of, 
         "log",
         "end",
     ]
-    assert recorder.events[4] == ("losses", [1, 2, 3])
+    assert recorder.events[2] == ("losses", [1]) and recorder.events[6] == ("losses", [2, 3])
     logged = [e for e in recorder.events if e[0] == "log"]
-    assert [e[1] for e in logged] == [3, 6] and summary["lm_loss"] == logged[-1][2]
+    assert [e[1] for e in logged] == [1, 3, 6] and summary["lm_loss"] == logged[-1][2]
     out = capsys.readouterr().out
-    assert "iteration        3/       6 |" in out and "iteration        1/" not in out
+    assert "iteration        3/       6 | ETA: " in out and "iteration        1/       6 | ETA: " in out
+
+
+def test_a_progress_line_after_the_first_iteration_only_on_stdout(trainer_of, tmp_path, capsys):
+    """Issue 31: the first line comes after iteration 1 (a resume's first too), not after --log-interval;
+    it is no metrics record (those stay one per --log-interval); every line says the time left."""
+    import re
+
+    metrics = tmp_path / "metrics.jsonl"
+    records = LogRecords()
+    flags = ["--train-iters", "4", "--log-interval", "2", "--metrics-file", str(metrics)]
+    trainer_of(*flags, extra_callbacks=[records]).train()
+    assert [(r.iteration, r.early) for r in records.records] == [(1, True), (2, False), (4, False)]
+    assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()] == [2, 4]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "lm loss: " in line]
+    assert [re.search(r"iteration +(\d+)/ +4 \| ETA: (\d+:\d\d) \|", line).group(1) for line in lines] == [
+        "1",
+        "2",
+        "4",
+    ]
+    assert lines[-1].split("ETA: ")[1].startswith("0:00 |")  # nothing left at the last iteration
 
 
 def test_a_callback_stops_the_run_after_saving(trainer_of, tmp_path, capsys):
@@ -173,3 +197,81 @@ def test_evaluation_runs_at_its_interval(trainer_of, capsys):
     assert all(math.isfinite(loss) and 0 < loss < 10 for _, loss in Evaluations.seen)
     assert trainer.evaluate() == Evaluations.seen[-1][1]  # the same first batches every time, weights as at 4
     assert " validation loss at iteration 4 | lm loss value: " in capsys.readouterr().out
+
+
+class LogRecords(Callback):
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def on_log(self, trainer, record) -> None:
+        self.records.append(record)
+
+
+def test_the_log_shows_mfu_where_the_device_peak_is_known(trainer_of, monkeypatch, tmp_path, capsys):
+    """A GPU the peak table knows (a fake name here) puts MFU in the log line and the metrics file; a CPU,
+    whose peak no table holds, shows none."""
+    from diffmeg.training import hardware
+    from diffmeg.training import trainer as trainer_module
+
+    def run(name: str) -> tuple:
+        records, metrics = LogRecords(), tmp_path / name / "metrics.jsonl"
+        flags = ["--train-iters", "2", "--log-interval", "2", "--metrics-file", str(metrics)]
+        trainer_of(*flags, extra_callbacks=[records]).train()
+        return records.records[-1], json.loads(metrics.read_text().splitlines()[-1]), capsys.readouterr().out
+
+    record, logged, out = run("cpu")
+    assert "throughput per CPU (TFLOP/s/CPU): " in out and "MFU" not in out
+    assert record.mfu is None and "mfu" not in logged
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    asked = []
+
+    def as_on_a_gpu(device: torch.device, precision: str) -> float | None:
+        asked.append((device.type, precision))  # the model stays on the CPU; its peak is looked up as a GPU's
+        return hardware.peak_tflops(torch.device("cuda", 0), "bf16")
+
+    monkeypatch.setattr(trainer_module, "peak_tflops", as_on_a_gpu)
+    record, logged, out = run("gpu")
+    assert asked == [("cpu", "fp32")] and record.mfu == pytest.approx(record.tflops / 989.4)
+    assert f"(TFLOP/s/CPU): {record.tflops:.3f} | MFU: {100 * record.mfu:.1f}% | learning rate: " in out
+    assert logged["mfu"] == pytest.approx(record.mfu)
+
+
+class FailingWriter:
+    """A tensorboard writer on a full disk: its writer thread's ENOSPC comes back at the next call."""
+
+    def add_scalar(self, *args) -> None:
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("log", ["--metrics-file", "--tensorboard-dir"])
+def test_a_log_write_error_saves_then_stops_in_one_line(log, trainer_of, tmp_path, capsys):
+    """Issue 31: a log that cannot be written (a full disk) ends the run at once, after every rank agreed
+    and saved the next step with --save: nothing trained is lost, and the error says where it went."""
+    import signal
+
+    ckpt = str(tmp_path / "ckpt")
+    flags = ["--train-iters", "6", "--log-interval", "2", "--save", ckpt, "--save-interval", "100"]
+    run = RunConfig.from_args(resolve_args([*SMALL, *flags], world_size=1))
+    callbacks = default_callbacks(run, is_logging_rank=True)
+    logger = next(c for c in callbacks if hasattr(c, "logger")).logger
+    if log == "--metrics-file":
+        logger.metrics, logger.metrics_file = open("/dev/full", "a"), "/dev/full"  # every write: ENOSPC
+    else:
+        logger.writer, logger.tensorboard_dir = FailingWriter(), "tb"
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(DiffmegError) as err:
+        trainer_of(*flags, callbacks=callbacks).train()
+    where = "/dev/full" if log == "--metrics-file" else "tb"
+    assert str(err.value).startswith(f"cannot write {log} {where} at iteration 2: No space left on device;")
+    assert str(err.value).endswith(f"; the last step is saved in {ckpt}: resume with --load {ckpt}")
+    assert "\n" not in str(err.value)
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "3"
+    assert " exiting at iteration 3 (a log write failed)" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is before  # every callback's end ran after the error

@@ -12,7 +12,7 @@ import shutil
 
 from benchmarks.campaign import plan, procs
 from benchmarks.campaign.runs import run_data
-from diffmeg.data import tokenizer
+from diffmeg.data import tiktoken_cl100k as tokenizer
 
 
 def test_the_gpu_plan_reads_text_and_the_smoke_plan_mock_ids():

@@ -1,5 +1,6 @@
-"""The chunked output projection + cross entropy (diffmeg.cross_entropy) against the float64 equations and
-against megatron-core's loss over the whole logits: the loss and every gradient, through whole models."""
+"""The chunked output projection + cross entropy (diffmeg.fusions.cross_entropy) against the float64
+equations and against megatron-core's loss over the whole logits: the loss and every gradient, through
+whole models."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _equations(hidden, weight, labels, grad_loss):
 
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_loss_and_gradients_are_the_equations(chunk):
-    from diffmeg.cross_entropy import linear_cross_entropy
+    from diffmeg.fusions.cross_entropy import linear_cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     s, b, h, vocab = 7, 2, 5, 11
@@ -137,3 +138,76 @@ def test_bad_chunk_sizes_are_one_line_errors(monkeypatch):
         make_config(cross_entropy_chunk_size=-4)
     with pytest.raises(DiffmegError, match="does not combine with megatron-core's fused cross entropy"):
         make_config(cross_entropy_chunk_size=8, cross_entropy_loss_fusion=True)
+
+
+def test_fused_loss_is_the_unfused_loss_in_bf16(single_rank_parallel_state):
+    """megatron-core's native fused cross entropy (`--cross-entropy-loss-fusion`, the `loss` entry `fused`)
+    through a whole bf16 model: the per-token loss to fp32 rounding and every gradient as the unfused
+    loss's (both hand the output layer bf16 logit gradients)."""
+    cfg = make_config(4, 2, 8, 1, bf16=True)
+    whole, fused = (
+        perturbed_model(
+            dataclasses.replace(cfg, cross_entropy_loss_fusion=f), torch.Generator().manual_seed(5), 0.5
+        ).bfloat16()
+        for f in (False, True)
+    )
+    gen = torch.Generator().manual_seed(2)
+    tokens, labels = torch.randint(0, 64, (2, 2, 9), generator=gen)
+    positions = torch.arange(9)[None].expand(2, 9)
+    out = []
+    for model in (whole, fused):
+        loss = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=labels)
+        assert loss.dtype == torch.float32 and loss.shape == (2, 9)
+        loss.mean().backward()
+        out.append(loss)
+    torch.testing.assert_close(out[1], out[0], rtol=1e-6, atol=1e-6)
+    for (name, a), (_, b) in zip(whole.named_parameters(), fused.named_parameters(), strict=True):
+        assert a.grad.dtype == b.grad.dtype == a.dtype, name
+        scale = a.grad.float().abs().max().item()
+        torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=2**-7, atol=2**-8 * scale, msg=name)
+    from diffmeg.errors import DiffmegError
+
+    with pytest.raises(DiffmegError, match="native fused cross entropy returns bf16 gradients: use it with"):
+        make_config(cross_entropy_loss_fusion=True)
+
+
+def _check_fused_loss_over_tp2(rank: int, port: int) -> None:
+    """One rank of a TP2 pair: this rank's half of bf16 logits through megatron-core's native fused loss
+    gives the whole logits' loss (fp32) and this half of their gradient (bf16 rounding of the equation)."""
+    import os
+
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # the TP arithmetic, not the compiled kernels (tested above)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank
+    )
+    try:
+        from diffmeg.registry import select
+
+        fused = select("loss", "fused").load()
+        gen = torch.Generator().manual_seed(3)
+        s, b, vocab = 5, 2, 12
+        logits = (3 * torch.randn(s, b, vocab, generator=gen)).bfloat16()
+        labels = torch.randint(0, vocab, (s, b), generator=gen)  # targets on both ranks' halves
+        grad_loss = torch.rand(s, b, generator=gen)
+        half = logits[..., rank * vocab // 2 : (rank + 1) * vocab // 2].clone().requires_grad_()
+        loss = fused(half, labels, torch.distributed.group.WORLD)
+        loss.backward(grad_loss)
+        z = logits.float()
+        want = torch.logsumexp(z, dim=-1) - z.gather(2, labels[..., None])[..., 0]
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+        dz = (torch.softmax(z, -1) - torch.nn.functional.one_hot(labels, vocab)) * grad_loss[..., None]
+        mine = dz[..., rank * vocab // 2 : (rank + 1) * vocab // 2].bfloat16()
+        assert half.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(half.grad, mine, rtol=2**-7, atol=1e-3)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fused_loss_is_vocab_parallel_over_tp2():
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    torch.set_num_threads(1)
+    mp.spawn(_check_fused_loss_over_tp2, args=(free_port(),), nprocs=2)

@@ -13,12 +13,14 @@ import base64
 import hashlib
 import os
 import socket
+import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 import tiktoken
+import tiktoken_ext.openai_public as public
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
 from diffmeg.errors import DiffmegError
@@ -228,8 +230,6 @@ def _cl100k_spec(ranks: dict[bytes, int]) -> dict:
     tiktoken only exposes the definition through a constructor that downloads the ranks, so its
     loader is swapped for one returning ours for the duration of the call (under a lock).
     """
-    import tiktoken_ext.openai_public as public
-
     with _PATCH_LOCK:
         original = public.load_tiktoken_bpe
         public.load_tiktoken_bpe = lambda *args, **kwargs: ranks
@@ -243,8 +243,6 @@ def _tiktoken_cache_file() -> str | None:
     """Where tiktoken would cache cl100k_base (mirrors tiktoken.load.read_file_cached)."""
     cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR"))
     if cache_dir is None:
-        import tempfile
-
         cache_dir = os.path.join(tempfile.gettempdir(), "data-gym-cache")
     if cache_dir == "":
         return None

@@ -10,8 +10,8 @@ import time
 import pytest
 import tiktoken
 
-from diffmeg.data import tokenizer as tok_module
-from diffmeg.data.tokenizer import (
+from diffmeg.data import tiktoken_cl100k as tok_module
+from diffmeg.data.tiktoken_cl100k import (
     CL100K_N_VOCAB,
     CL100K_URL,
     EOD_ID,

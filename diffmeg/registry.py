@@ -1,0 +1,570 @@
+"""The one selector of implementations: every choice between interchangeable implementations of an op.
+
+Each `Implementation` names its slot (the op it implements), says what it is, whether it can run here
+(`missing`: the one-line reason it cannot, at build time or for tensors of a device type) and how to get
+it (`load`). `auto` picks, per slot, the first entry of `AUTO_ORDER` that can run (a layer spec: the first of
+its own family, `Implementation.spec`). Read by:
+- the model config's validation (`DiffTransformerConfig`: a name must be one of the slot's),
+- the argument parser (`--diff-attn-backend`'s choices and help),
+- the builders (`diffmeg.attention`, `diffmeg.layer_specs`, `diffmeg.model`: `select`),
+- the docs: docs/implementations.md is `markdown_table()`, checked by tests/fusions/test_registry.py.
+
+A new implementation (a fused norm, a fused loss, another FP8 GEMM) is one entry in `IMPLEMENTATIONS`
+(and its name in `AUTO_ORDER` where `auto` should prefer it). Like megatron-core's `BackendSpecProvider` and
+`select_cross_entropy`, but one table for every op.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from diffmeg.errors import DiffmegError
+from diffmeg.runtime import transformer_engine_available
+
+# Implementations and their checks are imported only when one is asked for: reading the table (names,
+# choices, the docs) loads no kernel, GPU package or megatron-core module.
+
+AUTO = "auto"
+SPECS = ("local", "transformer_engine")
+"""The layer spec families (`--transformer-impl`): megatron-core's local modules or Transformer Engine's."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """An op with interchangeable implementations."""
+
+    name: str
+    """How code and docs name it."""
+    what: str
+    """What its implementations are, as an error message names one ("differential attention backend")."""
+    chosen_by: str
+    """What decides which implementation a run uses (a flag, the spec)."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One implementation of a slot's op."""
+
+    slot: str
+    """The op it implements (a `Slot`'s name)."""
+    name: str
+    """Its name in flags, configs and docs, unique within the slot."""
+    description: str
+    """What it is and when to use it (the docs table shows it)."""
+    load: Callable[[], object]
+    """Returns the implementation: a function, or a module class for a spec."""
+    missing: Callable[[str | None], str | None] = lambda device_type: None
+    """Why it cannot run, as a one-line error saying the fix, or None when it can. `device_type` None asks
+    at build time (is it installed?); "cpu"/"cuda" asks for tensors of that device type."""
+    spec: str | None = None
+    """The layer spec family it belongs to (`SPECS`), for slots a spec chooses in: a spec takes the first
+    entry of the slot's `AUTO_ORDER` of its own family that can run. None: any spec (a flag chooses)."""
+
+
+def _flash_missing(device_type: str | None) -> str | None:
+    from diffmeg.kernels.sdpa import flash_attn_available  # lazy: loads when this entry is checked
+
+    if device_type is None and not flash_attn_available():
+        return "attention backend 'flash' needs the flash-attn package (GPU builds); use 'sdpa'"
+    if device_type is not None and (device_type != "cuda" or not flash_attn_available()):
+        return "attention backend 'flash' needs a CUDA GPU and the flash-attn package; use 'sdpa'"
+    return None
+
+
+def _triton_missing(device_type: str | None) -> str | None:
+    from diffmeg.kernels.triton_diff import triton_usable  # lazy: loads when this entry is checked
+
+    if device_type is None and importlib.util.find_spec("triton") is None:
+        return "attention backend 'triton' needs the triton package (pip install triton)"
+    if device_type is not None and not triton_usable(device_type):
+        return (
+            "attention backend 'triton' needs the triton package and a CUDA GPU "
+            "(TRITON_INTERPRET=1 runs it on CPU tensors, slowly); use 'sdpa'"
+        )
+    return None
+
+
+def _te_missing(what: str, fix: str) -> Callable[[str | None], str | None]:
+    def missing(device_type: str | None) -> str | None:
+        if transformer_engine_available() and device_type in (None, "cuda"):
+            return None
+        return f"{what} needs transformer_engine and a CUDA GPU; {fix}"
+
+    return missing
+
+
+def _diff_reference() -> Callable:
+    from diffmeg.kernels.reference import diff_attention_reference  # lazy: loads when this entry is chosen
+
+    return diff_attention_reference
+
+
+def _diff_sdpa() -> Callable:
+    from diffmeg.kernels.sdpa import diff_attention_sdpa  # lazy: loads when this entry is chosen
+
+    return diff_attention_sdpa
+
+
+def _diff_sdpa_path(path: str) -> Callable[[], Callable]:
+    def load() -> Callable:
+        from functools import partial
+
+        from diffmeg.kernels.sdpa import diff_attention_sdpa
+
+        return partial(diff_attention_sdpa, path=path)
+
+    return load
+
+
+def _diff_flash() -> Callable:
+    from diffmeg.kernels.sdpa import diff_attention_sdpa  # lazy: loads when this entry is chosen
+
+    return partial(diff_attention_sdpa, use_flash_attn=True)
+
+
+def _flex_missing(device_type: str | None) -> str | None:
+    from diffmeg.kernels.flex import flex_attention_available
+
+    if not flex_attention_available():
+        return "attention backend 'flex' needs torch >= 2.5 (FlexAttention); use 'sdpa'"
+    if device_type is not None and device_type != "cuda":
+        return "attention backend 'flex' needs a CUDA GPU (FlexAttention has no CPU backward); use 'sdpa'"
+    return None
+
+
+def _diff_flex() -> Callable:
+    from diffmeg.kernels.flex import diff_attention_flex
+
+    return diff_attention_flex
+
+
+def _diff_triton() -> Callable:
+    from diffmeg.kernels.triton_diff import diff_attention_triton  # lazy: loads when this entry is chosen
+
+    return diff_attention_triton
+
+
+def _sdpa_core() -> type:
+    from diffmeg.core_attention import SDPACoreAttention  # lazy: loads when this entry is chosen
+
+    return SDPACoreAttention
+
+
+def _te_dot_product_attention() -> type:
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention  # optional GPU dependency
+
+    return TEDotProductAttention
+
+
+def _local_norm() -> type:
+    from diffmeg.fusions.rms_norm import RMSNorm  # lazy: loads when this entry is chosen
+
+    return RMSNorm
+
+
+def _torch_norm() -> type:
+    from diffmeg.fusions.rms_norm import TorchRMSNorm
+
+    return TorchRMSNorm
+
+
+def _compiled_norm() -> type:
+    from diffmeg.fusions.rms_norm import CompiledRMSNorm
+
+    return CompiledRMSNorm
+
+
+def _compile_missing(what: str) -> Callable[[str | None], str | None]:
+    def missing(device_type: str | None) -> str | None:
+        import torch
+
+        if getattr(torch, "compile", None) is None:
+            return f"{what} needs torch.compile (torch >= 2.0); use 'auto'"
+        return None
+
+    return missing
+
+
+def _te_norm() -> type:
+    from megatron.core.extensions.transformer_engine import TENorm  # optional GPU dependency
+
+    return TENorm
+
+
+def _megatron_loss() -> Callable:
+    # lazy: loads when this entry is chosen
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy
+
+
+def _fused_loss() -> Callable:
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    return fused_vocab_parallel_cross_entropy
+
+
+def _eager_epilogue() -> Callable:
+    from diffmeg.fusions.diff_combine import diff_epilogue
+
+    return diff_epilogue
+
+
+def _compiled_epilogue() -> Callable:
+    from diffmeg.fusions.diff_combine import diff_epilogue_compiled
+
+    return diff_epilogue_compiled
+
+
+def _megatron_rope() -> Callable:
+    from diffmeg.fusions.rope import rope_eager
+
+    return rope_eager
+
+
+def _compiled_rope() -> Callable:
+    from diffmeg.fusions.rope import rope_compiled
+
+    return rope_compiled
+
+
+def _chunked_loss() -> Callable:
+    from diffmeg.fusions.cross_entropy import linear_cross_entropy  # lazy: loads when this entry is chosen
+
+    return linear_cross_entropy
+
+
+def _torchao_fp8_missing(device_type: str | None) -> str | None:
+    from diffmeg.fusions.torchao_fp8 import fp8_unsupported_reason, torchao_available
+
+    if device_type is None:
+        return None if torchao_available() else fp8_unsupported_reason(emulate=False)
+    if device_type != "cuda":
+        return "FP8 linears need a CUDA GPU (Ada/Hopper or newer) outside emulation; leave out --fp8-format"
+    return fp8_unsupported_reason(emulate=False)
+
+
+def _torchao_fp8() -> type:
+    from diffmeg.fusions.torchao_fp8 import TorchaoFp8
+
+    return TorchaoFp8
+
+
+def _te_fp8() -> type:
+    from diffmeg.fusions.fp8 import TransformerEngineFp8  # lazy: loads when this entry is chosen
+
+    return TransformerEngineFp8
+
+
+SLOTS = (
+    Slot("diff_attention", "differential attention backend", "`--diff-attn-backend` (DIFF V1)"),
+    Slot(
+        "core_attention",
+        "core attention",
+        "the spec (`--transformer-impl`): the Transformer baseline's and DIFF V2's core",
+    ),
+    Slot(
+        "norm",
+        "norm",
+        "the spec (`--transformer-impl`), or `--norm-impl` on the local spec: the blocks' and the final "
+        "RMSNorm, and DIFF V1's head norm",
+    ),
+    Slot(
+        "loss",
+        "training loss",
+        "`--cross-entropy-chunk-size` (set: chunked), `--cross-entropy-loss-fusion` (set: fused)",
+    ),
+    Slot("rope", "RoPE", "`--rope-impl`: the rotation of q and k in every self-attention"),
+    Slot(
+        "diff_epilogue",
+        "DIFF epilogue",
+        "`--diff-epilogue-impl` (DIFF V1): head RMSNorm, x (1 - lambda_init), the permute to seq-first",
+    ),
+    Slot(
+        "fp8_linear",
+        "FP8 linear converter",
+        "`--fp8-format` (set: the spec is converted) and the spec (`--transformer-impl`)",
+    ),
+)
+
+IMPLEMENTATIONS = (
+    Implementation(
+        "diff_attention",
+        "reference",
+        "plain math in the input dtype (float64 for the golden tests); materialises both maps; custom masks "
+        "and attention dropout",
+        _diff_reference,
+    ),
+    Implementation(
+        "diff_attention",
+        "sdpa",
+        "torch SDPA, combined in fp32; the path per key length from measured crossovers "
+        "(`kernels/sdpa_paths.py`: two calls sharing V, or split-V on a GPU where it measured faster)",
+        _diff_sdpa,
+    ),
+    Implementation(
+        "diff_attention",
+        "sdpa_two_call",
+        "torch SDPA, always two calls sharing V of width 2d (a candidate `sdpa` chooses among)",
+        _diff_sdpa_path("two_call"),
+    ),
+    Implementation(
+        "diff_attention",
+        "sdpa_split_v",
+        "torch SDPA, always four calls over V's d-wide halves (equal head sizes: flash kernels on a GPU)",
+        _diff_sdpa_path("split_v"),
+    ),
+    Implementation(
+        "diff_attention",
+        "sdpa_split_v_batched",
+        "torch SDPA, split-V's four products as one call stacked on the batch axis (one launch)",
+        _diff_sdpa_path("split_v_batched"),
+    ),
+    Implementation(
+        "diff_attention",
+        "flash",
+        "flash-attn, four calls over V's halves (GPU, the flash-attn package)",
+        _diff_flash,
+        _flash_missing,
+    ),
+    Implementation(
+        "diff_attention",
+        "flex",
+        "FlexAttention, two calls over V of width 2d, torch.compile'd (GPU; a measured candidate)",
+        _diff_flex,
+        _flex_missing,
+    ),
+    Implementation(
+        "diff_attention",
+        "triton",
+        "diffmeg's fused Triton kernel: both softmaxes in one pass over K/V (GPU; TRITON_INTERPRET=1 on CPU)",
+        _diff_triton,
+        _triton_missing,
+    ),
+    Implementation(
+        "core_attention",
+        "sdpa",
+        "diffmeg's `SDPACoreAttention`: torch SDPA without the score matrix (the local spec)",
+        _sdpa_core,
+        spec="local",
+    ),
+    Implementation(
+        "core_attention",
+        "transformer_engine",
+        "megatron-core's `TEDotProductAttention` (the Transformer Engine spec; context-parallel modes)",
+        _te_dot_product_attention,
+        _te_missing("TEDotProductAttention", "use --transformer-impl local"),
+        spec="transformer_engine",
+    ),
+    Implementation(
+        "norm",
+        "local",
+        "diffmeg's fp32 RMSNorm (`fusions/rms_norm.py`), sequence-parallel capable (the local spec)",
+        _local_norm,
+        spec="local",
+    ),
+    Implementation(
+        "norm",
+        "torch",
+        "the same RMSNorm through torch's `F.rms_norm`: one fused kernel each way on CUDA, no fp32 copy of "
+        "the input (a GPU candidate, not yet measured)",
+        _torch_norm,
+        spec="local",
+    ),
+    Implementation(
+        "norm",
+        "compiled",
+        "the fp32 RMSNorm's math as one `torch.compile`d region (a GPU candidate, not yet measured)",
+        _compiled_norm,
+        _compile_missing("norm 'compiled'"),
+        spec="local",
+    ),
+    Implementation(
+        "norm",
+        "transformer_engine",
+        "Transformer Engine's norm, fused into the following linear where the spec allows",
+        _te_norm,
+        _te_missing("Transformer Engine's norm", "use --transformer-impl local"),
+        spec="transformer_engine",
+    ),
+    Implementation(
+        "loss",
+        "megatron",
+        "megatron-core's vocabulary-parallel cross entropy over the whole logits (GPTModel's own loss)",
+        _megatron_loss,
+    ),
+    Implementation(
+        "loss",
+        "fused",
+        "megatron-core's native fused vocabulary-parallel cross entropy (`cross_entropy_loss_fusion`, "
+        "'native'): its steps compiled, the fp32 logits turned into the softmax in place and the gradient "
+        "returned in bf16 (bf16 runs only; a GPU candidate, not yet measured)",
+        _fused_loss,
+    ),
+    Implementation(
+        "loss",
+        "chunked",
+        "diffmeg's output projection + cross entropy in chunks of tokens, logits recomputed in backward "
+        "(`fusions/cross_entropy.py`)",
+        _chunked_loss,
+    ),
+    Implementation(
+        "rope",
+        "megatron",
+        "megatron-core's eager `_apply_rotary_pos_emb_bshd`, inside its attention (its fused RoPE needs TE)",
+        _megatron_rope,
+    ),
+    Implementation(
+        "rope",
+        "compiled",
+        "the same function as one `torch.compile`d region, applied by `fusions/rope.py`'s attention mixin "
+        "(training-shaped calls; a GPU candidate, not yet measured)",
+        _compiled_rope,
+        _compile_missing("RoPE 'compiled'"),
+    ),
+    Implementation(
+        "diff_epilogue",
+        "eager",
+        "plain ops: the head norm (`--norm-impl`'s), the scale, a contiguous permute "
+        "(`fusions/diff_combine.py`)",
+        _eager_epilogue,
+    ),
+    Implementation(
+        "diff_epilogue",
+        "compiled",
+        "the eager epilogue with the fp32 norm math as one `torch.compile`d region, forward and backward "
+        "(a GPU candidate, not yet measured)",
+        _compiled_epilogue,
+        _compile_missing("DIFF epilogue 'compiled'"),
+    ),
+    Implementation(
+        "fp8_linear",
+        "transformer_engine",
+        "Transformer Engine's FP8 linears (`fusions/fp8.py`: the spec's linears become TE's)",
+        _te_fp8,
+        _te_missing("the FP8 linear converter", "leave out --fp8-format"),
+        spec="transformer_engine",
+    ),
+    Implementation(
+        "fp8_linear",
+        "torchao",
+        "torchao's float8 training on megatron-core's parallel linears (`fusions/torchao_fp8.py`): "
+        "tensorwise scaling over `torch._scaled_mm` (Ada/Hopper), QKV, out-proj and MLP",
+        _torchao_fp8,
+        _torchao_fp8_missing,
+        spec="local",
+    ),
+)
+
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    # Measured on an H100 (bf16, 12 heads of d=128, forward+backward; the kernels phase of
+    # benchmarks/results/campaign-nvidia-h100-80gb-hbm3-20261124T064253Z.json): the fused Triton kernel with
+    # its best tiles takes 1.26-1.35x the time of torch's SDPA paths at every length from 2K to 16K, so
+    # `auto` is SDPA (flash kernels) until a kernel beats it; 'triton' stays available by name.
+    "diff_attention": ("sdpa",),
+    "core_attention": ("transformer_engine", "sdpa"),
+    "norm": ("transformer_engine", "local"),
+    # The fused candidates ('torch'/'compiled' norms, the 'fused' loss, 'compiled' RoPE and epilogue) are
+    # chosen by name only until the lever matrix has timed them on a GPU (docs/gpu.md).
+    "loss": ("megatron",),
+    "rope": ("megatron",),
+    "diff_epilogue": ("eager",),
+    "fp8_linear": ("transformer_engine", "torchao"),
+}
+"""Per slot, what `auto` tries, first choice first: the first that can run (at build time) is taken."""
+
+
+def slot(name: str) -> Slot:
+    """The slot called `name`."""
+    for s in SLOTS:
+        if s.name == name:
+            return s
+    raise DiffmegError(f"no implementation slot {name!r}; the slots are {', '.join(s.name for s in SLOTS)}")
+
+
+def implementations(slot_name: str) -> tuple[Implementation, ...]:
+    """The slot's implementations, in the table's order."""
+    slot(slot_name)
+    return tuple(i for i in IMPLEMENTATIONS if i.slot == slot_name)
+
+
+def names(slot_name: str) -> tuple[str, ...]:
+    """The slot's implementation names."""
+    return tuple(i.name for i in implementations(slot_name))
+
+
+def choices(slot_name: str) -> tuple[str, ...]:
+    """What a flag or config field choosing in this slot accepts: `auto` and every name."""
+    return (AUTO, *names(slot_name))
+
+
+def check_name(slot_name: str, name: str) -> None:
+    """Refuse a name that is neither `auto` nor one of the slot's, whether or not it can run here."""
+    if name not in choices(slot_name):
+        raise DiffmegError(
+            f"unknown {slot(slot_name).what} {name!r} (not available in this build); "
+            f"choose one of {', '.join(choices(slot_name))}"
+        )
+
+
+def resolve(slot_name: str, name: str = AUTO, spec: str | None = None) -> str:
+    """The name `name` stands for at build time: `auto` becomes the slot's first choice that can run here
+    (of `spec`'s family, given one); a name this installation can never run is refused in one line."""
+    check_name(slot_name, name)
+    if name != AUTO:
+        reason = implementation(slot_name, name).missing(None)
+        if reason is not None:
+            raise DiffmegError(reason)
+        return name
+    if spec is not None and spec not in SPECS:
+        raise DiffmegError(f"unknown layer spec {spec!r}; choose one of {', '.join(SPECS)}")
+    order = [
+        c for c in AUTO_ORDER[slot_name] if spec is None or implementation(slot_name, c).spec in (None, spec)
+    ]
+    for candidate in order:
+        if implementation(slot_name, candidate).missing(None) is None:
+            return candidate
+    if not order:
+        raise DiffmegError(f"no {slot(slot_name).what} of the {spec} spec is registered")
+    reason = implementation(slot_name, order[0]).missing(None)  # the first choice's reason: what to change
+    raise DiffmegError(reason or f"no {slot(slot_name).what} runs here")
+
+
+def implementation(slot_name: str, name: str) -> Implementation:
+    """The slot's entry called `name` (no availability check)."""
+    if name == AUTO:
+        name = resolve(slot_name, name)
+    check_name(slot_name, name)
+    return next(i for i in implementations(slot_name) if i.name == name)
+
+
+def select(
+    slot_name: str, name: str = AUTO, device_type: str | None = None, *, spec: str | None = None
+) -> Implementation:
+    """The implementation to run: `name` (or `auto`, resolved, among `spec`'s family given one) checked for
+    this installation and, given a `device_type`, for tensors of that device type; its reason in one line
+    where it cannot run."""
+    chosen = implementation(slot_name, resolve(slot_name, name, spec))
+    if device_type is not None:
+        reason = chosen.missing(device_type)
+        if reason is not None:
+            raise DiffmegError(reason)
+    return chosen
+
+
+def markdown_table() -> str:
+    """docs/implementations.md's table: every slot, what chooses in it, its implementations and `auto`."""
+    lines = [
+        "| slot | chosen by | implementation | what it is | spec | auto tries |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in SLOTS:
+        for i in implementations(s.name):
+            rank = AUTO_ORDER[s.name].index(i.name) + 1 if i.name in AUTO_ORDER[s.name] else None
+            auto = f"choice {rank}" if rank else "by name only"
+            spec = f"`{i.spec}`" if i.spec else "any"
+            lines.append(f"| `{s.name}` | {s.chosen_by} | `{i.name}` | {i.description} | {spec} | {auto} |")
+    return "\n".join(lines) + "\n"

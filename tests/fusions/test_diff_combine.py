@@ -1,0 +1,109 @@
+"""DIFF's combination step (diffmeg.fusions.diff_combine): V1's `o1 - lam * o2`, whose entry point keeps o2 as
+it came, against its eager twin; V2's head pairs against the definition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffmeg.fusions.diff_combine import DiffCombine, combine_head_pairs, diff_combine, diff_combine_eager
+
+
+def _maps(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    b, h, s, d2 = 2, 3, 5, 8
+    o1 = torch.randn(b, h, s, d2, generator=gen).to(dtype).requires_grad_()
+    o2 = torch.randn(b, h, s, d2, generator=gen).to(dtype).requires_grad_()
+    lam = torch.tensor(0.37, dtype=torch.float32, requires_grad=True)
+    return o1, o2, lam
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_diff_combine_equals_its_eager_twin_in_values_and_gradients(dtype):
+    fused, eager = _maps(dtype), _maps(dtype)
+    out, want = diff_combine(*fused), diff_combine_eager(*eager)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(grad)
+    want.backward(grad)
+    for got, ref, name in zip(fused, eager, ("o1", "o2", "lambda"), strict=True):
+        assert got.grad.dtype == ref.grad.dtype, name
+        torch.testing.assert_close(got.grad, ref.grad, msg=name)
+
+
+def test_diff_combine_is_the_equation_in_float64():
+    o1, o2, lam = _maps(torch.float64)
+    out = diff_combine(o1, o2, lam)
+    torch.testing.assert_close(out, o1 - lam.double() * o2, rtol=0, atol=1e-15)
+    out.sum().backward()
+    torch.testing.assert_close(lam.grad.double(), -o2.detach().sum(), rtol=1e-6, atol=0)
+
+
+def test_diff_combine_saves_o2_in_its_own_dtype():
+    """The point of the Function over its eager twin: no fp32 copy of a bf16 o2 is kept for backward."""
+    o1, o2, lam = _maps(torch.bfloat16)
+    out = DiffCombine.apply(o1, o2, lam)
+    saved = [t.dtype for t in out.grad_fn.saved_tensors]
+    assert saved == [torch.bfloat16, torch.float32]  # o2 as it came, lambda
+
+
+def test_combine_head_pairs_is_the_definition():
+    gen = torch.Generator().manual_seed(0)
+    s, b, n, d = 5, 2, 3, 4
+    attn = torch.randn(s, b, 2 * n * d, generator=gen, dtype=torch.bfloat16)
+    lam = torch.rand(s, b, n, generator=gen)
+    out = combine_head_pairs(attn, lam)
+    a = attn.float().view(s, b, 2 * n, d)
+    want = torch.cat([a[:, :, 2 * i] - lam[:, :, i : i + 1] * a[:, :, 2 * i + 1] for i in range(n)], dim=-1)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def _epilogue_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    out = torch.randn(2, 3, 5, 8, generator=gen, dtype=dtype, requires_grad=True)  # [b, h, sq, 2d]
+    weight = (1 + 0.3 * torch.randn(8, generator=gen, dtype=dtype)).requires_grad_()
+    return out, weight
+
+
+def test_diff_epilogue_is_the_equation_in_float64():
+    from diffmeg.fusions.diff_combine import diff_epilogue
+
+    out, weight = _epilogue_inputs(torch.float64)
+    got = diff_epilogue(out, weight, 1e-5, 0.75)
+    normed = out / torch.sqrt((out * out).mean(-1, keepdim=True) + 1e-5) * weight * 0.75
+    want = torch.stack([normed[:, :, i] for i in range(out.shape[2])])  # [sq, b, h, 2d]
+    assert got.is_contiguous() and got.shape == (5, 2, 3, 8)
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+
+
+def test_compiled_diff_epilogue_matches_the_eager_one_in_fp32():
+    from diffmeg.fusions.diff_combine import diff_epilogue, diff_epilogue_compiled
+
+    out, weight = _epilogue_inputs(torch.float32)
+    grad = torch.randn(5, 2, 3, 8, generator=torch.Generator().manual_seed(5))
+    results = []
+    for fn, scale in ((diff_epilogue_compiled, 0.75), (diff_epilogue_compiled, 0.5), (diff_epilogue, 0.5)):
+        y = fn(out, weight, 1e-5, scale)
+        results.append((y, *torch.autograd.grad(y, (out, weight), grad)))
+    assert results[0][0].is_contiguous() and results[0][0].shape == (5, 2, 3, 8)
+    torch.testing.assert_close(results[0][0] * (0.5 / 0.75), results[2][0])  # the scale is an input
+    for got, want in zip(results[1], results[2], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_the_epilogue_flag_is_noted_where_it_does_nothing(monkeypatch):
+    from diffmeg.training.arguments import resolve_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    flag = ["--diff-epilogue-impl", "compiled"]
+    assert not any(
+        "--diff-epilogue-impl" in n for n in resolve_args(["--model", "diff-tiny", *flag]).dropped_flags
+    )
+    for model, why in (
+        ("diff2-tiny", "DIFF V2 has no head norm"),
+        ("transformer-tiny", "Transformer baseline"),
+    ):
+        notes = resolve_args(["--model", model, *flag]).dropped_flags
+        assert any(n.startswith("--diff-epilogue-impl has no effect") and why in n for n in notes), notes

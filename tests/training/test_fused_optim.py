@@ -1,0 +1,197 @@
+"""The fused optimizer step (`--optimizer-impl fused`): the same weights and losses as megatron-core's step
+to fp32 rounding, no host sync of its own, the selection by `auto`, and its one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffmeg.errors import DiffmegError
+from diffmeg.training import fused_optim
+from diffmeg.training.arguments import resolve_args
+from diffmeg.training.run_config import RunConfig
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32"]
+SMALL += ["--mock-data", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]
+SMALL += ["--lr", "3e-3", "--eval-iters", "0", "--lr-warmup-iters", "1", "--train-iters", "20"]
+STEPS = 5
+
+
+def _run(
+    impl: str, *flags: str, steps: int = STEPS
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Losses, grad norms and final weights of `steps` Trainer steps with `--optimizer-impl impl`."""
+    from diffmeg.training.builders import release_training_objects
+    from diffmeg.training.trainer import Trainer
+
+    run = RunConfig.from_args(resolve_args([*SMALL, *flags, "--optimizer-impl", impl], world_size=1))
+    trainer = Trainer(run, callbacks=[])
+    try:
+        for chunk in trainer.model:
+            chunk.train()
+        losses, norms = [], []
+        for _ in range(steps):
+            out = trainer.train_step()
+            losses.append(float(out.loss))
+            norms.append(float(out.grad_norm))
+        return losses, norms, _main_weights(trainer)
+    finally:
+        release_training_objects(trainer.model_config, trainer.model)
+
+
+def _main_weights(trainer) -> dict[str, torch.Tensor]:
+    """The fp32 weights the optimizer updates, by parameter name: under --bf16 the main copies (the bf16
+    model weights round them, so one fp32 ulp there can be one bf16 ulp here)."""
+    main = {}
+    for opt in trainer.optimizer.chained_optimizers:
+        pairs = zip(
+            getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []), strict=True
+        )
+        for model_group, main_group in pairs:
+            main.update({id(p): m for p, m in zip(model_group, main_group, strict=True)})
+    return {n: main.get(id(p), p).detach().clone() for n, p in trainer.model[0].named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        (),
+        ("--clip-grad", "0.05"),  # every step clipped: the device-side factor is used
+        ("--use-distributed-optimizer", "--clip-grad", "0.05"),
+    ],
+    ids=["unclipped", "clipped", "dist-opt"],
+)
+def test_fused_step_matches_megatron_cores(single_rank_parallel_state, flags):
+    ref_losses, ref_norms, ref_w = _run("megatron", *flags)
+    losses, norms, w = _run("fused", *flags)
+    assert losses[0] == ref_losses[0]  # the first forward sees the same initial weights
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-7)
+    if "--clip-grad" in flags:
+        assert min(ref_norms) > 0.05  # the clip did act
+    assert set(w) == set(ref_w)
+    for name in w:
+        torch.testing.assert_close(w[name], ref_w[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bf16_fused_step_matches_megatron_cores(single_rank_parallel_state):
+    """--bf16: fp32 main params copied to the bf16 model by one foreach copy. One step: afterwards a
+    one-ulp fp32 difference can round a bf16 weight the other way, and bf16 forwards amplify it."""
+    ref_losses, ref_norms, ref_w = _run("megatron", "--bf16", "--clip-grad", "0.05", steps=1)
+    losses, norms, w = _run("fused", "--bf16", "--clip-grad", "0.05", steps=1)
+    assert losses == ref_losses and min(ref_norms) > 0.05
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-7)
+    for name in w:
+        torch.testing.assert_close(w[name], ref_w[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_grad_norm_and_clip_stay_on_the_device():
+    grads = [torch.full((3,), 2.0), torch.full((4,), -1.0)]
+    norm = fused_optim.grad_norm(grads, group=None)
+    assert isinstance(norm, torch.Tensor) and norm.dim() == 0
+    assert norm.item() == pytest.approx((12 + 4) ** 0.5)
+    before = [g.clone() for g in grads]
+    fused_optim.clip_(grads, 10.0, norm)  # factor clamped to 1: unchanged bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
+    fused_optim.clip_(grads, 1.0, norm)
+    assert fused_optim.grad_norm(grads, None).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_the_fused_step_reads_nothing_back_to_the_host(single_rank_parallel_state, monkeypatch):
+    """megatron-core's step calls .item()/float() on the grad norm; the fused one never does (on a CPU,
+    torch's foreach AdamW reads its CPU step counters, which are no device sync: those are not counted)."""
+    from diffmeg.training.builders import release_training_objects
+    from diffmeg.training.trainer import Trainer
+
+    run = RunConfig.from_args(resolve_args([*SMALL, "--optimizer-impl", "fused"], world_size=1))
+    trainer = Trainer(run, callbacks=[])
+    try:
+        trainer.train_step()  # state built
+        inner = [opt.optimizer for opt in trainer.optimizer.chained_optimizers]
+        counters = {id(state["step"]) for opt in inner for state in opt.state.values()}
+        reads = []
+        for name in ("item", "__float__", "tolist"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(self, *a, _original=original, _name=name, **k):
+                if id(self) not in counters:
+                    reads.append(_name)
+                return _original(self, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        ok, norm, _ = trainer.optimizer.step()
+        monkeypatch.undo()
+        assert ok and isinstance(norm, torch.Tensor) and reads == []
+    finally:
+        release_training_objects(trainer.model_config, trainer.model)
+
+
+def test_auto_picks_fused_on_cuda_without_te_or_apex_and_unknown_impls_are_refused(monkeypatch):
+    # until a GPU run measured the fused step faster, auto keeps megatron-core's everywhere
+    assert fused_optim.resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=False) == "megatron"
+    monkeypatch.setattr(fused_optim, "FUSED_MEASURED_FASTER_ON_CUDA", True)
+    assert fused_optim.resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=False) == "fused"
+    assert fused_optim.resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=True) == "megatron"
+    assert fused_optim.resolve_optimizer_impl("auto", on_cuda=False, megatron_fused_adam=False) == "megatron"
+    assert fused_optim.resolve_optimizer_impl("fused", on_cuda=False, megatron_fused_adam=True) == "fused"
+    with pytest.raises(DiffmegError, match="--optimizer-impl 'apex' is unknown; choose one of auto"):
+        fused_optim.resolve_optimizer_impl("apex", on_cuda=False, megatron_fused_adam=False)
+
+
+def test_the_flag_is_in_the_run_config_with_auto_by_default():
+    run = RunConfig.from_args(resolve_args(SMALL, world_size=1))
+    assert run.optim.optimizer_impl == "auto"
+    run = RunConfig.from_args(resolve_args([*SMALL, "--optimizer-impl", "fused"], world_size=1))
+    assert run.optim.optimizer_impl == "fused" and run.to_args().optimizer_impl == "fused"
+
+
+def test_adamw_runs_foreach_here_and_leaves_the_groups_flags_as_they_were():
+    """On a CPU the fused step's AdamW is torch's foreach form; the param groups (what a checkpoint
+    saves) keep their own flags."""
+    import importlib
+    from unittest import mock
+
+    w = torch.nn.Parameter(torch.ones(4))
+    inner = torch.optim.AdamW([w], lr=0.1)
+    stepper = fused_optim._AdamFlags(inner, fused=False)
+    w.grad = torch.ones(4)
+    adam = importlib.import_module("torch.optim.adam")
+    with mock.patch.object(adam, "_multi_tensor_adam", wraps=adam._multi_tensor_adam) as fe:
+        stepper()
+    assert fe.call_count == 1 and w.detach().lt(1).all()
+    assert inner.param_groups[0]["foreach"] is None and inner.param_groups[0]["fused"] is None
+
+
+@pytest.mark.parametrize("flags", [(), ("--use-distributed-optimizer",)], ids=["plain", "dist-opt"])
+def test_a_fused_run_resumes_exactly_from_its_checkpoint(
+    single_rank_parallel_state, tmp_path, monkeypatch, flags
+):
+    """Save after 2 fused steps, load into a new fused Trainer: its next 2 losses are the uninterrupted
+    run's."""
+    from diffmeg.training.builders import release_training_objects
+    from diffmeg.training.trainer import Trainer
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # the Trainer sets the launcher variables; restored at teardown
+        monkeypatch.delenv(key)
+    ckpt = str(tmp_path / "ckpt")
+    common = [*SMALL, *flags, "--optimizer-impl", "fused", "--save", ckpt, "--save-interval", "100"]
+
+    def trainer(*extra: str) -> Trainer:
+        return Trainer(RunConfig.from_args(resolve_args([*common, *extra], world_size=1)), callbacks=[])
+
+    first = trainer()
+    try:
+        for _ in range(2):
+            first.train_step()
+        first.checkpoints.save(2, first.state.consumed_samples, first.model, first.optimizer, first.scheduler)
+        first.checkpoints.wait()
+        expected = [float(first.train_step().loss) for _ in range(2)]
+    finally:
+        release_training_objects(first.model_config, first.model)
+    resumed = trainer("--load", ckpt)
+    try:
+        assert resumed.state.iteration == 2
+        assert [float(resumed.train_step().loss) for _ in range(2)] == expected
+    finally:
+        release_training_objects(resumed.model_config, resumed.model)
