@@ -176,7 +176,7 @@ class DiffCoreAttention(CoreAttention):
         else:
             backend = self.backend_for(query.device.type)
         kwargs = {"attention_mask": mask} if mask is not None else {}
-        with self.dropout_rng():
+        with self.dropout_rng(), self.sdpa_context():  # the SDPA backend's calls take the preference
             out = backend(
                 q[0], q[1], k[0], k[1], v, self.lambda_full(), scale=self.softmax_scale, dropout_p=dropout_p,
                 **kwargs,

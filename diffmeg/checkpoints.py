@@ -369,6 +369,9 @@ SAVED_ARGS_DEFAULTS: dict[str, object] = {
     "norm_impl": "auto",  # the spec's own norm
     "diff_epilogue_impl": "auto",  # the eager epilogue
     "rope_impl": "auto",  # megatron-core's RoPE
+    "sdpa_backend": "auto",  # torch's own SDPA kernel order
+    "compile_layers": False,  # eager layers
+    "cuda_graph_impl": "none",  # no CUDA graphs
 }
 """What a flag added after a checkpoint was written meant for the runs that did not have it yet."""
 
@@ -389,6 +392,7 @@ def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
     args.sequence_parallel = args.use_distributed_optimizer = False
     args.bf16 = args.fp16 = False
     args.fp8_format = None
+    args.sdpa_backend, args.cuda_graph_impl = "auto", "none"  # a run's GPU speed choices, not its weights
     args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
     return args
 

@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diffmeg import registry
 from diffmeg.errors import DiffmegError
+from diffmeg.kernels import sdpa_backends
 from diffmeg.parallel.validation import validate_cp
 
 DIFF_VERSIONS = (1, 2)
@@ -79,6 +80,10 @@ class DiffTransformerConfig(TransformerConfig):
     """DIFF V1's epilogue after the attention backend (head RMSNorm, x (1 - lambda_init), seq-first), a
     name of the registry's `diff_epilogue` slot: eager, compiled, or auto (eager until measured)."""
 
+    sdpa_backend: str = "auto"
+    """Which kernel torch's SDPA tries first in every core attention (`diffmeg.kernels.sdpa_backends`):
+    auto (torch's own order), cudnn, flash, efficient (GPU kernels first, the others behind) or math."""
+
     cp_comm_type: str | list[str] | None = None
     """megatron-core's field, with one more value for DIFF: `ulysses` (None means it) shards heads with
     diffmeg's all-to-all around any backend; `p2p`, `all_gather`, `a2a` run both maps through
@@ -124,6 +129,7 @@ class DiffTransformerConfig(TransformerConfig):
         registry.check_name("norm", self.norm_impl)
         registry.check_name("diff_epilogue", self.diff_epilogue_impl)
         registry.check_name("rope", self.rope_impl)
+        sdpa_backends.check_name(self.sdpa_backend)
         named = self.norm_impl != registry.AUTO
         if named and registry.implementation("norm", self.norm_impl).spec != "local":
             local = [i.name for i in registry.implementations("norm") if i.spec == "local"]

@@ -24,6 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from diffmeg.errors import DiffmegError
 from diffmeg.kernels.reference import causal_keep_mask
+from diffmeg.kernels.sdpa_backends import AUTO, check_name, sdpa_preference
 
 
 def context_parallel_group(pg_collection) -> torch.distributed.ProcessGroup:
@@ -36,7 +37,8 @@ class CoreAttention(MegatronModule):
     """Base of diffmeg's core attentions: causal (or no-mask) attention without packed sequences or bias.
 
     Subclasses implement `attend(query, key, value, attention_mask, attn_mask_type)`; `name` is what the
-    one-line errors call them.
+    one-line errors call them. Each runs its SDPA calls under `sdpa_context()`, the config's
+    `sdpa_backend` preference: one place for both cores.
     """
 
     name = "this core attention"
@@ -61,6 +63,8 @@ class CoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.cp_comm_type = cp_comm_type
+        self.sdpa_backend = getattr(config, "sdpa_backend", AUTO)  # megatron-core's own config has none
+        check_name(self.sdpa_backend)
 
     def forward(
         self,
@@ -88,6 +92,10 @@ class CoreAttention(MegatronModule):
         or None; `attn_mask_type` the call's, else the layer's. Subclasses override it with the same
         (unannotated) signature."""
         raise NotImplementedError
+
+    def sdpa_context(self) -> contextlib.AbstractContextManager:
+        """The kernel preference (`diffmeg.kernels.sdpa_backends`) torch's SDPA calls run under."""
+        return sdpa_preference(self.sdpa_backend)
 
     def dropout_rng(self) -> contextlib.AbstractContextManager:
         """megatron-core's tensor-parallel RNG around attention dropout (each TP rank drops its own heads'
@@ -144,7 +152,7 @@ class SDPACoreAttention(CoreAttention):
                 scale=self.softmax_scale, enable_gqa=groups != heads,
             )  # fmt: skip
 
-        with self.dropout_rng():
+        with self.dropout_rng(), self.sdpa_context():
             out = attend()
         # [b, n, sq, d] -> [sq, b, n * d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -24,6 +24,7 @@ from megatron.core.models.gpt import GPTModel
 
 from diffmeg import runtime
 from diffmeg.attention import DiffCoreAttention
+from diffmeg.compat import graph_safe_rng_is_te
 from diffmeg.config import DiffTransformerConfig, megatron_head_counts
 from diffmeg.errors import DiffmegError
 from diffmeg.init import initialize_parameters
@@ -69,6 +70,7 @@ class ModelFields(Protocol):
     norm_impl: str
     rope_impl: str
     diff_epilogue_impl: str
+    sdpa_backend: str
 
 
 class ParallelFields(Protocol):
@@ -95,6 +97,7 @@ class TrainingFields(Protocol):
     cross_entropy_chunk_size: int | None
     cross_entropy_loss_fusion: bool
     deterministic_mode: bool
+    cuda_graph_impl: str
 
 
 def transformer_config(
@@ -161,6 +164,11 @@ def transformer_config(
         norm_impl=model.norm_impl,
         rope_impl=model.rope_impl,
         diff_epilogue_impl=model.diff_epilogue_impl,
+        sdpa_backend=model.sdpa_backend,
+        # megatron-core's local CUDA graphs: each layer whole (scope "full"), the RNG tracker graph-safe
+        # (diffmeg.compat seeds it so for such runs; TE's tracker where TE is installed, as Megatron-LM)
+        cuda_graph_impl=training.cuda_graph_impl,
+        use_te_rng_tracker=training.cuda_graph_impl != "none" and graph_safe_rng_is_te(),
     )
 
 

@@ -56,3 +56,80 @@ def test_defaults_come_from_the_config(single_rank_parallel_state):
     assert (core.layer_number, core.dropout_p, core.softmax_scale) == (3, 0.25, 8**-0.5)
     core = SDPACoreAttention(cfg, 3, AttnMaskType.causal, "self", attention_dropout=0.0, softmax_scale=0.5)
     assert (core.dropout_p, core.softmax_scale) == (0.0, 0.5)
+
+
+def _preference_cores(backend: str) -> dict:
+    """Both cores (DIFF V1 on its SDPA backend, the baseline's SDPA core) in fp32 with this preference."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from diffmeg.attention import DiffCoreAttention, SDPACoreAttention
+    from tests.builders import tiny_config
+
+    diff = tiny_config(2, 2, 8, sdpa_backend=backend, attention_backend_diff="sdpa")
+    baseline = tiny_config(2, 2, 8, sdpa_backend=backend, diff_attention=False)
+    return {
+        "diff": DiffCoreAttention(diff, 1, AttnMaskType.causal, "self"),
+        "sdpa": SDPACoreAttention(baseline, 1, AttnMaskType.causal, "self"),
+    }
+
+
+def test_the_sdpa_preference_is_entered_around_both_cores_calls(single_rank_parallel_state, monkeypatch):
+    """Each core runs its SDPA calls inside `sdpa_kernel` with the preferred kernel first and torch's order
+    of the others behind it as a priority; auto enters nothing."""
+    from torch.nn.attention import SDPBackend
+
+    from diffmeg.kernels import sdpa_backends
+
+    entered = []
+
+    def spy(kernels, set_priority=False):
+        entered.append((list(kernels), set_priority))
+        return sdpa_backends.contextlib.nullcontext()
+
+    monkeypatch.setattr(sdpa_backends, "sdpa_kernel", spy)
+    q = torch.randn(6, 2, 4, 8)  # [s, b, sub-heads, d]
+    cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    for backend, want in (
+        ("cudnn", ([*cudnn_first, SDPBackend.MATH], True)),
+        ("math", ([SDPBackend.MATH], False)),
+    ):
+        for name, core in _preference_cores(backend).items():
+            entered.clear()
+            core(q, q, q, None)
+            assert entered == [want], (backend, name)
+    for core in _preference_cores("auto").values():
+        entered.clear()
+        core(q, q, q, None)
+        assert entered == []
+
+
+def test_math_first_gives_the_output_of_torchs_own_choice_on_cpu(single_rank_parallel_state):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(6, 2, 4, 8, generator=gen) for _ in range(3))
+    auto, math = _preference_cores("auto"), _preference_cores("math")
+    for name in auto:
+        math[name].load_state_dict(auto[name].state_dict())
+        torch.testing.assert_close(math[name](q, k, v, None), auto[name](q, k, v, None), msg=name)
+
+
+def test_the_sdpa_preference_names_and_torchs_order():
+    """Our copy of torch's kernel order is torch's (a torch upgrade that changes it fails here), and the GPU
+    kernels are refused without CUDA in one line naming the way out."""
+    from torch.nn.attention import SDPBackend
+
+    from diffmeg.errors import DiffmegError
+    from diffmeg.kernels import sdpa_backends
+
+    order = [SDPBackend(i) for i in torch._C._get_sdp_priority_order() if i != int(SDPBackend.OVERRIDEABLE)]
+    assert [sdpa_backends._KERNELS[k] for k in sdpa_backends.TORCH_ORDER] == order
+    assert sdpa_backends.priority("auto") == [] and sdpa_backends.unsupported_reason("math") is None
+    with pytest.raises(DiffmegError, match="unknown SDPA backend 'fast'; choose one of auto, cudnn"):
+        sdpa_backends.check_name("fast")
+    with pytest.raises(DiffmegError, match="unknown SDPA backend"):
+        make_config(2, 2, 8, sdpa_backend="fast")
+    if not torch.cuda.is_available():
+        for name in sdpa_backends.GPU_ONLY:
+            assert (
+                "needs CUDA, which this machine lacks (use auto or math)"
+                in sdpa_backends.unsupported_reason(name)
+            )

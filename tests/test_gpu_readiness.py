@@ -158,3 +158,60 @@ def test_training_steps_as_the_train_phase_takes_them():
         assert (r["process_group"], r["attention"], r["dtype"]) == (group, attention, "torch.bfloat16"), r
         assert r["fused_swiglu"] and r["dynamo"] and all(r["updated"]), r
         assert all(torch.isfinite(torch.tensor(r["losses"]))) and r["losses"][-1] < r["losses"][0], r
+
+
+# One fresh process per option (its own NCCL group, TorchDynamo on): both models, 6 Trainer steps, the
+# option's evidence beside the losses (graphs captured; layers compiled; the preference recorded).
+_GRAPH_STEPS = """
+import json, sys
+import torch
+from benchmarks import train_step
+from diffmeg.training.graphs import transformer_layers
+
+train_step.init_process()
+flags = ["--lr", "1e-3", "--lr-warmup-iters", "0", *json.loads(sys.argv[1])]
+for preset in ("transformer-tiny", "diff-tiny"):
+    opts = train_step.StepOptions(
+        tokens_per_microbatch=512, microbatches=2, vocab_size=1024, extra_args=flags
+    )
+    trainer = train_step.build_trainer(train_step.resolve_run_args(preset, 256, opts, "cuda"))
+    losses = []
+    for _ in range(6):  # megatron-core's 3 warmup steps, the capture, then replays
+        trainer.state.consumed_samples = 0  # the same global batch every step: the loss must fall
+        losses.append(float(trainer.train_step().loss))
+    layers = transformer_layers(trainer.model)  # through the DDP wrappers
+    runners = [r for layer in layers for r in getattr(getattr(layer, "cudagraph_manager", None),
+                                                      "cudagraph_runners", [])]
+    print(json.dumps({
+        "preset": preset, "losses": losses,
+        "graphs": sum(bool(r.cudagraph_created) for r in runners),
+        "compiled": sum(layer._compiled_call_impl is not None for layer in layers),
+        "sdpa_backend": trainer.model_config.sdpa_backend,
+    }))
+"""
+
+
+@pytest.mark.parametrize(
+    "flags, evidence",
+    [
+        (["--cuda-graph-impl", "local"], "graphs"),
+        (["--compile-layers"], "compiled"),
+        (["--sdpa-backend", "cudnn", "--bf16"], "sdpa_backend"),
+    ],
+)
+def test_graph_options_train_a_tiny_model(flags, evidence):
+    """Each GPU lever of diffmeg.training.graphs and --sdpa-backend runs pretrain_diff.py's Trainer for a few
+    steps on both models: the option took effect and the loss falls on repeated batches."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
+    env.update(TORCHDYNAMO_DISABLE="0", PYTHONPATH=str(repo))
+    proc = subprocess.run(
+        [sys.executable, "-c", _GRAPH_STEPS, json.dumps(flags)], cwd=repo, env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["preset"] for r in runs] == ["transformer-tiny", "diff-tiny"]
+    for r in runs:
+        assert r[evidence] not in (0, "auto"), r
+        assert all(torch.isfinite(torch.tensor(r["losses"]))) and r["losses"][-1] < r["losses"][0], r

@@ -52,6 +52,13 @@ FUSED_OPS = (
 )
 """The fused-op candidates of the registry (docs/implementations.md) that both models take: name, flags."""
 DIFF_ONLY_OPS = (("compiled DIFF epilogue", ("--diff-epilogue-impl", "compiled")),)
+GRAPH_OPS = (
+    ("compiled layers", ("--compile-layers",)),
+    ("local CUDA graphs", ("--cuda-graph-impl", "local")),
+    ("cuDNN attention first", ("--sdpa-backend", "cudnn")),
+)
+"""Whole-layer options (`diffmeg.training.graphs`, `diffmeg.kernels.sdpa_backends`), each alone on both
+models: not in the fast path until measured (CUDA graphs and compiled layers exclude each other)."""
 FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
 """torchao's float8 training on the local spec (no Transformer Engine on the GPU machine)."""
 
@@ -59,8 +66,9 @@ FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
 def levers(backends: tuple[str, ...], loss_chunk: int, fused_ops: bool = True) -> tuple[Lever, ...]:
     """The lever matrix: each DIFF attention backend against the first of `backends`, the chunked loss
     (`loss_chunk` tokens a chunk), the fused optimizer, the distributed optimizer and its overlap; with
-    `fused_ops` (a GPU: bf16, so the fused loss and FP8 can run) each fused-op candidate on both models,
-    all of them together (the headline: the fast path against today's) and FP8."""
+    `fused_ops` (a GPU: bf16, so the fused loss and FP8 can run) each fused-op candidate and each graph
+    option (compiled layers, local CUDA graphs, cuDNN attention first) on both models, the fused ops
+    together (the headline: the fast path against today's) and FP8."""
     base = ("--diff-attn-backend", backends[0])
     out = [Lever(f"attention {b} vs {backends[0]}", "diff", (base[0], b), base) for b in backends[1:]]
     out += [
@@ -80,6 +88,8 @@ def levers(backends: tuple[str, ...], loss_chunk: int, fused_ops: bool = True) -
     for arch, extra in (("diff", base), ("transformer", ())):
         ops = FUSED_OPS + (DIFF_ONLY_OPS if arch == "diff" else ())
         out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra) for name, flags in ops]
+        out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra, "GPU graph option, measured alone")
+                for name, flags in GRAPH_OPS]  # fmt: skip
         fast = (*extra, *every, *(DIFF_ONLY_OPS[0][1] if arch == "diff" else ()))
         out.append(Lever(f"every fused op ({arch})", arch, fast, extra, "the fast path against today's"))
         out.append(Lever(f"FP8 on the fast path ({arch})", arch, (*fast, *FP8), fast, "torchao, tensorwise"))

@@ -1,5 +1,10 @@
 """The few places megatron-core 0.16.1 assumes CUDA, handled for CPU runs (inactive when CUDA exists)."""
 
-from diffmeg.compat.cpu import apply_cpu_compat, cpu_compat_active, model_parallel_manual_seed
+from diffmeg.compat.cpu import (
+    apply_cpu_compat,
+    cpu_compat_active,
+    graph_safe_rng_is_te,
+    model_parallel_manual_seed,
+)
 
-__all__ = ["apply_cpu_compat", "cpu_compat_active", "model_parallel_manual_seed"]
+__all__ = ["apply_cpu_compat", "cpu_compat_active", "graph_safe_rng_is_te", "model_parallel_manual_seed"]

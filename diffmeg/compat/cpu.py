@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 from collections.abc import Callable, Iterator
 
 import torch
@@ -156,15 +157,30 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(saved)
 
 
-def model_parallel_manual_seed(seed: int) -> None:
-    """Seed the default and model-parallel RNG streams (megatron-core's function needs CUDA RNG)."""
+def graph_safe_rng_is_te() -> bool:
+    """The graph-safe RNG tracker CUDA graphs need is Transformer Engine's where TE is installed (as
+    Megatron-LM chooses), else megatron-core's own tracker in its graph-safe mode."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def model_parallel_manual_seed(seed: int, cuda_graphs: bool = False) -> None:
+    """Seed the default and model-parallel RNG streams (megatron-core's function needs CUDA RNG).
+
+    `cuda_graphs`: megatron-core's local CUDA graphs capture dropout's RNG, so its tracker must be a
+    graph-safe one (`graph_safe_rng_is_te`), made anew: a tracker made earlier (another run in this
+    process) may not be one. CUDA only: a CPU has no CUDA graphs (the arguments refuse them there)."""
     # megatron-core's modules load only when used (after setup() set TORCHDYNAMO_DISABLE)
     import megatron.core.tensor_parallel.random as mpu_random
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mpu_tp
 
     if torch.cuda.is_available():
-        mpu_tp.model_parallel_cuda_manual_seed(seed)
+        mpu_tp.model_parallel_cuda_manual_seed(
+            seed,
+            te_rng_tracker=cuda_graphs and graph_safe_rng_is_te(),
+            use_cudagraphable_rng=cuda_graphs,
+            force_reset_rng=cuda_graphs,
+        )
         return
     tracker = CpuRNGStatesTracker()
     mpu_random._CUDA_RNG_STATE_TRACKER = tracker

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from diffmeg import registry
 from diffmeg.data.tokenizers import resolve_tokenizer_args
 from diffmeg.errors import DiffmegError
+from diffmeg.kernels import sdpa_backends
 from diffmeg.parallel import cp_attention_available
 from diffmeg.parallel.validation import validate_cp
 from diffmeg.presets import PADDED_VOCAB_SIZE, PRESETS, get_preset, swiglu_ffn_size
 from diffmeg.runtime import transformer_engine_available
+from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
 
 # Defaults for everything a preset may set (Megatron-LM's defaults where it has one).
@@ -210,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"torch.compile'd region; auto: {registry.resolve('diff_epilogue')} until a GPU run measures it",
     )
     g.add_argument(
+        "--sdpa-backend",
+        default=sdpa_backends.AUTO,
+        choices=sdpa_backends.SDPA_BACKENDS,
+        help="the kernel torch's SDPA tries first in every core attention (DIFF V1's SDPA backend, the "
+        "baseline's and DIFF V2's SDPA core): cudnn, flash or efficient first with the others behind (GPU), "
+        "or math only; auto: torch's own order (flash, efficient, math, cuDNN)",
+    )
+    g.add_argument(
         "--transformer-impl",
         default="auto",
         choices=["auto", "local", "transformer_engine"],
@@ -325,6 +335,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="megatron-core's native fused cross entropy (its steps compiled, the softmax made in place of "
         "the fp32 logits; bf16 gradients, so --bf16 only). Default: megatron-core's unfused loss",
+    )
+    g.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="wrap each transformer layer in torch.compile (static shapes, one graph a layer) once the model "
+        "is built; compile time goes into the first steps (GPU: diffmeg disables torch.compile on CPU)",
+    )
+    g.add_argument(
+        "--cuda-graph-impl",
+        choices=["none", "local"],
+        default="none",
+        help="megatron-core's CUDA graphs: local captures each transformer layer's forward and backward "
+        "after its warmup steps and replays them (GPU; not with full recomputation or --compile-layers)",
     )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(
@@ -615,6 +638,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     _validate_overlap(args)
     _validate_fp8(args)
+    _validate_graphs(args)
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise DiffmegError(
             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay horizon {args.lr_decay_iters}"
@@ -693,6 +717,29 @@ def _validate_fp8(args: argparse.Namespace) -> None:
         )
 
 
+def _validate_graphs(args: argparse.Namespace) -> None:
+    """--sdpa-backend, --cuda-graph-impl and --compile-layers: where they cannot run, and together."""
+    backend = getattr(args, "sdpa_backend", sdpa_backends.AUTO)
+    reason = sdpa_backends.unsupported_reason(backend)
+    if reason is not None:
+        raise DiffmegError(f"--sdpa-backend {backend}: {reason}")
+    if getattr(args, "cuda_graph_impl", "none") == "none":
+        return
+    reason = graphs.cuda_graphs_unsupported_reason()
+    if reason is not None:
+        raise DiffmegError(f"--cuda-graph-impl local: {reason}; leave the flag out on this machine")
+    if args.recompute_granularity == "full":
+        raise DiffmegError(
+            "--cuda-graph-impl local cannot capture fully recomputed layers (as in Megatron-LM): drop "
+            "--recompute-granularity full, or use selective"
+        )
+    if getattr(args, "compile_layers", False):
+        raise DiffmegError(
+            "--cuda-graph-impl local and --compile-layers both take over each layer's call: measure them one "
+            "at a time (keep one of the two flags)"
+        )
+
+
 def _validate_overlap(args: argparse.Namespace) -> None:
     """Megatron-LM's rules for the overlapped data-parallel communication flags."""
     if getattr(args, "overlap_param_gather", False):
@@ -760,6 +807,25 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
         )
     if explicit.get("async_save") and args.save is None:
         notes.append("--async-save has no effect without --save")
+    if explicit.get("compile_layers") and (reason := graphs.compile_no_effect_reason()) is not None:
+        notes.append(f"--compile-layers has no effect: {reason}")
+    backend = explicit.get("sdpa_backend", sdpa_backends.AUTO)
+    if backend != sdpa_backends.AUTO and (reason := _no_sdpa_reason(args)) is not None:
+        notes.append(f"--sdpa-backend {backend} has no effect: {reason}")
     if args.mock_data and "data_path" in explicit:
         notes.append("--data-path is ignored: --mock-data generates the data")
     return notes
+
+
+def _no_sdpa_reason(args: argparse.Namespace) -> str | None:
+    """Why no attention of this run calls torch's SDPA (so `--sdpa-backend` changes nothing), or None."""
+    if args.diff_attention and args.diff_version == 1:
+        backend = args.diff_attn_backend
+        if backend == registry.AUTO:
+            backend = registry.resolve("diff_attention")
+        if not backend.startswith("sdpa"):
+            return f"DIFF V1's attention backend is {backend}, not torch's SDPA"
+        return None
+    if args.transformer_impl == "transformer_engine":
+        return "the Transformer Engine spec's core attention is TE's own, not torch's SDPA"
+    return None

@@ -13,6 +13,7 @@ from diffmeg.training.ddp import (
     wrap_model_chunks,
 )
 from diffmeg.training.grads import finalize_diff_model_grads
+from diffmeg.training.graphs import compile_layers
 from diffmeg.training.optim import build_optimizer, build_scheduler
 from diffmeg.training.run_config import RunConfig
 
@@ -39,6 +40,8 @@ def build_training_objects(run: RunConfig):
             seed=training.seed,
             vp_stage=vp_stage,
         )
+        if training.compile_layers:
+            compile_layers([chunk])  # from outside the model code, before any wrapper
         chunks.append(Float16Module(config, chunk) if training.bf16 or training.fp16 else chunk)
     model = wrap_model_chunks(config, ddp_config(run), chunks)
     optimizer = build_optimizer(run, model)

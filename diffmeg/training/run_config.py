@@ -63,6 +63,8 @@ class ModelConfig:
     """The RoPE implementation (the registry's `rope` slot; auto: megatron-core's)."""
     diff_epilogue_impl: str = "auto"
     """DIFF V1's epilogue implementation (the registry's `diff_epilogue` slot; auto: eager)."""
+    sdpa_backend: str = "auto"
+    """The kernel torch's SDPA tries first (`diffmeg.kernels.sdpa_backends`; auto: torch's own order)."""
     transformer_impl: str = "local"
     tie_embeddings_and_output_weights: bool = False
     """One matrix for the word embedding and the output layer (False, the default and what an args.json
@@ -140,6 +142,10 @@ class TrainingConfig:
     """megatron-core's native fused cross entropy (the registry's `loss` entry `fused`; bf16 runs)."""
     deterministic_mode: bool = False
     """Deterministic kernels: megatron-core's own choices read it from the model config."""
+    compile_layers: bool = False
+    """Each transformer layer wrapped in `torch.compile` once built (`diffmeg.training.graphs`; GPU)."""
+    cuda_graph_impl: str = "none"
+    """megatron-core's CUDA graphs: "none", or "local" (its per-layer graphs, captured after warmup)."""
 
     @property
     def params_dtype(self) -> torch.dtype:

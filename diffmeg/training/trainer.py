@@ -138,7 +138,7 @@ class Trainer:
             raise DiffmegError(
                 f"megatron-core's parallel state is set up for another layout than TP/PP/CP/VP {tuple(sizes)}"
             )
-        model_parallel_manual_seed(run.training.seed)
+        model_parallel_manual_seed(run.training.seed, cuda_graphs=run.training.cuda_graph_impl == "local")
         self.checkpoints = CheckpointManager(run, log=self.log)
         self.checkpoints.resolve()  # every bad --load / --ckpt-step fails here, before anything is built
         self.checkpoints.check_save_target()
