@@ -369,6 +369,7 @@ SAVED_ARGS_DEFAULTS: dict[str, object] = {
     "norm_impl": "auto",  # the spec's own norm
     "diff_epilogue_impl": "auto",  # the eager epilogue
     "rope_impl": "auto",  # megatron-core's RoPE
+    "gradient_accumulation_fusion": False,  # DDP's hook added each weight gradient to main_grad
 }
 """What a flag added after a checkpoint was written meant for the runs that did not have it yet."""
 
@@ -389,6 +390,7 @@ def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
     args.sequence_parallel = args.use_distributed_optimizer = False
     args.bf16 = args.fp16 = False
     args.fp8_format = None
+    args.gradient_accumulation_fusion = False  # a training-only fusion: no DDP main_grad here
     args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
     return args
 

@@ -326,6 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="megatron-core's native fused cross entropy (its steps compiled, the softmax made in place of "
         "the fp32 logits; bf16 gradients, so --bf16 only). Default: megatron-core's unfused loss",
     )
+    g.add_argument(
+        "--gradient-accumulation-fusion",
+        action="store_true",
+        help="add each weight gradient of megatron-core's linears straight into DDP's fp32 main_grad in one "
+        "GEMM (no bf16 weight gradient, no separate add): apex's extension where installed, else torch's "
+        "fp32-output addmm (diffmeg.fusions.grad_accum). CUDA only; not with torchao's FP8. Default: off",
+    )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(
         "--deterministic-mode",
@@ -615,6 +622,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     _validate_overlap(args)
     _validate_fp8(args)
+    _validate_grad_accum_fusion(args)
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise DiffmegError(
             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay horizon {args.lr_decay_iters}"
@@ -678,7 +686,7 @@ def _validate_fp8(args: argparse.Namespace) -> None:
     with FP8 matmuls (emulation is for tests, set on the model config)."""
     if args.fp8_format is None or args.transformer_impl == "transformer_engine":
         return
-    from diffmeg.fusions.torchao_fp8 import fp8_unsupported_reason
+    from diffmeg.fusions.torchao_fp8 import check_grad_accum_fusion, fp8_unsupported_reason
 
     reason = fp8_unsupported_reason(emulate=False)
     if reason is not None:
@@ -686,11 +694,23 @@ def _validate_fp8(args: argparse.Namespace) -> None:
             "--fp8-format needs Transformer Engine (--transformer-impl transformer_engine) or torchao's FP8 "
             f"on the local spec, which cannot run here: {reason}"
         )
+    check_grad_accum_fusion(getattr(args, "gradient_accumulation_fusion", False))
     if args.fp8_recipe != "tensorwise":
         raise DiffmegError(
             "--fp8-format on the local spec is torchao's FP8, which scales per tensor: "
             "add --fp8-recipe tensorwise"
         )
+
+
+def _validate_grad_accum_fusion(args: argparse.Namespace) -> None:
+    """--gradient-accumulation-fusion: CUDA with torch's fp32-output addmm (or apex's extension)."""
+    if not getattr(args, "gradient_accumulation_fusion", False):
+        return
+    from diffmeg.fusions import grad_accum
+
+    reason = grad_accum.unsupported_reason()
+    if reason is not None:
+        raise DiffmegError(reason)
 
 
 def _validate_overlap(args: argparse.Namespace) -> None:

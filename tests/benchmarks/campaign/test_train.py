@@ -149,12 +149,14 @@ def test_full_depth_runs_its_cuts_amortizes_the_optimizer_and_fits_where_the_mod
 
 def test_every_lever_of_the_gpu_plan_is_a_run_the_arguments_accept(monkeypatch):
     """A mistyped or refused flag in the lever matrix fails here, not on a lent GPU's clock: each lever's
-    on and off flags resolve (bf16, as the GPU runs) for its model's tiny twin, on a machine with FP8."""
+    on and off flags resolve (bf16, as the GPU runs) for its model's tiny twin, on a machine with FP8 and
+    CUDA's fp32-output addmm (the grad-accum fusion)."""
     from benchmarks.campaign import plan
-    from diffmeg.fusions import torchao_fp8
+    from diffmeg.fusions import grad_accum, torchao_fp8
     from diffmeg.training.arguments import resolve_args
 
     monkeypatch.setattr(torchao_fp8, "fp8_unsupported_reason", lambda emulate=False: None)  # as on an H100
+    monkeypatch.setattr(grad_accum, "unsupported_reason", lambda: None)
 
     models = {"diff": "diff-tiny", "transformer": "transformer-tiny"}
     names = [lever.name for lever in plan.GPU_PLAN.train_levers]
@@ -163,6 +165,8 @@ def test_every_lever_of_the_gpu_plan_is_a_run_the_arguments_accept(monkeypatch):
         "every fused op (diff)",
         "every fused op (transformer)",
         "FP8 on the fast path (transformer)",
+        "grad-accum fusion (diff)",
+        "grad-accum fusion (transformer)",
     } <= set(names)
     for lever in plan.GPU_PLAN.train_levers:
         for flags in (lever.on, lever.off):
