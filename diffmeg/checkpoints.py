@@ -372,6 +372,7 @@ SAVED_ARGS_DEFAULTS: dict[str, object] = {
     "sdpa_backend": "auto",  # torch's own SDPA kernel order
     "compile_layers": False,  # eager layers
     "cuda_graph_impl": "none",  # no CUDA graphs
+    "gradient_accumulation_fusion": False,  # DDP's hook added each weight gradient to main_grad
 }
 """What a flag added after a checkpoint was written meant for the runs that did not have it yet."""
 
@@ -393,6 +394,7 @@ def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
     args.bf16 = args.fp16 = False
     args.fp8_format = None
     args.sdpa_backend, args.cuda_graph_impl = "auto", "none"  # a run's GPU speed choices, not its weights
+    args.gradient_accumulation_fusion = False  # a training-only fusion: no DDP main_grad here
     args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
     return args
 

@@ -27,6 +27,7 @@ from diffmeg.attention import DiffCoreAttention
 from diffmeg.compat import graph_safe_rng_is_te
 from diffmeg.config import DiffTransformerConfig, megatron_head_counts
 from diffmeg.errors import DiffmegError
+from diffmeg.fusions import grad_accum
 from diffmeg.init import initialize_parameters
 from diffmeg.layer_specs import get_diff_block_spec
 from diffmeg.registry import select
@@ -96,6 +97,7 @@ class TrainingFields(Protocol):
     recompute_num_layers: int | None
     cross_entropy_chunk_size: int | None
     cross_entropy_loss_fusion: bool
+    gradient_accumulation_fusion: bool
     deterministic_mode: bool
     cuda_graph_impl: str
 
@@ -161,6 +163,7 @@ def transformer_config(
         cross_entropy_chunk_size=training.cross_entropy_chunk_size,
         cross_entropy_loss_fusion=training.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl="native",
+        gradient_accumulation_fusion=training.gradient_accumulation_fusion,
         norm_impl=model.norm_impl,
         rope_impl=model.rope_impl,
         diff_epilogue_impl=model.diff_epilogue_impl,
@@ -231,6 +234,8 @@ def build_model(
     """
     if not runtime.is_setup():
         raise DiffmegError("call diffmeg.runtime.setup() (or single_process()) before building a model")
+    if config.gradient_accumulation_fusion:  # megatron-core's linears check for its extension at init
+        grad_accum.install()
     whole_rank = vp_stage is None  # else: the first/last stage is this chunk only if it is the first/last
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=whole_rank, vp_stage=vp_stage)

@@ -19,7 +19,12 @@ MIN_PHASE_S = 30  # kept back for each phase still to come
 CHILD_MARGIN_S = 20  # a phase stops starting new work this long (at most 15%) before its budget ends
 # Where the `gpu`-marked tests live (tests/benchmarks/campaign/test_plan.py fails if one is added elsewhere),
 # in the order pytest runs them: the CUDA-path confirmations first, the ~70 kernel compilations last.
-GPU_TEST_PATHS = ("tests/test_gpu_readiness.py", "tests/distributed/test_te_cp.py", "tests/kernels")
+GPU_TEST_PATHS = (
+    "tests/test_gpu_readiness.py",
+    "tests/fusions/test_grad_accum.py",
+    "tests/distributed/test_te_cp.py",
+    "tests/kernels",
+)
 # pytest-xdist workers on a GPU machine (where xdist is installed): kernels compile in parallel, and a
 # test that crashes its worker is one failure instead of the end of the run.
 GPU_TEST_WORKERS = 4
@@ -59,6 +64,9 @@ GRAPH_OPS = (
 )
 """Whole-layer options (`diffmeg.training.graphs`, `diffmeg.kernels.sdpa_backends`), each alone on both
 models: not in the fast path until measured (CUDA graphs and compiled layers exclude each other)."""
+GRAD_ACCUM = ("grad-accum fusion", ("--gradient-accumulation-fusion",))
+"""Weight gradients added into DDP's fp32 main_grad inside their GEMM (`diffmeg.fusions.grad_accum`);
+torchao's FP8 refuses it, so the FP8 lever runs the fast path without it."""
 FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
 """torchao's float8 training on the local spec (no Transformer Engine on the GPU machine)."""
 
@@ -66,9 +74,9 @@ FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
 def levers(backends: tuple[str, ...], loss_chunk: int, fused_ops: bool = True) -> tuple[Lever, ...]:
     """The lever matrix: each DIFF attention backend against the first of `backends`, the chunked loss
     (`loss_chunk` tokens a chunk), the fused optimizer, the distributed optimizer and its overlap; with
-    `fused_ops` (a GPU: bf16, so the fused loss and FP8 can run) each fused-op candidate and each graph
-    option (compiled layers, local CUDA graphs, cuDNN attention first) on both models, the fused ops
-    together (the headline: the fast path against today's) and FP8."""
+    `fused_ops` (a GPU: bf16, so the fused loss and FP8 can run) each fused-op candidate, the grad-accum
+    fusion and each graph option (compiled layers, local CUDA graphs, cuDNN attention first) on both
+    models, the fused ops together (the headline: the fast path against today's) and FP8."""
     base = ("--diff-attn-backend", backends[0])
     out = [Lever(f"attention {b} vs {backends[0]}", "diff", (base[0], b), base) for b in backends[1:]]
     out += [
@@ -86,13 +94,15 @@ def levers(backends: tuple[str, ...], loss_chunk: int, fused_ops: bool = True) -
     every = tuple(flag for name, flags in FUSED_OPS if name != "compiled norm" for flag in flags)
     every += ("--optimizer-impl", "fused")
     for arch, extra in (("diff", base), ("transformer", ())):
-        ops = FUSED_OPS + (DIFF_ONLY_OPS if arch == "diff" else ())
+        ops = (*FUSED_OPS, GRAD_ACCUM, *(DIFF_ONLY_OPS if arch == "diff" else ()))
         out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra) for name, flags in ops]
         out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra, "GPU graph option, measured alone")
                 for name, flags in GRAPH_OPS]  # fmt: skip
         fast = (*extra, *every, *(DIFF_ONLY_OPS[0][1] if arch == "diff" else ()))
-        out.append(Lever(f"every fused op ({arch})", arch, fast, extra, "the fast path against today's"))
-        out.append(Lever(f"FP8 on the fast path ({arch})", arch, (*fast, *FP8), fast, "torchao, tensorwise"))
+        every_op = (*fast, *GRAD_ACCUM[1])
+        out.append(Lever(f"every fused op ({arch})", arch, every_op, extra, "the fast path against today's"))
+        fp8_note = "torchao, tensorwise; without the grad-accum fusion, which torchao's FP8 refuses"
+        out.append(Lever(f"FP8 on the fast path ({arch})", arch, (*fast, *FP8), fast, fp8_note))
     return tuple(out)
 
 

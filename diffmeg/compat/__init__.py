@@ -1,4 +1,5 @@
-"""The few places megatron-core 0.16.1 assumes CUDA, handled for CPU runs (inactive when CUDA exists)."""
+"""The few places megatron-core 0.16.1 assumes CUDA, handled for CPU runs (`cpu`, inactive when CUDA exists),
+and where it assumes apex's gradient-accumulation-fusion extension (`grad_accum`, patched on request)."""
 
 from diffmeg.compat.cpu import (
     apply_cpu_compat,

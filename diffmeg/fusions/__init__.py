@@ -9,7 +9,9 @@ attention backends of `diffmeg.kernels`, which use `diff_combine` from here, so 
 - `diff_combine`: DIFF's combination of the two maps (V1) and of head pairs (V2), V1's epilogue (eager,
   compiled);
 - `fp8`: converters that rewrite a layer spec for FP8 linears before the model is built (Transformer
-  Engine's); `torchao_fp8`: the local spec's, torchao's float8 matmul in megatron-core's parallel linears.
+  Engine's); `torchao_fp8`: the local spec's, torchao's float8 matmul in megatron-core's parallel linears;
+- `grad_accum`: weight gradients added into DDP's fp32 main_grad inside their GEMM
+  (`--gradient-accumulation-fusion`), the functions megatron-core wants from apex, over torch's ops.
 
 This face imports nothing, so importing one op never loads the others.
 """

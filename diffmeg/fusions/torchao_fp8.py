@@ -66,6 +66,18 @@ def fp8_unsupported_reason(emulate: bool) -> str | None:
     return None
 
 
+def check_grad_accum_fusion(gradient_accumulation_fusion: bool) -> None:
+    """The one rule, read by `TorchaoFp8` and by the flags' validation (before a GPU is held): torchao's FP8
+    linears compute their own weight gradients into `weight.grad`, out of the fusion's reach, so the flag is
+    refused rather than silently applied to the few linears left in bf16."""
+    if gradient_accumulation_fusion:
+        raise DiffmegError(
+            "torchao's FP8 linears (--fp8-format on the local spec) write weight.grad, not main_grad: leave "
+            "out --gradient-accumulation-fusion, or use Transformer Engine's FP8 (--transformer-impl "
+            "transformer_engine)"
+        )
+
+
 @cache
 def float8_settings(fp8_format: str, emulate: bool) -> tuple[object, object]:
     """torchao's (Float8LinearConfig, LinearMMConfig) for megatron-core's `fp8` format: `e4m3` casts every
@@ -152,11 +164,7 @@ class TorchaoFp8:
                 "megatron-core recomputes FP8 layers through Transformer Engine's checkpoint: with torchao's "
                 "FP8 use --recompute-granularity selective (attention core) or none"
             )
-        if config.gradient_accumulation_fusion:
-            raise DiffmegError(
-                "torchao's FP8 linears write weight.grad, not main_grad: "
-                "turn off gradient_accumulation_fusion"
-            )
+        check_grad_accum_fusion(config.gradient_accumulation_fusion)
         reason = fp8_unsupported_reason(bool(getattr(config, "fp8_emulate", False)))
         if reason is not None:
             raise DiffmegError(reason)

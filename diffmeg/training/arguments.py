@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from diffmeg import registry
 from diffmeg.data.tokenizers import resolve_tokenizer_args
 from diffmeg.errors import DiffmegError
+from diffmeg.fusions import grad_accum
 from diffmeg.kernels import sdpa_backends
 from diffmeg.parallel import cp_attention_available
 from diffmeg.parallel.validation import validate_cp
@@ -349,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="megatron-core's CUDA graphs: local captures each transformer layer's forward and backward "
         "after its warmup steps and replays them (GPU; not with full recomputation or --compile-layers)",
     )
+    g.add_argument(
+        "--gradient-accumulation-fusion",
+        action="store_true",
+        help="add each weight gradient of megatron-core's linears straight into DDP's fp32 main_grad in one "
+        "GEMM (no bf16 weight gradient, no separate add): apex's extension where installed, else torch's "
+        "fp32-output addmm (diffmeg.fusions.grad_accum). CUDA only; not with torchao's FP8. Default: off",
+    )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(
         "--deterministic-mode",
@@ -639,6 +647,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_overlap(args)
     _validate_fp8(args)
     _validate_graphs(args)
+    _validate_grad_accum_fusion(args)
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise DiffmegError(
             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay horizon {args.lr_decay_iters}"
@@ -702,7 +711,7 @@ def _validate_fp8(args: argparse.Namespace) -> None:
     with FP8 matmuls (emulation is for tests, set on the model config)."""
     if args.fp8_format is None or args.transformer_impl == "transformer_engine":
         return
-    from diffmeg.fusions.torchao_fp8 import fp8_unsupported_reason
+    from diffmeg.fusions.torchao_fp8 import check_grad_accum_fusion, fp8_unsupported_reason
 
     reason = fp8_unsupported_reason(emulate=False)
     if reason is not None:
@@ -710,6 +719,7 @@ def _validate_fp8(args: argparse.Namespace) -> None:
             "--fp8-format needs Transformer Engine (--transformer-impl transformer_engine) or torchao's FP8 "
             f"on the local spec, which cannot run here: {reason}"
         )
+    check_grad_accum_fusion(getattr(args, "gradient_accumulation_fusion", False))
     if args.fp8_recipe != "tensorwise":
         raise DiffmegError(
             "--fp8-format on the local spec is torchao's FP8, which scales per tensor: "
@@ -738,6 +748,15 @@ def _validate_graphs(args: argparse.Namespace) -> None:
             "--cuda-graph-impl local and --compile-layers both take over each layer's call: measure them one "
             "at a time (keep one of the two flags)"
         )
+
+
+def _validate_grad_accum_fusion(args: argparse.Namespace) -> None:
+    """--gradient-accumulation-fusion: CUDA with torch's fp32-output addmm (or apex's extension)."""
+    if not getattr(args, "gradient_accumulation_fusion", False):
+        return
+    reason = grad_accum.unsupported_reason()
+    if reason is not None:
+        raise DiffmegError(reason)
 
 
 def _validate_overlap(args: argparse.Namespace) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatron.core.transformer.module import Float16Module
 
+from diffmeg.fusions.grad_accum import require_main_grad
 from diffmeg.model import build_model, transformer_config
 from diffmeg.training.ddp import (
     clear_schedule_hooks,
@@ -44,6 +45,8 @@ def build_training_objects(run: RunConfig):
             compile_layers([chunk])  # from outside the model code, before any wrapper
         chunks.append(Float16Module(config, chunk) if training.bf16 or training.fp16 else chunk)
     model = wrap_model_chunks(config, ddp_config(run), chunks)
+    if config.gradient_accumulation_fusion:
+        require_main_grad(model)
     optimizer = build_optimizer(run, model)
     scheduler = build_scheduler(run, optimizer)
     config.finalize_model_grads_func = finalize_diff_model_grads

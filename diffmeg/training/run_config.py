@@ -140,6 +140,9 @@ class TrainingConfig:
     """Tokens per chunk of the output layer + loss (`diffmeg.fusions.cross_entropy`); None: whole logits."""
     cross_entropy_loss_fusion: bool = False
     """megatron-core's native fused cross entropy (the registry's `loss` entry `fused`; bf16 runs)."""
+    gradient_accumulation_fusion: bool = False
+    """Weight gradients of megatron-core's linears added straight into DDP's fp32 main_grad in one GEMM
+    (megatron-core's `gradient_accumulation_fusion`; `diffmeg.fusions.grad_accum` where apex is absent)."""
     deterministic_mode: bool = False
     """Deterministic kernels: megatron-core's own choices read it from the model config."""
     compile_layers: bool = False

@@ -10,46 +10,14 @@ from diffmeg.errors import DiffmegError
 from diffmeg.training import fused_optim
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.run_config import RunConfig
-
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32"]
-SMALL += ["--mock-data", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]
-SMALL += ["--lr", "3e-3", "--eval-iters", "0", "--lr-warmup-iters", "1", "--train-iters", "20"]
-STEPS = 5
+from tests.training.helpers import SMALL, STEPS, train_steps
 
 
 def _run(
     impl: str, *flags: str, steps: int = STEPS
 ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Losses, grad norms and final weights of `steps` Trainer steps with `--optimizer-impl impl`."""
-    from diffmeg.training.builders import release_training_objects
-    from diffmeg.training.trainer import Trainer
-
-    run = RunConfig.from_args(resolve_args([*SMALL, *flags, "--optimizer-impl", impl], world_size=1))
-    trainer = Trainer(run, callbacks=[])
-    try:
-        for chunk in trainer.model:
-            chunk.train()
-        losses, norms = [], []
-        for _ in range(steps):
-            out = trainer.train_step()
-            losses.append(float(out.loss))
-            norms.append(float(out.grad_norm))
-        return losses, norms, _main_weights(trainer)
-    finally:
-        release_training_objects(trainer.model_config, trainer.model)
-
-
-def _main_weights(trainer) -> dict[str, torch.Tensor]:
-    """The fp32 weights the optimizer updates, by parameter name: under --bf16 the main copies (the bf16
-    model weights round them, so one fp32 ulp there can be one bf16 ulp here)."""
-    main = {}
-    for opt in trainer.optimizer.chained_optimizers:
-        pairs = zip(
-            getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []), strict=True
-        )
-        for model_group, main_group in pairs:
-            main.update({id(p): m for p, m in zip(model_group, main_group, strict=True)})
-    return {n: main.get(id(p), p).detach().clone() for n, p in trainer.model[0].named_parameters()}
+    return train_steps(*flags, "--optimizer-impl", impl, steps=steps)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import pytest
 
@@ -150,9 +151,9 @@ def test_full_depth_runs_its_cuts_amortizes_the_optimizer_and_fits_where_the_mod
 def test_every_lever_of_the_gpu_plan_is_a_run_the_arguments_accept(monkeypatch):
     """A mistyped or refused flag in the lever matrix fails here, not on a lent GPU's clock: each lever's
     on and off flags resolve (bf16, as the GPU runs) for its model's tiny twin, on a machine with FP8, CUDA
-    graphs and cuDNN attention (an H100)."""
+    graphs, cuDNN attention and CUDA's fp32-output addmm (the grad-accum fusion): an H100."""
     from benchmarks.campaign import plan
-    from diffmeg.fusions import torchao_fp8
+    from diffmeg.fusions import grad_accum, torchao_fp8
     from diffmeg.kernels import sdpa_backends
     from diffmeg.training import graphs
     from diffmeg.training.arguments import resolve_args
@@ -160,6 +161,7 @@ def test_every_lever_of_the_gpu_plan_is_a_run_the_arguments_accept(monkeypatch):
     monkeypatch.setattr(torchao_fp8, "fp8_unsupported_reason", lambda emulate=False: None)  # as on an H100
     monkeypatch.setattr(graphs, "cuda_graphs_unsupported_reason", lambda: None)
     monkeypatch.setattr(sdpa_backends, "unsupported_reason", lambda name: None)
+    monkeypatch.setattr(grad_accum, "unsupported_reason", lambda: None)
 
     models = {"diff": "diff-tiny", "transformer": "transformer-tiny"}
     names = [lever.name for lever in plan.GPU_PLAN.train_levers]
@@ -169,8 +171,21 @@ def test_every_lever_of_the_gpu_plan_is_a_run_the_arguments_accept(monkeypatch):
         "every fused op (transformer)",
         "FP8 on the fast path (transformer)",
         *(f"{name} ({arch})" for name, _ in plan.GRAPH_OPS for arch in ("diff", "transformer")),
+        "grad-accum fusion (diff)",
+        "grad-accum fusion (transformer)",
     } <= set(names)
     for lever in plan.GPU_PLAN.train_levers:
         for flags in (lever.on, lever.off):
             args = resolve_args(["--model", models[lever.arch], "--bf16", *flags], world_size=1)
             assert args.bf16, lever.name
+
+
+def test_docs_gpu_md_states_the_lever_count_of_the_gpu_plan():
+    """docs/gpu.md's lever count is the plan's, not a number typed once and left behind."""
+    import re
+
+    from benchmarks.campaign import plan
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "gpu.md").read_text()
+    stated = re.search(r"grown from 6 to (\d+) levers", text)
+    assert stated is not None and int(stated.group(1)) == len(plan.GPU_PLAN.train_levers)
