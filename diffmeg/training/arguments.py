@@ -137,6 +137,15 @@ class _Parser(argparse.ArgumentParser):
         )
 
 
+def _add_registry_flag(
+    group: argparse._ArgumentGroup, flag: str, slot: str, help: str, exclude: tuple[str, ...] = ()
+) -> None:
+    """A flag over one registry slot: its choices and its `auto` default come from `diffmeg.registry`, so
+    an implementation added there is a choice here with no second list to keep."""
+    choices = [name for name in registry.choices(slot) if name not in exclude]
+    group.add_argument(flag, default=registry.AUTO, choices=choices, help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="pretrain_diff.py",
@@ -183,32 +192,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--lambda-init", default="exp", help="'exp' (layer-wise schedule) or a constant in [0, 1)")
     g.add_argument("--lambda-std", type=float, default=0.1)
-    g.add_argument(
+    _add_registry_flag(
+        g,
         "--diff-attn-backend",
-        default=registry.AUTO,
-        choices=registry.choices("diff_attention"),
+        "diff_attention",
         help=f"DIFF V1's attention backend (docs/implementations.md); auto: "
         f"{registry.resolve('diff_attention')}, the fastest measured",
     )
-    g.add_argument(
+    _add_registry_flag(
+        g,
         "--norm-impl",
-        default=registry.AUTO,
-        choices=[c for c in registry.choices("norm") if c != "transformer_engine"],
+        "norm",
+        exclude=("transformer_engine",),
         help="RMSNorm of the local spec's blocks and DIFF V1's head norm (docs/implementations.md): local "
         "(fp32 eager ops), torch (F.rms_norm, fused on CUDA), compiled (torch.compile); auto: "
         f"{registry.resolve('norm', spec='local')} on the local spec, TE's norm on the TE spec",
     )
-    g.add_argument(
+    _add_registry_flag(
+        g,
         "--rope-impl",
-        default=registry.AUTO,
-        choices=registry.choices("rope"),
+        "rope",
         help="RoPE of q and k: megatron (megatron-core's eager ops) or compiled (one torch.compile'd "
         f"region each way); auto: {registry.resolve('rope')} until a GPU run measures it",
     )
-    g.add_argument(
+    _add_registry_flag(
+        g,
         "--diff-epilogue-impl",
-        default=registry.AUTO,
-        choices=registry.choices("diff_epilogue"),
+        "diff_epilogue",
         help="DIFF V1's epilogue (head RMSNorm, x (1 - lambda_init), seq-first): eager ops or one "
         f"torch.compile'd region; auto: {registry.resolve('diff_epilogue')} until a GPU run measures it",
     )
