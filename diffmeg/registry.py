@@ -7,7 +7,7 @@ its own family, `Implementation.spec`). Read by:
 - the model config's validation (`DiffTransformerConfig`: a name must be one of the slot's),
 - the argument parser (`--diff-attn-backend`'s choices and help),
 - the builders (`diffmeg.attention`, `diffmeg.layer_specs`, `diffmeg.model`: `select`),
-- the docs: docs/implementations.md is `markdown_table()`, checked by tests/fusions/test_registry.py.
+- the docs: docs/implementations.md is `markdown_table()`, checked by tests/test_registry.py.
 
 A new implementation (a fused norm, a fused loss, another FP8 GEMM) is one entry in `IMPLEMENTATIONS`
 (and its name in `AUTO_ORDER` where `auto` should prefer it). Like megatron-core's `BackendSpecProvider` and

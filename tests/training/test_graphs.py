@@ -4,8 +4,6 @@ plumbing into the run and model configs, and their one-line refusals)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -16,8 +14,6 @@ from diffmeg.training.run_config import RunConfig
 from tests.builders import tiny_config
 
 ARCHS = {"diff": {}, "diff2": {"diff_version": 2}, "transformer": {"diff_attention": False}}
-COMPILE_BUDGET_S = 20.0
-"""A CPU test past this belongs behind the slow marker."""
 
 
 @pytest.fixture
@@ -68,20 +64,13 @@ def _rotary(layer, seq: int) -> torch.Tensor:
     return RotaryEmbedding(layer.config.kv_channels, rotary_percent=1.0, rotary_base=500.0)(seq)
 
 
-@pytest.mark.parametrize(
-    "arch, backend",
-    [
-        *((arch, "aot_eager") for arch in ARCHS),
-        # inductor's C++ code for 2 layers: ~56 s on 2 shared CPU cores, so behind the slow marker
-        pytest.param("diff", "inductor", marks=pytest.mark.slow),
-    ],
-)
-def test_compiled_layers_give_the_eager_loss_and_gradients(
-    single_rank_parallel_state, dynamo_on, arch, backend
-):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_layers_give_the_eager_loss_and_gradients(single_rank_parallel_state, dynamo_on, arch):
     """compile_layers on a built model: every layer compiled, names kept, and the loss and every gradient
-    those of the same model eager (fp32 tolerance), within the CPU test budget (aot_eager: the graphs
-    and their autograd as inductor gets them, without its code generation)."""
+    those of the same model eager (fp32 tolerance). aot_eager: the graphs and their autograd as inductor
+    gets them, without its code generation (~56 s of C++ for 2 layers on 2 CPU cores); inductor's own
+    kernels run in tests/test_gpu_readiness.py's CUDA test of --compile-layers."""
+    backend = "aot_eager"
     eager, compiled = _model(arch), _model(arch)
     names = list(compiled.state_dict())
     assert graphs.compile_layers([compiled], backend=backend) == 2
@@ -90,16 +79,12 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(
     assert torch._dynamo.config.recompile_limit >= 2 * 2 + graphs.RECOMPILE_HEADROOM
     from torch._dynamo.utils import counters
 
-    start = time.perf_counter()
     got_loss, got = _loss_and_grads(compiled)
-    took = time.perf_counter() - start
     assert counters["stats"]["unique_graphs"] >= 1  # compiled, not silently eager
     want_loss, want = _loss_and_grads(eager)
     torch.testing.assert_close(got_loss, want_loss)
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, msg=name)
-    if backend != "inductor":
-        assert took < COMPILE_BUDGET_S, f"compiling 2 layers took {took:.1f} s: mark the test slow"
 
 
 def _run(argv: list[str]) -> RunConfig:
