@@ -4,6 +4,8 @@ Run from the repository's root:
 
     python3 -m benchmarks.campaign --phase env,tests,kernels --out DIR --wheels .whl   # GPU, < 9 min
     python3 -m benchmarks.campaign --phase train --out DIR --wheels .whl               # GPU, < 9 min
+    python3 -m benchmarks.campaign --phase train --continue FILE --out DIR ...         # the runs FILE lacks
+    python3 -m benchmarks.campaign --plan                                              # train runs, counted
     python3 -m benchmarks.campaign --phase memory --out DIR --wheels .whl              # GPU, < 9 min
     python3 -m benchmarks.campaign --smoke --device cpu --out /tmp/campaign            # CPU: all, tiny
 
@@ -18,12 +20,12 @@ Phases (docs/gpu.md says what each measures and how to read it), one module each
            none/selective/full), and a 50-iteration bf16 run per small preset with save, exact resume and
            generation (gpu_train_run)
 
-Around them: plan.py (sizes and budgets), runner.py (the parent: one child process per phase, the
-results file, the exit status), procs.py (child-process plumbing), part.py (a phase's results, saved
-after every row), figures.py (headline figures from rows), install.py (wheels), summary.py (the printed
-table) and schema.py (the results file, as benchmarks/report.py reads it). Each phase runs in its own
-process (a CUDA fault in one cannot take the others down) under a time budget; the whole command ends
-within --budget seconds. Writes DIR/campaign-<device>-<time>.json and a log beside it, and prints a short
-table. benchmarks/report.py turns the JSON files kept under benchmarks/results/ into docs/benchmarks.md's
-GPU tables.
+Around them: plan.py (sizes and budgets), runner.py (the parent: one child process per phase, the results
+file, the exit status), procs.py (child-process plumbing), part.py (a phase's results, saved after every
+row), resume.py (a train phase continuing an earlier file), figures.py (headline figures from rows),
+install.py (wheels), summary.py (the printed table) and schema.py (the results file, as benchmarks/report.py
+reads it). Each phase runs in its own process (a CUDA fault in one cannot take the others down) under a time
+budget; the whole command ends within --budget seconds. Writes DIR/campaign-<device>-<time>.json and a log
+beside it, and prints a short table. benchmarks/report.py turns the JSON files kept under
+benchmarks/results/ into docs/benchmarks.md's GPU tables.
 """

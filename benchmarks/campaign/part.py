@@ -11,7 +11,8 @@ from pathlib import Path
 class Part:
     """A phase's results, written to disk after every row so a killed child loses nothing kept."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | None) -> None:
+        """`path` None: kept in memory only (a rehearsal of the phase, `--plan`)."""
         self.path, self.data = path, {"_status": "ok", "_error": None}
 
     def set(self, **kw) -> None:
@@ -23,6 +24,8 @@ class Part:
         self.save()
 
     def save(self) -> None:
+        if self.path is None:
+            return
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, default=json_default))
         os.replace(tmp, self.path)

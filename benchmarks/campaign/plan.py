@@ -103,7 +103,19 @@ def levers(backends: tuple[str, ...], loss_chunk: int, fused_ops: bool = True) -
         out.append(Lever(f"every fused op ({arch})", arch, every_op, extra, "the fast path against today's"))
         fp8_note = "torchao, tensorwise; without the grad-accum fusion, which torchao's FP8 refuses"
         out.append(Lever(f"FP8 on the fast path ({arch})", arch, (*fast, *FP8), fast, fp8_note))
-    return tuple(out)
+    return tuple(sorted(out, key=lever_priority))  # stable: the rest keep their order
+
+
+HEADLINE_LEVERS = ("every fused op (diff)", "every fused op (transformer)")
+"""Timed first: the fast path against today's is what the issue's goals are judged on (the Transformer's
+MFU, DIFF V1's tokens/s ratio), so a command cut by its budget has measured them."""
+
+
+def lever_priority(lever: Lever) -> int:
+    """Run order of the lever matrix: the headline levers, then FP8 (its gain is a goal too), the rest."""
+    if lever.name in HEADLINE_LEVERS:
+        return HEADLINE_LEVERS.index(lever.name)
+    return len(HEADLINE_LEVERS) + (0 if lever.name.startswith("FP8") else 1)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,13 @@ from benchmarks.campaign.gpu_tests import phase_tests
 from benchmarks.campaign.install import install_wheels, missing_requirement
 from benchmarks.campaign.kernels import phase_kernels
 from benchmarks.campaign.memory import phase_memory
-from benchmarks.campaign.merge import ContinueError, continued_tiles, load_earlier, merged
+from benchmarks.campaign.merge import (
+    RESUMABLE_PHASES,
+    ContinueError,
+    continued_tiles,
+    load_earlier,
+    merged,
+)
 from benchmarks.campaign.part import Part, clean
 from benchmarks.campaign.plan import (
     CHILD_MARGIN_S,
@@ -45,7 +51,7 @@ from benchmarks.campaign.plan import (
 from benchmarks.campaign.procs import REPO, child_env, run_phase_process, torchdynamo_disable
 from benchmarks.campaign.source import STAMP_NAME, source_revision, write_stamp
 from benchmarks.campaign.summary import summary_lines
-from benchmarks.campaign.train import phase_train
+from benchmarks.campaign.train import phase_train, plan_lines
 
 DESCRIPTION = (
     "The GPU validation and benchmark campaign: every figure of docs/benchmarks.md from a few commands."
@@ -85,9 +91,11 @@ def run_child(
     figures: dict,
     tiles: Path | None,
     log: Callable[[str], None],
+    reuse: Path | None = None,
 ) -> tuple[dict, float]:
     """Run one phase in a child process; its results (what it kept before any crash) and seconds.
-    `figures`: the env phase's roof and peak, for the train phase's MFU."""
+    `figures`: the env phase's roof and peak, for the train phase's MFU; `reuse`: the --continue file
+    whose measured train runs the train phase does not time again (same GPU only)."""
     part_file = Path(tempfile.mkdtemp(prefix="campaign-part-")) / f"{phase}.json"
     cmd = [sys.executable, "-m", "benchmarks.campaign", "--child", phase, "--part", str(part_file)]
     cmd += ["--budget-s", str(budget)]
@@ -100,6 +108,8 @@ def run_child(
             cmd += [flag, str(figures[key])]
     if tiles is not None:
         cmd += ["--triton-tiles", str(tiles)]
+    if reuse is not None and phase in RESUMABLE_PHASES:
+        cmd += ["--continue", str(reuse)]
     log(f"=== phase {phase} (budget {budget:.0f}s)")
     env = child_env(a)
     env["TORCHDYNAMO_DISABLE"] = torchdynamo_disable(phase, device_type)
@@ -155,7 +165,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="FILE",
         help="add this command's phases to an earlier results file of the same clean revision and GPU "
-        "(its other phases and rows are kept; the new file names it in 'continues')",
+        "(its other phases and rows are kept; the new file names it in 'continues'); a train phase "
+        "times only the runs that file lacks or holds with an error, and keeps its rows",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the train phase's runs in order (the GPU plan, or the smoke plan with --smoke), each "
+        "lever twin once, their count and a time estimate from the newest GPU results file; runs nothing",
     )
     p.add_argument("--child", choices=PHASES, default=None, help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -163,7 +180,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--roof", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--peak", type=float, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.child is None and not a.prepare and not a.out:
+    if a.child is None and not a.prepare and not a.plan and not a.out:
         p.error("--out DIR is required")
     return a
 
@@ -194,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(a)
     if a.prepare:
         return prepare(Path(a.wheels or ".whl"))
+    if a.plan:
+        for line in plan_lines(plan_for(a.smoke), REPO / "benchmarks" / "results"):
+            print(line)
+        return 0
     selected = [p.strip() for p in a.phase.split(",") if p.strip()]
     unknown = [p for p in selected if p not in PHASES]
     if unknown:
@@ -284,9 +305,14 @@ def _run(
             }
             continue
         device_type = result["device_type"] or a.device or ""
-        part, seconds = run_child(phase, budget, a, device_type, result, tiles_file, log)
+        reuse = None
+        if earlier is not None and earlier["device"] == result["device"]:  # another GPU's rows: never
+            reuse = Path(a.continue_from)
+        part, seconds = run_child(phase, budget, a, device_type, result, tiles_file, log, reuse=reuse)
         status, error = part.pop("_status", "failed"), part.pop("_error", None)
         result["phases"][phase] = {"status": status, "seconds": round(seconds, 1), "error": error}
+        if reuse is not None and phase in RESUMABLE_PHASES:  # runs the earlier command measured
+            result["phases"][phase]["reused"] = part.pop("_reused", 0)
         # A phase that raised fails the command; one cut short by its budget (partial, or killed as a
         # timeout on a slow machine) is reported, not fatal: the budget is what keeps CI bounded.
         failed |= status == "failed"

@@ -14,7 +14,9 @@ def summary_lines(result: dict) -> list[str]:
     for phase, info in result["phases"].items():
         if info["status"] != "not run":
             secs = f"{info['seconds']:.0f}s" if info.get("seconds") is not None else ""
-            out.append(f"  {phase:8s} {info['status']:8s} {secs:>6}  {info.get('error') or ''}")
+            earlier = (result.get("continues") or ["the continued file"])[-1]
+            reused = f"{info['reused']} runs of {earlier} reused " if "reused" in info else ""
+            out.append(f"  {phase:8s} {info['status']:8s} {secs:>6}  {reused}{info.get('error') or ''}")
     fmt = lambda v, f="{:.3g}": "-" if v is None else f.format(v)  # noqa: E731
     out.append(
         f"bf16 matmul TFLOP/s: {fmt(result['bf16_matmul_tflops'])} measured, "

@@ -35,7 +35,7 @@ def test_figures_and_provenance_reach_the_results_file(tmp_path, monkeypatch):
     }
     seen = []
 
-    def run_child(phase, budget, a, device_type, figures, tiles, log):
+    def run_child(phase, budget, a, device_type, figures, tiles, log, reuse=None):
         seen.append((phase, device_type, figures.get("bf16_matmul_tflops")))
         return dict(parts[phase]), 1.0
 

@@ -189,3 +189,41 @@ def test_docs_gpu_md_states_the_lever_count_of_the_gpu_plan():
     text = (Path(__file__).resolve().parents[3] / "docs" / "gpu.md").read_text()
     stated = re.search(r"grown from 6 to (\d+) levers", text)
     assert stated is not None and int(stated.group(1)) == len(plan.GPU_PLAN.train_levers)
+
+
+def test_the_headline_levers_run_first():
+    """A command cut by its budget has measured what the goals are judged on: the fast path against
+    today's on both models, then FP8 on it; the other levers keep their order after them."""
+    from benchmarks.campaign import plan
+
+    names = [lever.name for lever in plan.GPU_PLAN.train_levers]
+    assert names[:4] == [
+        "every fused op (diff)",
+        "every fused op (transformer)",
+        "FP8 on the fast path (diff)",
+        "FP8 on the fast path (transformer)",
+    ]
+    assert names.index("attention triton vs sdpa") < names.index("chunked loss")
+    assert names.index("chunked loss") < names.index("torch norm (diff)")
+    assert names.index("cuDNN attention first (diff)") < names.index("torch norm (transformer)")
+    runs = train.planned_runs(plan.GPU_PLAN)
+    first_lever = next(i for i, row in enumerate(runs) if row["impl"] == "lever")
+    assert runs[first_lever]["variant"] == "every fused op (diff): on"  # its off twin: the sdpa row above
+
+
+def test_plan_prints_the_train_runs_and_docs_gpu_md_cites_their_count(capsys):
+    """`python3 -m benchmarks.campaign --plan` counts the train runs (twins timed once); docs/gpu.md's
+    command plan cites that count, not a hand count."""
+    import re
+
+    from benchmarks.campaign import plan, runner
+
+    runs = train.planned_runs(plan.GPU_PLAN)
+    assert len({(r["model"], r["seq"], tuple(r["flags"]), r["layers"]) for r in runs}) == len(runs)
+    assert len(train.planned_runs(plan.GPU_PLAN, full_depth_fits=False)) == len(runs) + 2  # two cuts a model
+    assert runner.main(["--plan"]) == 0
+    printed = capsys.readouterr().out
+    assert f"\n{len(runs)} train runs: " in printed and "estimate: 23.4 s a run" in printed
+    text = (Path(__file__).resolve().parents[3] / "docs" / "gpu.md").read_text()
+    stated = re.search(r"the GPU plan has (\d+) train runs", text)
+    assert stated is not None and int(stated.group(1)) == len(runs)
