@@ -314,7 +314,7 @@ def levers_table(name: str, r: dict) -> list[str]:
             _num(lv["on_tokens_per_s"], "{:.0f}"),
             _num(lv["gain"], "{:.3f}x"),
             *_own_flags(lv.get("on") or [], lv.get("off") or []),
-            lv.get("note") or "",
+            _lever_note(lv),
             lv["error"] or "",
         ]
         for lv in r.get("levers") or []
@@ -322,12 +322,25 @@ def levers_table(name: str, r: dict) -> list[str]:
     if not rows:
         return []
     head = [
-        "Levers, each against its off twin in the same process (train phase; gain = tokens/s on / off; "
+        "Levers, each against its off twin in the same process unless the note names an earlier command's "
+        "file (train phase resumed with --continue; gain = tokens/s on / off; "
         "benchmarks/campaign/plan.py's `levers`): " + _source(name, r),
         "",
     ]
     columns = ["lever", "model", "seq", "off tokens/s", "on tokens/s", "gain", "on", "off", "note", "error"]
     return head + _table(columns, rows)
+
+
+def _lever_note(lever: dict) -> str:
+    """The lever's note, and which of its two runs an earlier command timed (a train phase resumed with
+    `--continue`: same GPU and revision, another process)."""
+    parts = [lever.get("note") or ""]
+    parts += [
+        f"{side} run from `{lever[key]}`"
+        for side, key in (("off", "off_from"), ("on", "on_from"))
+        if lever.get(key)
+    ]
+    return "; ".join(p for p in parts if p)
 
 
 def _own_flags(on: list[str], off: list[str]) -> list[str]:

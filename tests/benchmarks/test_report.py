@@ -96,12 +96,16 @@ def test_the_lever_table_shows_each_gain_from_a_results_file():
     chunked = {"lever": "chunked loss", "model": "diff-tiny", "seq": 64, "note": "a memory option"}
     chunked.update(on=[*base, "--cross-entropy-chunk-size", "16"], off=base, error="skipped: time budget")
     chunked.update(off_tokens_per_s=100.0, on_tokens_per_s=None, gain=None)
-    r["levers"] = [fused, chunked]
+    resumed = {**fused, "lever": "fused norm", "off_from": "campaign-cpu-0.json", "on_from": None}
+    r["levers"] = [fused, chunked, resumed]
     assert report.schema.validate(r) == []
     text = "\n".join(report.levers_table("campaign-cpu-1.json", r))
     assert "| fused optimizer | diff-tiny | 64 | 100 | 125 | 1.250x | `--optimizer-impl` `fused` |" in text
     assert "| `--optimizer-impl` `megatron` |" in text
     assert "| `--cross-entropy-chunk-size` `16` | – | a memory option | skipped: time budget |" in text
+    fused_row = next(line for line in text.splitlines() if line.startswith("| fused optimizer |"))
+    assert "run from" not in fused_row  # both runs timed by this command
+    assert "| off run from `campaign-cpu-0.json` |" in text  # a twin an earlier command timed
     assert report.levers_table("x.json", cpu_smoke_result()) == []  # files before the matrix: no table
     gpu = gpu_result()
     gpu["levers"] = r["levers"]
