@@ -79,7 +79,7 @@ def plot_curves(
     ax.grid(True, which="major", alpha=0.35)
     if len(curves) > 1 or vlines or (curves and curves[0].label):
         ax.legend()
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def plot_heatmaps(
@@ -110,7 +110,7 @@ def plot_heatmaps(
     if image is not None:
         fig.colorbar(image, ax=list(axes))
     fig.suptitle(title)
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def _figure(size: tuple[float, float]):
@@ -125,11 +125,12 @@ def _figure(size: tuple[float, float]):
     return fig
 
 
-def _save(fig, path: str) -> None:
-    """Write the PNG atomically: a crash leaves no half-written file."""
+def save_png(fig, path: str, dpi: float | None = None) -> None:
+    """Write the PNG atomically: a crash leaves no half-written file, and an earlier plot of the same name
+    stays whole until the new one is complete. `dpi`: the figure's own when None."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format="png", dpi=dpi if dpi is not None else "figure")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from diffmeg.eval.plotting import save_png
 from diffmeg.eval.toy_compare import (
     MODEL_NAMES,
     TARGET,
@@ -53,7 +54,7 @@ def plot(results: dict, out_dir: str) -> list[str]:
         axes[0][0].set_ylabel("held-out accuracy (one line per seed)")
         fig.tight_layout()
         written.append(os.path.join(out_dir, "mqar_accuracy.png"))
-        fig.savefig(written[-1], dpi=110)
+        save_png(fig, written[-1], dpi=110)
         plt.close(fig)
     if results["lm"]:
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -73,7 +74,7 @@ def plot(results: dict, out_dir: str) -> list[str]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         written.append(os.path.join(out_dir, "lm_val_loss.png"))
-        fig.savefig(written[-1], dpi=110)
+        save_png(fig, written[-1], dpi=110)
         plt.close(fig)
     if results.get("attention"):
         written.append(os.path.join(out_dir, "mqar_attention.png"))
@@ -106,5 +107,5 @@ def plot_attention(results: dict, path: str) -> None:
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("attention mass at the answers (normalised)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)

@@ -18,6 +18,7 @@ import os
 import statistics
 
 from diffmeg.errors import DiffmegError
+from diffmeg.eval.plotting import save_png
 
 MODELS = {"transformer": "Transformer (continued)", "diff2": "DIFF V2 (upcycled)"}
 """Run names and how the tables and plots name them, in order."""
@@ -158,6 +159,6 @@ def plot(results: dict, path: str) -> str:
     ax.set(xlabel="tokens of continued training", ylabel="validation loss (one line per seed)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return path

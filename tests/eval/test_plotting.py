@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffmeg.eval.plotting import Curve, count_label, plot_curves, plot_heatmaps
+from diffmeg.eval.plotting import Curve, count_label, plot_curves, plot_heatmaps, save_png
 
 
 @pytest.mark.parametrize(
@@ -35,3 +35,23 @@ def test_heatmaps_write_one_png_and_no_temporary_file(tmp_path):
     )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["h.png"]
+
+
+class _FailingFigure:
+    """A figure whose save writes half a file and then fails, as a full disk or a killed process would."""
+
+    def savefig(self, target, **_kwargs) -> None:
+        with open(target, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError("No space left on device")
+
+
+def test_a_failed_save_keeps_the_earlier_plot_whole_and_leaves_no_temporary(tmp_path):
+    """toy_compare's and upcycle_results' plots go through save_png too: a rerun that fails mid-write
+    leaves the earlier PNG as it was."""
+    path = tmp_path / "mqar_accuracy.png"
+    path.write_bytes(b"the earlier plot")
+    with pytest.raises(OSError, match="No space"):
+        save_png(_FailingFigure(), str(path), dpi=110)
+    assert path.read_bytes() == b"the earlier plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mqar_accuracy.png"]
