@@ -165,7 +165,7 @@ def _time(pair: list[Variant], steps: int) -> None:
 
     import torch
 
-    from diffmeg.training import collectives
+    from diffmeg import collectives
 
     for step in range(steps):
         for variant in pair if step % 2 == 0 else reversed(pair):
@@ -184,7 +184,7 @@ def _time(pair: list[Variant], steps: int) -> None:
 
 def _max_difference(a: list[float], b: list[float]) -> float:
     """Largest |a - b| / |a| over the steps, over every rank that holds the values."""
-    from diffmeg.training import collectives
+    from diffmeg import collectives
 
     pairs = [(x, y) for x, y in zip(a, b, strict=True) if x == x and y == y]  # x == x: not NaN
     local = [abs(x - y) / max(abs(x), 1e-30) for x, y in pairs]

@@ -231,6 +231,18 @@ def _compiled_rope() -> Callable:
     return rope_compiled
 
 
+def _megatron_optimizer_step() -> Callable:
+    from diffmeg.fusions.optimizer_step import keep_megatron_step  # lazy: loads when this entry is chosen
+
+    return keep_megatron_step
+
+
+def _fused_optimizer_step() -> Callable:
+    from diffmeg.fusions.optimizer_step import apply_fused_step  # lazy: loads when this entry is chosen
+
+    return apply_fused_step
+
+
 def _chunked_loss() -> Callable:
     from diffmeg.fusions.cross_entropy import linear_cross_entropy  # lazy: loads when this entry is chosen
 
@@ -287,6 +299,11 @@ SLOTS = (
         "fp8_linear",
         "FP8 linear converter",
         "`--fp8-format` (set: the spec is converted) and the spec (`--transformer-impl`)",
+    ),
+    Slot(
+        "optimizer",
+        "optimizer step",
+        "`--optimizer-impl`: the step after backward (grad norm, clipping, AdamW, the copy to the weights)",
     ),
 )
 
@@ -457,6 +474,20 @@ IMPLEMENTATIONS = (
         _torchao_fp8_missing,
         spec="local",
     ),
+    Implementation(
+        "optimizer",
+        "megatron",
+        "megatron-core's step as built: its fused Adam where Transformer Engine or apex is installed, else "
+        "torch's AdamW and Python fallbacks (a host sync per tensor for the grad norm)",
+        _megatron_optimizer_step,
+    ),
+    Implementation(
+        "optimizer",
+        "fused",
+        "the same optimizer with the grad norm and clip on the device, one `_foreach_copy_` to the model's "
+        "weights, torch's fused AdamW on CUDA (foreach elsewhere): `fusions/optimizer_step.py`",
+        _fused_optimizer_step,
+    ),
 )
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
@@ -473,6 +504,10 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "rope": ("megatron",),
     "diff_epilogue": ("eager",),
     "fp8_linear": ("transformer_engine", "torchao"),
+    # The fused step until the lever matrix's "fused optimizer" lever measures it faster on a GPU; where
+    # megatron-core has a fused Adam of its own (TE or apex), and on a CPU, `auto` keeps megatron-core's
+    # step whatever this order says (diffmeg.training.optim.optimizer_impl).
+    "optimizer": ("megatron",),
 }
 """Per slot, what `auto` tries, first choice first: the first that can run (at build time) is taken."""
 

@@ -75,7 +75,7 @@ FLOORS = [
         },
         independent=True,
     ),
-    Floor("process", {"runtime": ("diffmeg.runtime", "diffmeg.compat")}),
+    Floor("process", {"runtime": ("diffmeg.runtime", "diffmeg.compat", "diffmeg.collectives")}),
     Floor("ground", {"ground": ("diffmeg.errors", "diffmeg.storage")}),
 ]
 

@@ -305,10 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument(
+    _add_registry_flag(
+        g,
         "--optimizer-impl",
-        choices=["auto", "megatron", "fused"],  # diffmeg.training.fused_optim.OPTIMIZER_IMPLS
-        default="auto",
+        "optimizer",
         help="the optimizer step: megatron (megatron-core's: its Python grad norm syncs the host), fused "
         "(torch's fused AdamW on CUDA, foreach on CPU; grad norm, clipping and the main-to-model copy on "
         "the device without host syncs or temporaries; same weights to fp32 rounding) or auto (megatron "

@@ -25,8 +25,8 @@ from typing import Protocol
 
 import torch
 
+from diffmeg import collectives
 from diffmeg.errors import DiffmegError
-from diffmeg.training import collectives
 from diffmeg.training.logger import TrainingLogger
 from diffmeg.training.run_config import RunConfig
 

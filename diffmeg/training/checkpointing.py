@@ -24,6 +24,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from diffmeg import collectives
 from diffmeg.checkpoints import (
     TRACKER_FILE,
     WEIGHTS_ONLY_KEY,
@@ -39,7 +40,6 @@ from diffmeg.checkpoints import (
 from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite, run_now
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
-from diffmeg.training import collectives
 from diffmeg.training.run_config import RunConfig, TrainingConfig
 
 ARGUMENTS_FILE = "arguments.json"

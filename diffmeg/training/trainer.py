@@ -26,6 +26,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from diffmeg import collectives
 from diffmeg.compat import model_parallel_manual_seed
 from diffmeg.data.tokenizers import (
     NULL,
@@ -36,7 +37,7 @@ from diffmeg.data.tokenizers import (
 )
 from diffmeg.errors import DiffmegError
 from diffmeg.model import lambda_parameters
-from diffmeg.training import collectives, ddp
+from diffmeg.training import ddp
 from diffmeg.training.arguments import args_to_json
 from diffmeg.training.builders import build_training_objects
 from diffmeg.training.callbacks import Callback, LogRecord, StepOutput, default_callbacks

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 def test_both_steps_are_timed_on_their_own(single_rank_parallel_state, monkeypatch):
     from benchmarks import optimizer_step, train_step
-    from diffmeg.training import fused_optim, optim
+    from diffmeg.fusions import optimizer_step as fused_step
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(key, "")  # the Trainer sets the launcher variables; restored at teardown
         monkeypatch.delenv(key)
     applied = []
-    monkeypatch.setattr(optim, "apply_fused_step", lambda opt, _f=fused_optim.apply_fused_step: (
-        applied.append(opt), _f(opt))[1])  # fmt: skip
+    monkeypatch.setattr(
+        fused_step,
+        "apply_fused_step",
+        lambda opt, _f=fused_step.apply_fused_step: (applied.append(opt), _f(opt))[1],
+    )  # the registry's loader reads the function from the module when the fused step is chosen
     opts = train_step.StepOptions(tokens_per_microbatch=32, microbatches=1, warmup=1, iters=2, vocab_size=256)
     opts.num_layers = 1
     rows = [optimizer_step.run_one("diff-tiny", impl, 32, opts, "cpu") for impl in optimizer_step.IMPLS]

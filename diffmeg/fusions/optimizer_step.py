@@ -12,7 +12,7 @@ clip factor stays a device scalar (min(1, clip / (norm + 1e-6)), multiplied in w
 exact where it is 1); the main-to-model copy is one `_foreach_copy_`; AdamW runs torch's `fused=True`
 kernel on CUDA and its `foreach` form elsewhere. The step returns the grad norm as a 0-dim device
 tensor: the Trainer reads it at log steps only. Same equations as megatron-core's, so the same weights
-to fp32 rounding (tests/training/test_fused_optim.py).
+to fp32 rounding (tests/fusions/test_optimizer_step.py).
 """
 
 from __future__ import annotations
@@ -21,30 +21,13 @@ import types
 
 import torch
 
+from diffmeg import collectives
 from diffmeg.errors import DiffmegError
-from diffmeg.training import collectives
-
-OPTIMIZER_IMPLS = ("auto", "megatron", "fused")
-"""`--optimizer-impl` choices: auto picks per machine (resolve_optimizer_impl)."""
 
 
-FUSED_MEASURED_FASTER_ON_CUDA = False
-"""Set once a GPU run's lever matrix (the campaign's "fused optimizer" lever) measured the fused step faster
-than megatron-core's; until then `auto` keeps megatron-core's step on every machine."""
-
-
-def resolve_optimizer_impl(requested: str, on_cuda: bool, megatron_fused_adam: bool) -> str:
-    """The optimizer step to run: `requested`, or for "auto" "fused" on CUDA where megatron-core has no
-    fused Adam of its own (no TransformerEngine or apex) and the fused step was measured faster there,
-    else "megatron" (today's step, unchanged). One small function so an implementation registry can take
-    it over."""
-    if requested not in OPTIMIZER_IMPLS:
-        choices = ", ".join(OPTIMIZER_IMPLS)
-        raise DiffmegError(f"--optimizer-impl {requested!r} is unknown; choose one of {choices}")
-    if requested != "auto":
-        return requested
-    fused = FUSED_MEASURED_FASTER_ON_CUDA and on_cuda and not megatron_fused_adam
-    return "fused" if fused else "megatron"
+def keep_megatron_step(optimizer) -> None:
+    """The eager twin (`--optimizer-impl megatron`): megatron-core's optimizer steps as it was built."""
+    del optimizer
 
 
 def megatron_has_fused_adam() -> bool:

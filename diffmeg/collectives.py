@@ -3,7 +3,7 @@
 NCCL reduces CUDA tensors only ("No backend type associated with device type cpu"), gloo reduces CPU
 tensors; a tensor made with `torch.tensor(...)` lands on the CPU whatever the backend, which passes every
 CPU test and stops the first GPU run at its first step. So every small collective in diffmeg makes its
-tensor here, on the device of the group's backend. tests/training/test_collectives.py scans the package
+tensor here, on the device of the group's backend. tests/test_collectives.py scans the package
 and fails if another module reduces a freshly made tensor directly.
 """
 

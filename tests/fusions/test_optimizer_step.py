@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffmeg.errors import DiffmegError
-from diffmeg.training import fused_optim
+from diffmeg.fusions import optimizer_step
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.run_config import RunConfig
 from tests.training.helpers import SMALL, STEPS, train_steps
@@ -55,14 +55,14 @@ def test_bf16_fused_step_matches_megatron_cores(single_rank_parallel_state):
 
 def test_grad_norm_and_clip_stay_on_the_device():
     grads = [torch.full((3,), 2.0), torch.full((4,), -1.0)]
-    norm = fused_optim.grad_norm(grads, group=None)
+    norm = optimizer_step.grad_norm(grads, group=None)
     assert isinstance(norm, torch.Tensor) and norm.dim() == 0
     assert norm.item() == pytest.approx((12 + 4) ** 0.5)
     before = [g.clone() for g in grads]
-    fused_optim.clip_(grads, 10.0, norm)  # factor clamped to 1: unchanged bit for bit
+    optimizer_step.clip_(grads, 10.0, norm)  # factor clamped to 1: unchanged bit for bit
     assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
-    fused_optim.clip_(grads, 1.0, norm)
-    assert fused_optim.grad_norm(grads, None).item() == pytest.approx(1.0, rel=1e-5)
+    optimizer_step.clip_(grads, 1.0, norm)
+    assert optimizer_step.grad_norm(grads, None).item() == pytest.approx(1.0, rel=1e-5)
 
 
 def test_the_fused_step_reads_nothing_back_to_the_host(single_rank_parallel_state, monkeypatch):
@@ -95,15 +95,21 @@ def test_the_fused_step_reads_nothing_back_to_the_host(single_rank_parallel_stat
 
 
 def test_auto_picks_fused_on_cuda_without_te_or_apex_and_unknown_impls_are_refused(monkeypatch):
-    # until a GPU run measured the fused step faster, auto keeps megatron-core's everywhere
-    assert fused_optim.resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=False) == "megatron"
-    monkeypatch.setattr(fused_optim, "FUSED_MEASURED_FASTER_ON_CUDA", True)
-    assert fused_optim.resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=False) == "fused"
-    assert fused_optim.resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=True) == "megatron"
-    assert fused_optim.resolve_optimizer_impl("auto", on_cuda=False, megatron_fused_adam=False) == "megatron"
-    assert fused_optim.resolve_optimizer_impl("fused", on_cuda=False, megatron_fused_adam=True) == "fused"
-    with pytest.raises(DiffmegError, match="--optimizer-impl 'apex' is unknown; choose one of auto"):
-        fused_optim.resolve_optimizer_impl("apex", on_cuda=False, megatron_fused_adam=False)
+    from diffmeg import registry
+    from diffmeg.training.optim import resolve_optimizer_impl
+
+    # until a GPU run measured the fused step faster, the registry's auto order keeps megatron-core's
+    assert resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=False) == "megatron"
+    monkeypatch.setitem(registry.AUTO_ORDER, "optimizer", ("fused", "megatron"))  # as once measured
+    assert resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=False) == "fused"
+    assert resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=True) == "megatron"
+    assert resolve_optimizer_impl("auto", on_cuda=False, megatron_fused_adam=False) == "megatron"
+    assert resolve_optimizer_impl("fused", on_cuda=False, megatron_fused_adam=True) == "fused"
+    with pytest.raises(
+        DiffmegError, match="unknown optimizer step 'apex'.*choose one of auto, megatron, fused"
+    ):
+        resolve_optimizer_impl("apex", on_cuda=False, megatron_fused_adam=False)
+    assert registry.implementation("optimizer", "fused").load() is optimizer_step.apply_fused_step
 
 
 def test_the_flag_is_in_the_run_config_with_auto_by_default():
@@ -121,7 +127,7 @@ def test_adamw_runs_foreach_here_and_leaves_the_groups_flags_as_they_were():
 
     w = torch.nn.Parameter(torch.ones(4))
     inner = torch.optim.AdamW([w], lr=0.1)
-    stepper = fused_optim._AdamFlags(inner, fused=False)
+    stepper = optimizer_step._AdamFlags(inner, fused=False)
     w.grad = torch.ones(4)
     adam = importlib.import_module("torch.optim.adam")
     with mock.patch.object(adam, "_multi_tensor_adam", wraps=adam._multi_tensor_adam) as fe:

@@ -1,4 +1,4 @@
-"""Small collectives go through diffmeg.training.collectives, which puts their tensors on the backend's
+"""Small collectives go through diffmeg.collectives, which puts their tensors on the backend's
 device (issue 17, item 1: a CPU tensor all-reduced under NCCL stops every GPU run after its first step)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffmeg import collectives
 from diffmeg.errors import DiffmegError
-from diffmeg.training import collectives
 from tests.conftest import REPO_ROOT
 
 
@@ -158,4 +158,4 @@ def test_no_module_reduces_a_fresh_tensor_directly():
         offenders += [
             f"{path.relative_to(REPO_ROOT)}:{hit}" for hit in fresh_tensor_collectives(path.read_text())
         ]
-    assert not offenders, f"use diffmeg.training.collectives for these small collectives: {offenders}"
+    assert not offenders, f"use diffmeg.collectives for these small collectives: {offenders}"
