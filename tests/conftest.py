@@ -21,6 +21,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What `diffmeg.training.distributed.initialize_distributed` writes into os.environ, as torchrun would."""
+
+
+@pytest.fixture(autouse=True)
+def launcher_variables_stay_put():
+    """A test that runs the Trainer in-process leaves the launcher variables in os.environ; restore them so
+    no later test inherits them. A Slurm job submitted with this process's environment takes an inherited
+    MASTER_PORT over its job id's, and three recipe jobs side by side then collide on one port (seen when
+    a Trainer test ran before tests/slurm)."""
+    saved = {key: os.environ.get(key) for key in LAUNCHER_VARIABLES}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def single_rank_parallel_state():
     """torch.distributed (gloo, world 1) and megatron-core model-parallel groups, for the session."""

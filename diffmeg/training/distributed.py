@@ -71,7 +71,16 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10) -> 
         if not torch.cuda.is_available():
             raise DiffmegError("--distributed-backend nccl needs CUDA; use gloo on CPU")
         torch.cuda.set_device(int(env["LOCAL_RANK"]) % torch.cuda.device_count())
-    torch.distributed.init_process_group(
-        backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes)
-    )
+    try:
+        torch.distributed.init_process_group(
+            backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes)
+        )
+    except torch.distributed.DistNetworkError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        raise DiffmegError(
+            f"MASTER_PORT {env['MASTER_PORT']} on {env['MASTER_ADDR']} is already in use (another run on "
+            "this node, or a MASTER_PORT inherited from the shell): unset MASTER_PORT (under Slurm each job "
+            "takes one from its job id) or set a free one"
+        ) from None
     return rank, world

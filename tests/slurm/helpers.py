@@ -28,8 +28,16 @@ RECIPE_KNOBS = (
 JOB_TIMEOUT_S = 900
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""Never passed to a job: each job's tasks take them from Slurm (the port from the job id)."""
+
+
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in RECIPE_KNOBS and not k.startswith("SLURM_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in RECIPE_KNOBS and k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")
+    }
     env.update(extra)
     return env
 

@@ -120,3 +120,14 @@ def test_skip_slurm_skips_the_live_tests():
     )
     assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:]
     assert "DIFFMEG_SKIP_SLURM=1 (nothing is installed or started)" in proc.stdout
+
+
+def test_jobs_never_inherit_the_launcher_variables(monkeypatch):
+    """A MASTER_PORT left in the submitting process's environment would override each job's own port
+    (from its job id) and collide between jobs side by side on one node."""
+    from tests.slurm.helpers import clean_env
+
+    monkeypatch.setenv("MASTER_PORT", "40851")
+    monkeypatch.setenv("RANK", "0")
+    env = clean_env(DRY_RUN="1")
+    assert "MASTER_PORT" not in env and "RANK" not in env and env["DRY_RUN"] == "1"
