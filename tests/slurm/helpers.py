@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.conftest import LAUNCHER_VARIABLES
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCAL_SLURM = REPO_ROOT / "scripts" / "local_slurm.sh"
 REQUIRE_ENV = "DIFFMEG_REQUIRE_SLURM"
@@ -28,11 +30,9 @@ RECIPE_KNOBS = (
 JOB_TIMEOUT_S = 900
 
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-"""Never passed to a job: each job's tasks take them from Slurm (the port from the job id)."""
-
-
 def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a job, without recipe knobs, SLURM_* or the launcher variables
+    (each job's tasks take those from Slurm: the port from the job id)."""
     env = {
         k: v
         for k, v in os.environ.items()
