@@ -227,14 +227,16 @@ def write_upcycled(
 ) -> Diff2Layout:
     """Write the upcycled checkpoint to `save` (atomically: a failure leaves nothing behind), one part at a
     time; `progress.layer_done(n)` after each layer. Needs nothing of torch.distributed."""
-    from diffmeg.conversion.checkpoint_io import atomic_output_dir, release_freed_memory
+    from diffmeg.conversion.checkpoint_io import release_freed_memory
     from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of
+    from diffmeg.conversion.output_dir import CONVERTED_CHECKPOINT, atomic_output_dir
     from diffmeg.conversion.upcycle import diff2_layout, upcycle_blocks
     from diffmeg.runtime import single_process
 
     target = diff2_layout(source.layout)
     single_process()
-    with atomic_output_dir(save, needed_bytes=target.mcore_parameters() * dtype.itemsize) as out:
+    needed = target.mcore_parameters() * dtype.itemsize
+    with atomic_output_dir(save, CONVERTED_CHECKPOINT, needed_bytes=needed) as out:
         writer = StreamingCheckpointWriter(out, args, dtype)
         for block in upcycle_blocks(source.blocks(dtype), source.layout):
             writer.write(block)

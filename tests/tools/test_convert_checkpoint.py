@@ -238,9 +238,25 @@ def test_existing_output_needs_overwrite(tmp_path_factory, tmp_path, capsys, sin
     assert "already exists; pass --overwrite" in proc.stderr
     assert (out / "keep.txt").read_text() == "mine"
     assert "overlaps --load" in refused(capsys, "mcore-to-hf", "--load", ckpt, "--save", ckpt / "inside")
+    (out / "models").mkdir()  # the user's: --overwrite replaces the export's files only
+    (out / "models" / "model.safetensors").write_text("another model")
+    (out / "model-00001-of-00002.safetensors").write_text("a previous export's shard")
     tool_main("convert_checkpoint")(["mcore-to-hf", "--load", str(ckpt), "--save", str(out), "--overwrite"])
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert (out / "keep.txt").read_text() == "mine" and (out / "config.json").exists()
+    assert (out / "models" / "model.safetensors").read_text() == "another model"
+    assert not (out / "model-00001-of-00002.safetensors").exists()
+    assert (
+        capsys.readouterr().err.splitlines()[-1]
+        == f"note: kept keep.txt, models in {out} (not an export's files)"
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    # a training run's checkpoint folder is not a conversion's to replace: refused, nothing touched
+    run = tmp_path / "run"
+    (run / "iter_0000002").mkdir(parents=True)
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    err = refused(capsys, "hf-to-mcore", "--load", out, "--save", run, "--overwrite")
+    assert f"--save {run} holds iter_0000002, which a conversion does not write; --overwrite replaces" in err
+    assert sorted(p.name for p in run.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
 # ---------------------------------------------------------------------------------- dtype, modes, full disks
