@@ -9,7 +9,9 @@ A run killed outright (SIGKILL, a node failure) cannot remove its temporaries; t
 same output removes those whose process is gone (``remove_stale_temporaries``). The process id in the
 name is checked on this host only: never write one output prefix from two nodes at once. A full disk
 (or quota) ends a writer with one line naming the directory, the free space and what was written
-(``DiskFullError``), after its temporaries are removed.
+(``DiskFullError``), after its temporaries are removed. A committed dataset gets its token-id range
+recorded beside it (``{prefix}.ids.json``, ``diffmeg.data.token_range``), which runs check against their
+vocabulary.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megatron.core.datasets.indexed_dataset import (
     get_idx_path,
 )
 
+from diffmeg.data.token_range import TokenRange, combine, record_range, token_range
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import check_output, format_bytes, free_bytes, is_disk_full
 
@@ -237,10 +240,13 @@ class IndexedWriter:
         self._done = False
         self.discarded_bytes = 0
         """Bytes of temporary files ``abort()`` removed (what a failed run had written)."""
+        self.ids: TokenRange = None
+        """The smallest and largest token id written, recorded beside the dataset on ``commit()``."""
 
     def add_document(self, tokens: np.ndarray, lengths: Sequence[int] | None = None) -> None:
         """One document: one sequence (so document i is ``IndexedDataset[i]``), or ``lengths``."""
         self._builder.add_document(tokens, [len(tokens)] if lengths is None else list(lengths))
+        self._saw(tokens)
         self.documents += 1
         self.tokens += len(tokens)
 
@@ -255,6 +261,7 @@ class IndexedWriter:
         start = len(builder.sequence_lengths)
         builder.sequence_lengths.extend(int(n) for n in lengths)
         builder.document_indices.extend(range(start + 1, start + len(lengths) + 1))
+        self._saw(tokens)
         self.documents += len(lengths)
         self.tokens += int(np.sum(lengths, dtype=np.int64))
 
@@ -269,7 +276,12 @@ class IndexedWriter:
         self.documents += len(index.document_indices) - 1
         self.tokens += int(index.sequence_lengths.sum(dtype=np.int64))
         del index
+        self.ids = combine(self.ids, token_range(prefix))  # its record, else one scan (as a copy reads it)
         self._builder.add_index(prefix)
+
+    def _saw(self, tokens: np.ndarray) -> None:
+        if len(tokens):
+            self.ids = combine(self.ids, (int(np.min(tokens)), int(np.max(tokens))))
 
     def commit(self) -> None:
         """Write the index and move both files into place, ``.idx`` last."""
@@ -280,6 +292,8 @@ class IndexedWriter:
         os.replace(self._tmp_bin, final_bin)
         os.replace(self._tmp_idx, final_idx)
         self._done = True
+        if not is_loss_mask_prefix(self.prefix):  # mask bits are no token ids
+            record_range(self.prefix, self.ids)
 
     def abort(self) -> None:
         """Close and delete the temporary files (idempotent)."""

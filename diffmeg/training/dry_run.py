@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 from diffmeg.data.gpt_datasets import BUILTIN, parse_data_path
 from diffmeg.data.indexed import check_dataset
-from diffmeg.data.tokenizers import check_datasets, record_of_args
+from diffmeg.data.tokenizers import check_datasets, check_vocabulary, record_of_args
 from diffmeg.errors import DiffmegError
 from diffmeg.presets import count_parameters
 from diffmeg.training.flops import train_flops_per_iteration
@@ -290,6 +290,7 @@ def dry_run(args: argparse.Namespace) -> int:
     """Print the resolved run (stdout) and its checks (stderr); exit status 0, or an error raised."""
     run = RunConfig.from_args(args)
     tokens = check_data(run.data)
+    check_vocabulary(list(tokens), run.model.vocab_size)  # every id has an embedding row
     summary = dry_run_summary(run)
     warnings = memory_warnings(run, args.gpu_memory_gib, summary["memory_per_gpu_gib"]["total"])
     summary["checks"] = {
