@@ -207,12 +207,28 @@ def has_loss_mask(prefix: str) -> bool:
     return exists(loss_mask_prefix(prefix))
 
 
+def check_output_prefix(prefix: str, extended: bool = False) -> None:
+    """``--output-prefix`` names the start of file names, not a folder: ``data/`` would write hidden
+    ``data/.bin`` (or ``data/_text_document.bin``). ``extended``: the tool appends to the prefix (``_text_
+    document``), so an existing folder there is a folder meant (megatron-core's index cache is a folder
+    named as a dataset's own prefix: for a prefix used as is, that is no mistake)."""
+    folder = prefix.endswith(("/", os.sep)) or (extended and os.path.isdir(prefix))
+    if not os.path.basename(prefix) or folder:
+        example = os.path.join(prefix.rstrip("/" + os.sep) or ".", "corpus")
+        raise DiffmegError(
+            f"--output-prefix {prefix} names a folder, not the start of the output files' names; give a name "
+            f"inside it, e.g. --output-prefix {example}"
+        )
+
+
 def check_can_write(prefixes: Iterable[str], overwrite: bool) -> None:
-    """Fail before any work if an output exists and ``--overwrite`` was not given, or its folder cannot be
-    written (read-only, no permission, a file in the way: `diffmeg.storage.check_output`); then create
-    the missing output folders (as pretrain_diff.py and convert_checkpoint.py do)."""
+    """Fail before any work if an output prefix names a folder, an output exists and ``--overwrite`` was
+    not given, or its folder cannot be written (read-only, no permission, a file in the way:
+    `diffmeg.storage.check_output`); then create the missing output folders (as pretrain_diff.py and
+    convert_checkpoint.py do)."""
     parents = []
     for prefix in prefixes:
+        check_output_prefix(prefix)
         for path in (get_bin_path(prefix), get_idx_path(prefix)):
             if os.path.exists(path) and not overwrite:
                 raise DiffmegError(f"output {path} already exists; pass --overwrite to replace it")
