@@ -30,6 +30,7 @@ from diffmeg.checkpoints import TOKENIZER_DIR, TRACKER_FILE, checkpoint_path
 from diffmeg.conversion.hf_config import REMOTE_CODE_FILE
 from diffmeg.conversion.safetensors_io import INDEX_FILE
 from diffmeg.data.hf_tokenizer import TOKENIZER_FILES
+from diffmeg.data.indexed import pid_alive
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import check_output, is_disk_full
 
@@ -57,7 +58,7 @@ class OutputFiles:
         if name in self.names or (self.pattern and re.fullmatch(self.pattern, name)):
             return True
         match = _TEMPORARY.match(name)
-        return match is not None and not _running(int(match.group(1)))
+        return match is not None and not pid_alive(int(match.group(1)))
 
 
 HF_EXPORT = OutputFiles(
@@ -77,17 +78,6 @@ CONVERTED_CHECKPOINT = OutputFiles(
     listed=f"{os.path.basename(checkpoint_path('', 0))}/, {TRACKER_FILE}, {TOKENIZER_DIR}/",
     keep_others=False,
 )
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists on this host (a temporary of a running conversion is not stale)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def some_names(names: list[str]) -> str:
@@ -110,7 +100,7 @@ def check_output_path(output: str, overwrite: bool, source: str, files: OutputFi
         entries = sorted(os.listdir(output))
         for name in entries:
             match = _TEMPORARY.match(name)
-            if match and _running(int(match.group(1))):
+            if match and pid_alive(int(match.group(1))):
                 raise DiffmegError(
                     f"process {match.group(1)} is writing {output} now ({name}); wait for it or choose "
                     f"another --save"

@@ -78,7 +78,7 @@ def abort_writers(
     raise DiskFullError(directory, written + sum(w.discarded_bytes for w in writers), free) from None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether ``pid`` is a running (not zombie) process on this host; unknown counts as alive."""
     try:
         os.kill(pid, 0)
@@ -117,7 +117,7 @@ def remove_stale_temporaries(
                     found.setdefault(int(match.group(1)), []).append(tmp)
     removed: list[str] = []
     for pid, tmps in sorted(found.items()):
-        if _pid_alive(pid):
+        if pid_alive(pid):
             raise DiffmegError(
                 f"process {pid} is writing the same output now ({tmps[0]}); wait for it or choose another "
                 f"output (if no such run is active, delete {tmps[0]})"

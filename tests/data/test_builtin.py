@@ -47,6 +47,7 @@ def test_concurrent_first_build(built):
     assert sorted(os.listdir(entry)) == [
         "builtin.jsonl",
         "builtin_text_document.bin",
+        "builtin_text_document.ids.json",  # its token-id range, checked against a run's vocabulary
         "builtin_text_document.idx",
         "builtin_text_document.tokenizer.json",  # which ids: cl100k_base
     ]

@@ -12,7 +12,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from diffmeg.data import token_range as tr
 from diffmeg.data.gpt_datasets import build_gpt_datasets
-from diffmeg.data.indexed import IndexedWriter, merge_datasets
+from diffmeg.data.indexed import merge_datasets
 from diffmeg.data.tokenizers import (
     CL100K,
     NULL,
@@ -22,15 +22,7 @@ from diffmeg.data.tokenizers import (
     write_dataset_record,
 )
 from diffmeg.errors import DiffmegError
-
-
-def written(prefix, docs, dtype=np.int32) -> str:
-    """A dataset written with diffmeg's writer (which records its range)."""
-    with IndexedWriter(str(prefix), dtype=dtype) as w:
-        for doc in docs:
-            w.add_document(np.asarray(doc, dtype=dtype))
-        w.commit()
-    return str(prefix)
+from tests.data.helpers import write_dataset
 
 
 def foreign(prefix, docs, dtype=np.int32) -> str:
@@ -60,12 +52,12 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def test_the_writer_records_the_range_of_what_it_wrote(tmp_path, no_scan):
-    prefix = written(tmp_path / "d", [[7, 3, 900], [], [42]])
+    prefix = write_dataset(tmp_path / "d", [[7, 3, 900], [], [42]])
     record = json.loads((tmp_path / "d.ids.json").read_text())
     assert (record["min_id"], record["max_id"]) == (3, 900)
     assert record["bin_bytes"] == os.path.getsize(f"{prefix}.bin")
     assert tr.token_range(prefix) == (3, 900)
-    merged = merge_datasets([prefix, written(tmp_path / "e", [[1000, 5]])], str(tmp_path / "m"))
+    merged = merge_datasets([prefix, write_dataset(tmp_path / "e", [[1000, 5]])], str(tmp_path / "m"))
     assert merged.ids == (3, 1000) and tr.token_range(str(tmp_path / "m")) == (3, 1000)
 
 
@@ -96,8 +88,8 @@ def test_a_read_only_data_folder_caches_in_the_cache_dir(tmp_path, monkeypatch, 
 
 
 def test_ids_above_the_vocabulary_are_one_line(tmp_path):
-    ok = written(tmp_path / "ok", [[1, 2, 1023]])
-    big = written(tmp_path / "big", [[1, 100257, 5]])
+    ok = write_dataset(tmp_path / "ok", [[1, 2, 1023]])
+    big = write_dataset(tmp_path / "big", [[1, 100257, 5]])
     write_dataset_record(big, TokenizerRecord(CL100K))
     check_vocabulary([ok], 1024)
     with pytest.raises(DiffmegError) as info:
@@ -109,11 +101,11 @@ def test_ids_above_the_vocabulary_are_one_line(tmp_path):
     )
     assert "--tokenizer-type cl100k_base" in message and "--vocab-size above 100257" in message
     with pytest.raises(DiffmegError, match=f"dataset {ok} holds the negative token id -1"):
-        check_vocabulary([written(tmp_path / "ok", [[-1, 4]])], 1024)
+        check_vocabulary([write_dataset(tmp_path / "ok", [[-1, 4]])], 1024)
 
 
 def test_the_dataset_builder_checks_every_prefix_of_a_blend(tmp_path, gloo):
-    a = written(tmp_path / "a", [[3] * 50] * 40)
+    a = write_dataset(tmp_path / "a", [[3] * 50] * 40)
     b = foreign(tmp_path / "b", [[3] * 49 + [2000]] * 40)
     blend, args = ["0.5", a, "0.5", b], ("1,0,0", 16, 1, (8, 0, 0), build_tokenizer(NULL, vocab_size=2048))
     refusal = rf"^dataset {b} holds token ids up to 2000, .* has 1024 \(ids 0\.\.1023\)"
