@@ -25,8 +25,9 @@ from diffmeg.storage import default_cache_dir
 
 RANGE_SUFFIX = ".ids.json"
 """`{prefix}.ids.json`: the dataset's token-id range, keyed by its `.bin`'s size and mtime."""
-CHUNK_TOKENS = 1 << 26
-"""Tokens scanned at a time (256 MiB of int32): bounds the memory a scan touches at once."""
+CHUNK_TOKENS = 1 << 24
+"""Tokens scanned at a time (64 MiB of int32), each chunk mapped on its own and unmapped after, so a scan
+holds one chunk's pages, not the file's."""
 _IDX_HEADER = struct.Struct("<9sQB")
 """The start of an `.idx`: magic, version, token dtype code."""
 _IN_MEMORY: dict[tuple, tuple[int, int] | None] = {}
@@ -92,20 +93,17 @@ def token_dtype(prefix: str) -> type[np.number]:
 
 
 def scan_range(prefix: str, chunk_tokens: int = CHUNK_TOKENS) -> TokenRange:
-    """The range of the `.bin`'s tokens, read chunk by chunk from a memory map."""
+    """The range of the `.bin`'s tokens, read a chunk at a time through a memory map of that chunk."""
     path = get_bin_path(prefix)
     dtype = np.dtype(token_dtype(prefix))
     count = os.path.getsize(path) // dtype.itemsize
-    if count == 0:
-        return None
-    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
-    lo, hi = None, None
+    ids: TokenRange = None
     for start in range(0, count, chunk_tokens):
-        part = tokens[start : start + chunk_tokens]
-        a, b = int(part.min()), int(part.max())
-        lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
-    del tokens
-    return lo, hi
+        size = min(chunk_tokens, count - start)
+        part = np.memmap(path, dtype=dtype, mode="r", offset=start * dtype.itemsize, shape=(size,))
+        ids = combine(ids, (int(part.min()), int(part.max())))
+        del part  # unmapped: its pages leave this process
+    return ids
 
 
 def record_range(prefix: str, ids: TokenRange) -> None:
