@@ -8,9 +8,11 @@ micro-batches), `evaluate()` the validation loss, `train()` the loop. Around the
 
 Host syncs: a step leaves its loss on the device; the pending losses come to the host once per logging
 interval (and before a save or a stop), with the logged lambdas and loss scale, in one copy. The signal
-check's one-flag all-reduce per step is the only other host read in the loop (megatron-core's own
-optimizer step reads its grad norm and overflow flag every step anyway), plus, with --async-save, one
-while a checkpoint is being written in the background.
+check's one-flag all-reduce per step is the only other host read in the loop, plus, with --async-save, one
+while a checkpoint is being written in the background. A micro-batch's forward and backward read nothing
+(tests/training/test_host_syncs.py); the optimizer step reads nothing with `--optimizer-impl fused` (fp16:
+its overflow flag), megatron-core's own step its grad norm (without TE or apex: once per parameter tensor
+and twice more; docs/recipes.md counts them).
 """
 
 from __future__ import annotations
