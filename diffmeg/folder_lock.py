@@ -76,7 +76,10 @@ class Owner:
         return f"pid {self.pid} on {self.host}{job}, started {self.started}: {command}"
 
     def how_to_stop(self) -> str:
-        return f"scancel {self.slurm_job}" if self.slurm_job else f"kill {self.pid} on {self.host}"
+        """`scancel JOB`, unless that job is this one (a requeued job overlapping its own earlier start)."""
+        if self.slurm_job and self.slurm_job != os.environ.get("SLURM_JOB_ID"):
+            return f"scancel {self.slurm_job}"
+        return f"kill {self.pid} on {self.host}"
 
 
 @dataclass

@@ -20,7 +20,7 @@ from diffmeg.folder_lock import LOCK_FILE, FolderLock
 from tests.conftest import REPO_ROOT
 
 
-def test_a_second_owner_is_refused_in_one_line_naming_the_first(tmp_path, folder_holder):
+def test_a_second_owner_is_refused_in_one_line_naming_the_first(tmp_path, folder_holder, monkeypatch):
     folder = tmp_path / "run"
     first = folder_holder(folder, SLURM_JOB_ID="5678")
     record = (folder / LOCK_FILE).read_text()
@@ -34,6 +34,9 @@ def test_a_second_owner_is_refused_in_one_line_naming_the_first(tmp_path, folder
         f"or choose another --save"
     )
     assert (folder / LOCK_FILE).read_text() == record  # the refused one changed nothing
+    monkeypatch.setenv("SLURM_JOB_ID", "5678")  # the same job requeued while its earlier start still runs
+    with pytest.raises(DiffmegError, match=rf"stop it \(kill {first.pid} on {socket.gethostname()}\)"):
+        FolderLock(str(folder)).acquire()
     first.stdin.close()
     assert first.wait(timeout=60) == 0
     assert not folder.exists()  # made for the lock, still empty: gone with it
