@@ -22,6 +22,7 @@ the same folder in one process (tests build several Trainers) takes the lock ove
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
@@ -120,7 +121,7 @@ class FolderLock:
         if key in _HELD:  # this process holds it already: the new holder takes it over
             self._handle = _HELD[key]
             self._handle.holder = self
-            _write_owner(self._handle)
+            self._write_owner()
             return None
         path = os.path.join(self.folder, LOCK_FILE)
         for _ in range(10):
@@ -144,7 +145,8 @@ class FolderLock:
                     why = f"{self.flag} {self.folder}: cannot lock {path}: {exc.strerror}"
                     raise DiffmegError(why) from exc
                 if made:
-                    os.unlink(path)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
                 self._handle = _Handle(None, path, created, self)
                 return (
                     f" {self.flag} {self.folder}: its file system does not lock files "
@@ -156,7 +158,7 @@ class FolderLock:
                 continue
             left = Owner.parse(_read(fd))  # a record under a free lock: its run died without releasing it
             self._handle = _HELD[key] = _Handle(fd, path, created, self)
-            _write_owner(self._handle)
+            self._write_owner()
             return None if left is None else self._taken_over(left)
         raise DiffmegError(f"{self.flag} {self.folder}: {path} kept being replaced while locked; try again")
 
@@ -165,6 +167,16 @@ class FolderLock:
         handle, self._handle = self._handle, None
         if handle is not None and handle.holder is self:
             _release(handle)
+
+    def _write_owner(self) -> None:
+        """This process's record into the lock file it holds (a full disk: released, one line)."""
+        data = json.dumps(asdict(Owner.of_this_process())).encode()
+        try:
+            os.ftruncate(self._handle.fd, 0)
+            os.pwrite(self._handle.fd, data, 0)
+        except OSError as exc:
+            self.release()
+            raise DiffmegError(f"{self.flag} {self.folder} is not writable: {exc.strerror or exc}") from exc
 
     def _in_use(self, owner: Owner | None) -> str:
         if owner is None:
@@ -228,12 +240,6 @@ def _same_file(fd: int, path: str) -> bool:
         return False
     mine = os.fstat(fd)
     return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
-
-
-def _write_owner(handle: _Handle) -> None:
-    data = json.dumps(asdict(Owner.of_this_process())).encode()
-    os.ftruncate(handle.fd, 0)
-    os.pwrite(handle.fd, data, 0)
 
 
 def _release(handle: _Handle) -> None:

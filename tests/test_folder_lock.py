@@ -94,6 +94,16 @@ def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monke
     assert not (tmp_path / "run").exists()
 
 
+def test_a_full_disk_at_the_owner_record_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(DiffmegError, match=r"^--save .*/run is not writable: No space left on device$"):
+        FolderLock(str(tmp_path / "run")).acquire()
+    assert os.listdir(tmp_path) == [] and os.path.realpath(tmp_path / "run") not in folder_lock._HELD
+
+
 def test_one_process_holds_a_folder_once(tmp_path):
     """POSIX locks are the process's: a second FolderLock of the folder in the same process (tests build
     several Trainers) takes it over; the first's release then leaves it held."""
