@@ -31,6 +31,7 @@ from diffmeg.checkpoints import damaged_checkpoint_message, damaged_file, first_
 from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.conversion.safetensors_io import INDEX_FILE, SafetensorsFile
 from diffmeg.errors import DiffmegError
+from diffmeg.folder_lock import FolderLock
 from diffmeg.storage import check_output, is_disk_full
 
 # megatron-core stores the local spec's layer norms under the names of Transformer Engine's fused
@@ -341,7 +342,9 @@ def atomic_output_dir(output: str, needed_bytes: int | None = None) -> Iterator[
     `needed_bytes` (what the conversion will write) is checked against the free space first. On any
     failure the temporary directory is removed and an existing `output` is left untouched; a full disk
     is reported in one line naming the directory and its free space. The finished directory gets the
-    mode a plain `mkdir` would give it (the umask applies), like every file written into it.
+    mode a plain `mkdir` would give it (the umask applies), like every file written into it. An existing
+    `output` (--overwrite) is locked while it is replaced (`diffmeg.folder_lock`): a run training into it
+    makes this one line naming that run.
     """
     parent = os.path.dirname(os.path.abspath(output)) or "."
     os.makedirs(parent, exist_ok=True)
@@ -352,10 +355,15 @@ def atomic_output_dir(output: str, needed_bytes: int | None = None) -> Iterator[
                 f"{parent} has {_gb(free)} free but the conversion writes about {_gb(needed_bytes)}; "
                 f"free space there or choose another --save"
             )
+    lock = FolderLock(output) if os.path.isdir(output) else None  # never replace a folder a run holds
+    if lock is not None and (note := lock.acquire()) is not None:
+        print(note, flush=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output))}.tmp-", dir=parent)
     try:
         yield tmp
     except BaseException as exc:
+        if lock is not None:
+            lock.release()
         free_at_failure = shutil.disk_usage(parent).free
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(exc, DiffmegError) and _disk_full(exc, free_at_failure):
@@ -374,6 +382,8 @@ def atomic_output_dir(output: str, needed_bytes: int | None = None) -> Iterator[
     os.replace(tmp, output)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    if lock is not None:
+        lock.release()
 
 
 def save_hf_tokenizer(tokenizer, directory: str) -> None:

@@ -143,8 +143,8 @@ class Trainer:
             )
         model_parallel_manual_seed(run.training.seed, cuda_graphs=run.training.cuda_graph_impl == "local")
         self.checkpoints = CheckpointManager(run, log=self.log)
+        self.checkpoints.lock_save_target()  # one run per --save folder, before anything is written there
         self.checkpoints.resolve()  # every bad --load / --ckpt-step fails here, before anything is built
-        self.checkpoints.check_save_target()
         self.checkpoints.check_output_layer()
         tokenizer = self._tokenizer()
 
@@ -156,7 +156,6 @@ class Trainer:
         if (overlap := ddp.describe(self.model)) is not None:
             self.log(overlap)
         self.checkpoints.check_room(self.num_parameters)
-        self._announce()
         loaded = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
         self.state = TrainState(loaded.iteration, loaded.consumed_samples)
         self.train_ds, self.valid_ds, _ = build_datasets(run, tokenizer)
@@ -174,6 +173,7 @@ class Trainer:
         self.last_loss = math.nan
         self._lambdas: dict[str, float] = {}
         self._pending: list[tuple[int, torch.Tensor | None]] = []  # losses not yet on the host
+        self._announce()  # last: a run refused above leaves no arguments.json
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -350,13 +350,15 @@ class Trainer:
 
     def _end(self) -> None:
         """Every callback's `on_train_end`, even after one raised (signal handlers restored, the background
-        writer stopped); then the first error (e.g. a log write that failed) is raised."""
+        writer stopped), and --save's lock released; then the first error (e.g. a log write that failed) is
+        raised."""
         errors = []
         for callback in self.callbacks:
             try:
                 callback.on_train_end(self)
             except Exception as exc:
                 errors.append(exc)
+        self.checkpoints.close()  # --save's lock goes with training
         if errors:
             raise errors[0]
 

@@ -133,6 +133,23 @@ def test_atomic_output_dir_keeps_the_old_output_on_failure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["marker", "out"]
 
 
+def test_atomic_output_dir_never_replaces_a_folder_a_run_holds(tmp_path, folder_holder):
+    """--overwrite of a run folder while a run trains into it: one line naming the run, nothing touched."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "iter_0000001").mkdir()
+    run = folder_holder(out)
+    with pytest.raises(DiffmegError, match=rf"^--save {out} is in use by another run: pid {run.pid} on "):
+        with atomic_output_dir(str(out)):
+            raise AssertionError("never reached")
+    assert sorted(os.listdir(out)) == ["iter_0000001", "run.lock"] and os.listdir(tmp_path) == ["out"]
+    run.stdin.close()
+    run.wait(timeout=60)
+    with atomic_output_dir(str(out)) as tmp:  # once it ended: replaced, its lock with it
+        Path(tmp, "new.txt").write_text("new")
+    assert os.listdir(out) == ["new.txt"]
+
+
 def test_atomic_output_dir_follows_the_umask(tmp_path):
     old = os.umask(0o027)
     try:
