@@ -3,10 +3,12 @@
 Layout (Megatron-LM's): `{root}/iter_{N:07d}/` holds one megatron-core distributed checkpoint plus the
 resolved arguments as `args.json`; `{root}/latest_checkpointed_iteration.txt` names the newest complete
 one. `begin_checkpoint` is the one writer (`diffmeg.compat.checkpoint_writer.run_now` runs its request at
-once, training's --async-save in the background): the tracker is replaced atomically and only after
-every rank finished, so a run killed mid-save resumes from the previous checkpoint. Model weights are
-layout-free (one global key per tensor, layers stacked), so any TP/PP layout reads what any other
-wrote; the offline readers here build the single-rank (TP=PP=1) model a checkpoint's arguments describe.
+once, training's --async-save in the background): each save writes into a folder of its own, renamed to
+`iter_N` once complete, and the tracker is replaced atomically and only after every rank finished, so a
+run killed mid-save resumes from the previous checkpoint, and a failed save removes only what it wrote.
+Model weights are layout-free (one global key per tensor, layers stacked), so any TP/PP layout reads what
+any other wrote; the offline readers here build the single-rank (TP=PP=1) model a checkpoint's arguments
+describe.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import io
 import json
 import os
 import pickle
+import secrets
 import shutil
+import socket
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,14 +67,20 @@ def read_tracker(root: str) -> int | None:
 
 def write_tracker(root: str, iteration: int) -> None:
     """Point `root`'s tracker at `iteration`, atomically (a reader sees the old or the new number)."""
-    tmp = os.path.join(root, f"{TRACKER_FILE}.tmp-{os.getpid()}")
+    tmp = _own_name(os.path.join(root, f"{TRACKER_FILE}.tmp"))
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "x") as f:
             f.write(str(iteration))
         os.replace(tmp, os.path.join(root, TRACKER_FILE))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _own_name(prefix: str) -> str:
+    """`prefix-HOST-PID-XXXXXX`: a name no other process, on any node, picks (for files made with "x" or
+    mkdir, which fail if it exists, so that what a writer removes on failure is what it made)."""
+    return f"{prefix}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def iteration_dirs(root: str) -> list[int]:
@@ -105,9 +116,9 @@ def carry_tokenizer(root: str, args: dict) -> dict:
                     f"folder (a checkpoint folder carries one tokenizer)"
                 )
         else:
-            tmp = f"{own}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = _own_name(f"{own}.tmp")
             try:
+                os.makedirs(tmp)  # fails if it exists: the folder removed below is the one made here
                 copy_tokenizer_files(model, tmp)
                 os.replace(tmp, own)
             finally:
@@ -152,72 +163,137 @@ def begin_checkpoint(
     args: argparse.Namespace | dict,
     expected_bytes: int | None = None,
 ) -> AsyncRequest:
-    """The first part of saving `state` as `{root}/iter_N`, on every rank: rank 0 clears an unfinished
-    earlier save of the same iteration, rank 0 writes the common state, all ranks plan their tensors' files.
+    """The first part of saving `state` as `{root}/iter_N`, on every rank: rank 0 makes this save's own
+    folder `iter_N.saving-...` beside it, writes the common state there, all ranks plan their tensors' files.
 
     Returns megatron-core's `AsyncRequest`: its `async_fn` writes this rank's files (now, or in the background
     with --async-save), then its one finalize function, called on all ranks once every rank's files are
-    written, writes the index (`.metadata`), `metadata.json`, `args.json` and, last, the tracker. So the
-    tracker names an iteration only when every rank's part of it is on disk.
+    written, writes the index (`.metadata`), `metadata.json` and `args.json`, renames the folder to `iter_N`
+    and, last, moves the tracker. So `iter_N` only ever names a complete checkpoint, and the tracker names an
+    iteration only when every rank's part of it is on disk. An `iter_N` already there (a run that went back
+    with --ckpt-step, or started over in this folder) is kept as `iter_N.replaced-...`, never deleted.
 
     A save that fails (a full disk above all), here or at the finalize, raises one `DiffmegError` line naming
     the directory, the free space and the checkpoint's size (`expected_bytes`, the caller's estimate, else
-    what was written); rank 0 removes the partial `iter_N` and the tracker keeps naming the previous one.
+    what was written); rank 0 removes what this save wrote, and nothing else: the tracker keeps naming the
+    previous checkpoint, which is untouched, whoever wrote it.
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+    from diffmeg import collectives
     from diffmeg.compat.checkpoint_writer import use_in_process_results_queue
 
     path = checkpoint_path(root, iteration)
     rank = torch.distributed.get_rank()
     use_in_process_results_queue()  # no helper process for the writer's results
+    staging = None
     try:
+        staging = collectives.on_rank0(lambda: _saving_dir(root, iteration))  # every rank writes there
         if rank == 0:
-            os.makedirs(root, exist_ok=True)
-            if os.path.exists(path):  # an earlier, unfinished save of this iteration (never marked latest)
-                shutil.rmtree(path)
-            os.makedirs(path)
-        torch.distributed.barrier()
-        request = dist_checkpointing.save(state, path, async_sharded_save=True)
+            _SAVING[path] = staging
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True)
     except (Exception, CheckpointException) as exc:  # no collective here: the other ranks may be elsewhere
-        raise _failed_save(root, path, iteration, exc, expected_bytes, rank == 0) from exc
+        raise _failed_save(root, iteration, exc, expected_bytes, staging, rank == 0) from exc
     steps = list(request.finalize_fns)  # megatron-core's: the index and metadata.json, then a barrier
 
     def finalize() -> None:
+        placed, aside = False, None
         try:
             for step in steps:
                 step()
             if rank == 0:
-                with open(os.path.join(path, ARGS_FILE), "w") as f:
+                with open(os.path.join(staging, ARGS_FILE), "w") as f:
                     json.dump(carry_tokenizer(root, _json_args(args)), f, indent=2, default=str)
+                aside = _move_aside(path)
+                os.rename(staging, path)
+                placed = True
+                _SAVING.pop(path, None)
                 write_tracker(root, iteration)
         except (Exception, CheckpointException) as exc:
-            raise _failed_save(root, path, iteration, exc, expected_bytes, rank == 0) from exc
+            ours = path if placed else staging
+            raise _failed_save(root, iteration, exc, expected_bytes, ours, rank == 0, aside) from exc
+        if aside is not None:
+            print(
+                f" {path} was there already (an earlier save of iteration {iteration}): kept as "
+                f"{os.path.basename(aside)}; delete it when it is no longer needed",
+                flush=True,
+            )
         torch.distributed.barrier()
 
     return request._replace(finalize_fns=[finalize])
 
 
+_SAVING: dict[str, str] = {}
+"""This process's saves not finished yet (rank 0's): `iter_N` -> the folder it is being written in."""
+SAVING = ".saving"
+"""`iter_N.saving-HOST-PID-XXXXXX`: a save being written (the folder it is renamed from to `iter_N`)."""
+REPLACED = ".replaced"
+"""`iter_N.replaced-TIME`: a checkpoint of iteration N that a later save of N replaced, kept."""
+
+
+def _saving_dir(root: str, iteration: int) -> str:
+    """A new folder of this save's own beside `iter_N` (rank 0): only this process writes or removes it."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        staging = _own_name(f"{checkpoint_path(root, iteration)}{SAVING}")
+        os.mkdir(staging)
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise DiffmegError(f"cannot make a folder for iteration {iteration} in {root}: {why}") from exc
+    return staging
+
+
+def _move_aside(path: str) -> str | None:
+    """Rename an existing `path` (an earlier checkpoint of this iteration) out of the way; its new name."""
+    if not os.path.lexists(path):
+        return None
+    aside = f"{path}{REPLACED}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+    if os.path.lexists(aside):
+        aside += f"-{os.getpid()}"
+    os.rename(path, aside)
+    return aside
+
+
+def abandon_save(root: str, iteration: int) -> None:
+    """Remove the folder of this process's unfinished save of iteration N: an --async-save checkpoint that
+    will never be finalized (training stopped on an error while it was written). Nothing on other ranks."""
+    staging = _SAVING.pop(checkpoint_path(root, iteration), None)
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def leftovers(root: str) -> list[str]:
+    """What earlier saves left in `root`: unfinished ones (`iter_N.saving-...`: their run died while writing
+    them) and replaced ones (`iter_N.replaced-...`). No run removes another's; the names, sorted."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(n for n in names if n.startswith("iter_") and (f"{SAVING}-" in n or f"{REPLACED}-" in n))
+
+
 def _failed_save(
-    root: str, path: str, iteration: int, exc: BaseException, expected_bytes: int | None, clean: bool
+    root: str,
+    iteration: int,
+    exc: BaseException,
+    expected_bytes: int | None,
+    ours: str | None,
+    clean: bool,
+    aside: str | None = None,
 ) -> DiffmegError:
-    """The one-line error of a failed save; with `clean`, the partial directory is removed first."""
-    written = directory_bytes(path)
+    """The one-line error of a failed save. With `clean` (rank 0) this save's folder `ours` is removed first
+    and an earlier checkpoint of the iteration it moved `aside` goes back to its name: nothing else is
+    touched, so the tracker still names what it named, as complete as it was."""
+    name = os.path.basename(checkpoint_path(root, iteration))
+    written = directory_bytes(ours) if ours else 0
     full = is_disk_full(exc) or (expected_bytes is not None and free_bytes(root) < expected_bytes - written)
     if clean:
-        shutil.rmtree(path, ignore_errors=True)
+        _SAVING.pop(checkpoint_path(root, iteration), None)
+        if ours:
+            shutil.rmtree(ours, ignore_errors=True)
+        if aside is not None:
+            os.replace(aside, checkpoint_path(root, iteration))
     size = expected_bytes if expected_bytes is not None else written
-    try:
-        latest = read_tracker(root)
-    except DiffmegError:
-        latest = None
-    kept = (
-        f"the latest checkpoint is still iteration {latest}"
-        if latest is not None
-        else "no earlier checkpoint"
-    )
-    removed = f"removed the partial {os.path.basename(path)}" if clean else f"rank 0 removes {path}"
+    removed = f"removed this save's partial {name}" if clean else "rank 0 removes this save's partial files"
+    kept = _latest_kept(root)
     if full:
         return DiffmegError(
             f"disk full while saving iteration {iteration} to {root}: {format_bytes(free_bytes(root))} free, "
@@ -227,6 +303,19 @@ def _failed_save(
     return DiffmegError(
         f"cannot save iteration {iteration} to {root}: {first_line(exc)}; {removed}, {kept} in {TRACKER_FILE}"
     )
+
+
+def _latest_kept(root: str) -> str:
+    """What the tracker names after a failed save, checked: a complete checkpoint, or what is wrong."""
+    try:
+        latest = read_tracker(root)
+    except DiffmegError:
+        return "an unreadable tracker"
+    if latest is None:
+        return "no earlier checkpoint"
+    if latest in iteration_dirs(root):
+        return f"the latest checkpoint is still iteration {latest}"
+    return f"no complete checkpoint of iteration {latest}, which the tracker names"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -485,7 +485,7 @@ IMPLEMENTATIONS = (
         "optimizer",
         "fused",
         "the same optimizer with the grad norm and clip on the device, one `_foreach_copy_` to the model's "
-        "weights, torch's fused AdamW on CUDA (foreach elsewhere): `fusions/optimizer_step.py`",
+        "weights, torch's fused AdamW (CUDA and CPU): no host read in a step, `fusions/optimizer_step.py`",
         _fused_optimizer_step,
     ),
 )

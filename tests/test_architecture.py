@@ -76,7 +76,7 @@ FLOORS = [
         independent=True,
     ),
     Floor("process", {"runtime": ("diffmeg.runtime", "diffmeg.compat", "diffmeg.collectives")}),
-    Floor("ground", {"ground": ("diffmeg.errors", "diffmeg.storage")}),
+    Floor("ground", {"ground": ("diffmeg.errors", "diffmeg.storage", "diffmeg.folder_lock")}),
 ]
 
 NEVER = [

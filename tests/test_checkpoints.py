@@ -64,9 +64,13 @@ def test_disk_full_while_saving_is_one_line_and_loses_nothing(
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith(f"disk full while saving iteration 2 to {root}: 3.0 MiB free")
-    assert "the checkpoint needs about 40.0 MiB" in message and "removed the partial iter_0000002" in message
+    assert (
+        "the checkpoint needs about 40.0 MiB" in message
+        and "removed this save's partial iter_0000002" in message
+    )
     assert "the latest checkpoint is still iteration 1" in message
     assert not (root / "iter_0000002").exists() and read_tracker(str(root)) == 1
+    assert checkpoints.leftovers(str(root)) == []
     monkeypatch.undo()
     assert torch.equal(_load(root, 1), torch.arange(1000, dtype=torch.float32) + 1)
 
@@ -81,6 +85,52 @@ def test_another_save_failure_is_one_line_too(single_rank_parallel_state, tmp_pa
     ):
         write_checkpoint(str(root), 3, _state(3), {}, expected_bytes=100)
     assert not (root / "iter_0000003").exists() and not (root / TRACKER_FILE).exists()
+
+
+@pytest.mark.parametrize("where", ["writing", "tracker"])
+def test_a_failed_save_removes_only_what_it_wrote(single_rank_parallel_state, tmp_path, monkeypatch, where):
+    """Two runs on one folder (2026-11-27): run A's complete iteration 2 is the latest; run B's save of
+    iteration 2 fails, while writing its files or at the tracker, after its folder took the name iter_2.
+    B's cleanup removes B's files only: A's iter_2 is intact, still the latest, and the line says so."""
+    from megatron.core import dist_checkpointing
+
+    root = tmp_path / "ckpt"
+    write_checkpoint(str(root), 2, _state(2), {"seed": 1})  # run A
+    if where == "writing":
+        monkeypatch.setattr(dist_checkpointing, "save", _fail_mid_write(OSError(errno.EIO, "I/O error")))
+    else:
+
+        def no_tracker(root, iteration):
+            raise OSError(errno.EIO, "I/O error")
+
+        monkeypatch.setattr(checkpoints, "write_tracker", no_tracker)
+    with pytest.raises(DiffmegError) as err:
+        write_checkpoint(str(root), 2, _state(20), {"seed": 2})  # run B
+    assert str(err.value) == (
+        f"cannot save iteration 2 to {root}: [Errno 5] I/O error; removed this save's partial iter_0000002, "
+        f"the latest checkpoint is still iteration 2 in {TRACKER_FILE}"
+    )
+    monkeypatch.undo()
+    assert sorted(os.listdir(root)) == ["iter_0000002", TRACKER_FILE]
+    assert checkpoints.read_checkpoint_args(str(root))[0].seed == 1
+    assert torch.equal(_load(root, 2), torch.arange(1000, dtype=torch.float32) + 2)
+
+
+def test_a_save_of_an_existing_iteration_keeps_the_earlier_one(single_rank_parallel_state, tmp_path, capsys):
+    """A run that went back (--ckpt-step) or started over in the folder replaces iter_N only once its own
+    is complete, and keeps the earlier one under another name: no save deletes what it did not write."""
+    root = tmp_path / "ckpt"
+    write_checkpoint(str(root), 2, _state(2), {"seed": 1})
+    write_checkpoint(str(root), 2, _state(20), {"seed": 2})
+    (kept,) = checkpoints.leftovers(str(root))
+    assert kept.startswith("iter_0000002.replaced-")
+    assert f" {root}/iter_0000002 was there already (an earlier save of iteration 2): kept as {kept}" in (
+        capsys.readouterr().out
+    )
+    assert checkpoints.read_checkpoint_args(str(root))[0].seed == 2
+    assert torch.equal(_load(root, 2), torch.arange(1000, dtype=torch.float32) + 20)
+    os.rename(root / kept, root / "iter_0000001")  # what it holds is A's checkpoint, whole
+    assert torch.equal(_load(root, 1), torch.arange(1000, dtype=torch.float32) + 2)
 
 
 def test_a_damaged_checkpoint_names_the_file_and_the_alternatives(single_rank_parallel_state, tmp_path):
@@ -131,15 +181,34 @@ def test_disk_full_in_a_background_write_is_one_line_at_its_finalize(single_rank
     for path, _, _ in request.async_fn_args[1]:  # megatron-core's write buckets: one file each
         os.symlink("/dev/full", path)
     saves.schedule_async_request(request)
-    assert (root / "iter_0000002").is_dir()
+    (saving,) = root.glob("iter_0000002.saving-*")  # the save's own folder: iter_N only when complete
+    assert not (root / "iter_0000002").exists()
     with pytest.raises(DiffmegError) as err:
         saves.maybe_finalize_async_calls(blocking=True)
     saves.close()
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"disk full while saving iteration 2 to {root}")
-    assert "removed the partial iter_0000002, the latest checkpoint is still iteration 1" in message
-    assert not (root / "iter_0000002").exists() and read_tracker(str(root)) == 1
+    assert "removed this save's partial iter_0000002, the latest checkpoint is still iteration 1" in message
+    assert not saving.exists() and not (root / "iter_0000002").exists() and read_tracker(str(root)) == 1
     assert saves.get_num_unfinalized_calls() == 0
+
+
+def test_an_abandoned_background_save_removes_its_own_files(single_rank_parallel_state, tmp_path):
+    """Training that stops on an error while an --async-save checkpoint is written never finalizes it: its
+    folder goes (rank 0 made it), the folder of another run's unfinished save stays."""
+    from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite
+
+    root = tmp_path / "ckpt"
+    write_checkpoint(str(root), 1, _state(1), {})
+    (root / "iter_0000002.saving-node7-4242-a1b2c3").mkdir()  # another run's, which died writing it
+    saves = AsyncSaves()
+    saves.after_write = HoldAfterWrite(" held until killed")
+    saves.schedule_async_request(checkpoints.begin_checkpoint(str(root), 2, _state(2), {}))
+    assert len(checkpoints.leftovers(str(root))) == 2
+    saves.close(abort=True)
+    checkpoints.abandon_save(str(root), 2)
+    assert checkpoints.leftovers(str(root)) == ["iter_0000002.saving-node7-4242-a1b2c3"]
+    assert read_tracker(str(root)) == 1 and checkpoints.iteration_dirs(str(root)) == [1]
 
 
 def test_every_reader_names_a_truncated_file_and_a_corrupt_common_pt_the_same_way(

@@ -12,8 +12,10 @@ that nothing is lost when a conversion fails.
 The new output is built in a temporary folder (beside a new output; inside an existing one, so that every
 move stays on its file system) and moved into place only when complete: a failure, a full disk or Ctrl-C
 removes the temporary folder and leaves the previous output as it was. Only then are the previous output's
-own entries moved aside, the new ones moved in, and the old ones deleted. A full disk is named as such,
-and the output follows the umask like any folder the user creates.
+own entries moved aside, the new ones moved in, and the old ones deleted. An existing output is locked
+meanwhile (`diffmeg.folder_lock`, its `run.lock` neither the conversion's nor another's entry): a run
+training into it makes the conversion one line naming that run. A full disk is named as such, and the
+output follows the umask like any folder the user creates.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from diffmeg.conversion.safetensors_io import INDEX_FILE
 from diffmeg.data.hf_tokenizer import TOKENIZER_FILES
 from diffmeg.data.indexed import pid_alive
 from diffmeg.errors import DiffmegError
+from diffmeg.folder_lock import LOCK_FILE, FolderLock
 from diffmeg.storage import check_output, is_disk_full
 
 _TEMPORARY = re.compile(r"\.convert-(?:new|old)-(\d+)-")
@@ -105,8 +108,8 @@ def check_output_path(output: str, overwrite: bool, source: str, files: OutputFi
                     f"process {match.group(1)} is writing {output} now ({name}); wait for it or choose "
                     f"another --save"
                 )
-        others = [name for name in entries if not files.owns(name)]
-        if entries and not overwrite:
+        others = [name for name in entries if name != LOCK_FILE and not files.owns(name)]
+        if [name for name in entries if name != LOCK_FILE] and not overwrite:
             keeps = "; its other files stay" if files.keep_others else ""
             raise DiffmegError(
                 f"{output} already exists; pass --overwrite to replace the files of {files.what} in it "
@@ -161,7 +164,7 @@ def _swap_in(output: str, new: str, files: OutputFiles) -> None:
     aside: list[str] = []
     placed: list[str] = []
     try:
-        skip = {os.path.basename(new), os.path.basename(old)}
+        skip = {os.path.basename(new), os.path.basename(old), LOCK_FILE}  # the lock this conversion holds
         aside = _move([n for n in os.listdir(output) if n not in skip and files.owns(n)], output, old)
         placed = _move(os.listdir(new), new, output)
     except BaseException:
@@ -177,7 +180,8 @@ def _swap_in(output: str, new: str, files: OutputFiles) -> None:
 @contextlib.contextmanager
 def atomic_output_dir(output: str, files: OutputFiles, needed_bytes: int | None = None) -> Iterator[str]:
     """A fresh folder that becomes `output` (or, where `output` exists, replaces the entries of it that
-    `files` owns) when the block succeeds.
+    `files` owns) when the block succeeds; an existing `output` is locked meanwhile (a run holding it: one
+    line naming the run, nothing touched).
 
     `needed_bytes` (what the conversion will write) is checked against the free space first. On any
     failure the temporary folder is removed and an existing `output` is left untouched; a full disk
@@ -195,6 +199,9 @@ def atomic_output_dir(output: str, files: OutputFiles, needed_bytes: int | None 
                 f"{where} has {_gb(free)} free but the conversion writes about {_gb(needed_bytes)}; "
                 f"free space there or choose another --save"
             )
+    lock = FolderLock(output) if existing else None  # never replace a folder a run holds
+    if lock is not None and (note := lock.acquire()) is not None:
+        print(note, flush=True)
     if existing:
         tmp = tempfile.mkdtemp(prefix=f".convert-new-{os.getpid()}-", dir=output)
     else:
@@ -202,6 +209,8 @@ def atomic_output_dir(output: str, files: OutputFiles, needed_bytes: int | None 
     try:
         yield tmp
     except BaseException as exc:
+        if lock is not None:
+            lock.release()
         free_at_failure = shutil.disk_usage(where).free
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(exc, DiffmegError) and _disk_full(exc, free_at_failure):
@@ -213,7 +222,10 @@ def atomic_output_dir(output: str, files: OutputFiles, needed_bytes: int | None 
             ) from exc
         raise
     if existing:
-        _swap_in(output, tmp, files)
+        try:
+            _swap_in(output, tmp, files)
+        finally:
+            lock.release()
     else:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private
         os.replace(tmp, output)

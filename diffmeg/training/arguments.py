@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-impl",
         "optimizer",
         help="the optimizer step: megatron (megatron-core's: its Python grad norm syncs the host), fused "
-        "(torch's fused AdamW on CUDA, foreach on CPU; grad norm, clipping and the main-to-model copy on "
+        "(torch's fused AdamW, on CUDA and CPU; grad norm, clipping and the main-to-model copy on "
         "the device without host syncs or temporaries; same weights to fp32 rounding) or auto (megatron "
         "until a GPU run measures fused faster: docs/recipes.md)",
     )

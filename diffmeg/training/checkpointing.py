@@ -28,10 +28,12 @@ from diffmeg import collectives
 from diffmeg.checkpoints import (
     TRACKER_FILE,
     WEIGHTS_ONLY_KEY,
+    abandon_save,
     begin_checkpoint,
     checkpoint_path,
     damaged_checkpoint_message,
     iteration_dirs,
+    leftovers,
     load_sharded,
     read_checkpoint_args,
     read_tracker,
@@ -39,6 +41,7 @@ from diffmeg.checkpoints import (
 )
 from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite, run_now
 from diffmeg.errors import DiffmegError
+from diffmeg.folder_lock import LOCK_FILE, FolderLock
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
 from diffmeg.training.run_config import RunConfig, TrainingConfig
 
@@ -260,9 +263,10 @@ def _same_path(a: str | None, b: str | None) -> bool:
 
 
 def _holds_only_run_files(root: str) -> bool:
-    """Empty, or only what a run writes before its first checkpoint (the argument dump, temporaries)."""
+    """Empty, or only what a run writes before its first checkpoint (its lock, the argument dump,
+    temporaries)."""
     return all(
-        name == ARGUMENTS_FILE or name.startswith(f"{TRACKER_FILE}.tmp-") or name.startswith(".write-test-")
+        name in (ARGUMENTS_FILE, LOCK_FILE) or name.startswith(f"{TRACKER_FILE}.tmp-")
         for name in os.listdir(root)
     )
 
@@ -288,8 +292,9 @@ def _stall_hook(iteration: int) -> HoldAfterWrite | None:
 
 
 class CheckpointManager:
-    """Resuming and saving for the Trainer: where the run starts (`resolve`), whether --save can take a
-    checkpoint (`check_save_target`, `check_room`), loading (`load`), and saves (`due`, `save`).
+    """Resuming and saving for the Trainer: --save made this run's alone (`lock_save_target`), where the run
+    starts (`resolve`), whether --save has room for a checkpoint (`check_room`), loading (`load`), and saves
+    (`due`, `save`).
 
     With --async-save a save returns once it is planned and this rank's tensors are copied into a shared
     host buffer (the snapshot), which this rank's one writer process, started with the manager and dying
@@ -311,6 +316,8 @@ class CheckpointManager:
         self.pending: PendingSave | None = None
         """The --async-save checkpoint being written, not yet finalized (at most one)."""
         self._background: AsyncSaves | None = None
+        self._lock: FolderLock | None = None
+        """--save's lock, rank 0's (`lock_save_target`)."""
         if self.config.async_save and self.config.save is not None:
             self._background = AsyncSaves()
             self._background.start()  # its imports run while the model is built
@@ -412,26 +419,29 @@ class CheckpointManager:
             self.log(f" no checkpoint in {root}, starting from scratch")
         self.load_iteration = None
 
-    def check_save_target(self) -> None:
-        """--save can be created and written (checked on rank 0, before anything is built)."""
+    def lock_save_target(self) -> None:
+        """Make --save this run's alone before anything is written into it: rank 0 makes it and takes its
+        lock (`diffmeg.folder_lock`); another run holding it, or a folder that cannot be made or written,
+        stops every rank with the same one line. Held until `close`."""
         root = self.config.save
         if root is None:
             return
 
-        def check() -> None:
-            try:
-                os.makedirs(root, exist_ok=True)
-            except OSError as exc:
-                raise DiffmegError(f"--save {root} cannot be created: {exc.strerror or exc}") from exc
-            probe = os.path.join(root, f".write-test-{os.getpid()}")
-            try:
-                with open(probe, "wb") as f:
-                    f.write(b"0")
-                os.remove(probe)
-            except OSError as exc:
-                raise DiffmegError(f"--save {root} is not writable: {exc.strerror or exc}") from exc
+        def take() -> None:
+            lock = FolderLock(root, "--save")
+            note = lock.acquire()
+            self._lock = lock
+            if note is not None:
+                self.log(note)
+            if left := leftovers(root):
+                shown = ", ".join(left[:4]) + (f" (and {len(left) - 4} more)" if len(left) > 4 else "")
+                size = format_bytes(sum(directory_bytes(os.path.join(root, name)) for name in left))
+                self.log(
+                    f" {root} holds what earlier saves left ({size}): {shown}; no run removes what another "
+                    f"wrote: delete them to free the space"
+                )
 
-        collectives.on_rank0(check)
+        collectives.on_rank0(take)
 
     def check_room(self, num_parameters: int) -> None:
         """--save has room for one checkpoint of this model (rank 0 checks, every rank stops)."""
@@ -567,12 +577,17 @@ class CheckpointManager:
             self._finalize(blocking=True)
 
     def close(self) -> None:
-        """Stop the --async-save writer process and free its buffer (not collective). Called at the end of
-        training, after `wait`; a save still pending then (training failed) is abandoned: its checkpoint is
-        never finalized, the tracker keeps naming the previous one."""
+        """Stop the --async-save writer process and free its buffer, then release --save's lock (not
+        collective). Called at the end of training, after `wait`; a save still pending then (training failed)
+        is abandoned: never finalized, its files removed, the tracker keeps naming the previous checkpoint."""
         if self._background is not None:
             self._background.close(abort=True)  # no finalize here: the other ranks may be elsewhere
+            if self.pending is not None:
+                abandon_save(self.config.save, self.pending.iteration)  # rank 0 removes what it wrote
             self._background, self.pending = None, None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _finalize(self, blocking: bool) -> None:
         pending = self.pending

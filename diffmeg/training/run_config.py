@@ -175,8 +175,8 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     override_opt_param_scheduler: bool = False
     optimizer_impl: str = "auto"
-    """The optimizer step: "megatron" (megatron-core's, as built), "fused" (torch's fused AdamW on CUDA,
-    foreach elsewhere; grad norm, clip and copies without host syncs: diffmeg.fusions.optimizer_step) or
+    """The optimizer step: "megatron" (megatron-core's, as built), "fused" (torch's fused AdamW on CUDA
+    and CPU; grad norm, clip and copies without host syncs: diffmeg.fusions.optimizer_step) or
     "auto" (fused on CUDA unless megatron-core has TE's or apex's fused Adam, else megatron)."""
 
 

@@ -119,6 +119,24 @@ def test_a_checkpoint_folder_holding_other_files_is_refused(tmp_path):
     assert tree(converted) == {"iter_0000000/metadata.json": "new"}
 
 
+def test_a_folder_a_run_holds_is_never_replaced(tmp_path, folder_holder):
+    """--overwrite of a checkpoint folder while a run trains into it: one line naming the run, nothing
+    touched; once the run ended, the conversion's own entries are replaced (its lock goes with it)."""
+    out = tmp_path / "out"
+    (out / "iter_0000000").mkdir(parents=True)
+    run = folder_holder(out)
+    with pytest.raises(DiffmegError, match=rf"^--save {out} is in use by another run: pid {run.pid} on "):
+        with atomic_output_dir(str(out), CONVERTED_CHECKPOINT):
+            raise AssertionError("never reached")
+    assert sorted(os.listdir(out)) == ["iter_0000000", "run.lock"] and os.listdir(tmp_path) == ["out"]
+    run.stdin.close()
+    run.wait(timeout=60)
+    with atomic_output_dir(str(out), CONVERTED_CHECKPOINT) as tmp:
+        Path(tmp, "iter_0000000").mkdir()
+        Path(tmp, "iter_0000000", "metadata.json").write_text("new")
+    assert tree(out) == {"iter_0000000/metadata.json": "new"}
+
+
 def test_an_empty_folder_needs_no_overwrite_and_temporaries_are_told_apart(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -11,6 +11,7 @@ import torch
 
 from diffmeg.checkpoints import ARGS_FILE, TRACKER_FILE
 from diffmeg.errors import DiffmegError
+from diffmeg.folder_lock import LOCK_FILE
 from diffmeg.training import checkpointing
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.checkpointing import CheckpointManager
@@ -113,14 +114,36 @@ def test_an_unusable_save_target_is_one_line(single_rank_parallel_state, save, m
     """Issue 16, item 2: found before training, not at the first save."""
     manager, _ = _manager("--save", save)
     with pytest.raises(DiffmegError, match=f"--save {save} {match}") as err:
-        manager.check_save_target()
+        manager.lock_save_target()
     assert "\n" not in str(err.value)
 
 
-def test_a_save_target_is_created(single_rank_parallel_state, tmp_path):
+def test_a_save_target_is_created_locked_and_left_as_found(single_rank_parallel_state, tmp_path):
+    """The folder holds only the lock until the run writes; a run that wrote nothing leaves nothing."""
     save = tmp_path / "a" / "b"
-    _manager("--save", str(save))[0].check_save_target()
-    assert save.is_dir() and not os.listdir(save)
+    manager, _ = _manager("--save", str(save))
+    manager.lock_save_target()
+    assert os.listdir(save) == [LOCK_FILE]
+    manager.close()
+    assert not (tmp_path / "a").exists()
+
+
+def test_leftovers_of_earlier_saves_are_named_at_start_never_removed(single_rank_parallel_state, tmp_path):
+    for name in ("iter_0000006.saving-node7-4242-a1b2c3", "iter_0000002.replaced-20261127T101500"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "common.pt").write_bytes(b"0" * 2048)
+    manager, lines = _manager("--save", str(tmp_path))
+    manager.lock_save_target()
+    manager.close()
+    assert lines == [
+        f" {tmp_path} holds what earlier saves left (4.0 KiB): iter_0000002.replaced-20261127T101500, "
+        f"iter_0000006.saving-node7-4242-a1b2c3; no run removes what another wrote: delete them to free the "
+        f"space"
+    ]
+    assert sorted(os.listdir(tmp_path)) == [
+        "iter_0000002.replaced-20261127T101500",
+        "iter_0000006.saving-node7-4242-a1b2c3",
+    ]
 
 
 def test_a_save_target_needs_room_for_one_checkpoint(single_rank_parallel_state, tmp_path, monkeypatch):
