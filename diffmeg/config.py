@@ -65,7 +65,7 @@ class DiffTransformerConfig(TransformerConfig):
 
     attention_backend_diff: str = "auto"
     """Differential attention backend, a name of `diffmeg.registry`'s `diff_attention` slot:
-    reference (plain math), sdpa (torch), flash / triton on GPU, or auto (the measured fastest)."""
+    reference (plain math), sdpa (torch), flash / flex on GPU, or auto (the measured fastest)."""
 
     norm_impl: str = "auto"
     """RMSNorm implementation, a name of `diffmeg.registry`'s `norm` slot of the local family

@@ -16,7 +16,6 @@ A new implementation (a fused norm, a fused loss, another FP8 GEMM) is one entry
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -74,19 +73,6 @@ def _flash_missing(device_type: str | None) -> str | None:
     return None
 
 
-def _triton_missing(device_type: str | None) -> str | None:
-    from diffmeg.kernels.triton_diff import triton_usable  # lazy: loads when this entry is checked
-
-    if device_type is None and importlib.util.find_spec("triton") is None:
-        return "attention backend 'triton' needs the triton package (pip install triton)"
-    if device_type is not None and not triton_usable(device_type):
-        return (
-            "attention backend 'triton' needs the triton package and a CUDA GPU "
-            "(TRITON_INTERPRET=1 runs it on CPU tensors, slowly); use 'sdpa'"
-        )
-    return None
-
-
 def _te_missing(what: str, fix: str) -> Callable[[str | None], str | None]:
     def missing(device_type: str | None) -> str | None:
         if transformer_engine_available() and device_type in (None, "cuda"):
@@ -139,12 +125,6 @@ def _diff_flex() -> Callable:
     from diffmeg.kernels.flex import diff_attention_flex
 
     return diff_attention_flex
-
-
-def _diff_triton() -> Callable:
-    from diffmeg.kernels.triton_diff import diff_attention_triton  # lazy: loads when this entry is chosen
-
-    return diff_attention_triton
 
 
 def _sdpa_core() -> type:
@@ -355,13 +335,6 @@ IMPLEMENTATIONS = (
         _flex_missing,
     ),
     Implementation(
-        "diff_attention",
-        "triton",
-        "diffmeg's fused Triton kernel: both softmaxes in one pass over K/V (GPU; TRITON_INTERPRET=1 on CPU)",
-        _diff_triton,
-        _triton_missing,
-    ),
-    Implementation(
         "core_attention",
         "sdpa",
         "diffmeg's `SDPACoreAttention`: torch SDPA without the score matrix (the local spec)",
@@ -491,10 +464,8 @@ IMPLEMENTATIONS = (
 )
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    # Measured on an H100 (bf16, 12 heads of d=128, forward+backward; the kernels phase of
-    # benchmarks/results/campaign-nvidia-h100-80gb-hbm3-20261124T064253Z.json): the fused Triton kernel with
-    # its best tiles takes 1.26-1.35x the time of torch's SDPA paths at every length from 2K to 16K, so
-    # `auto` is SDPA (flash kernels) until a kernel beats it; 'triton' stays available by name.
+    # SDPA picks its path per key length from measured crossovers (kernels/sdpa_paths.py); the other
+    # backends are candidates by name.
     "diff_attention": ("sdpa",),
     "core_attention": ("transformer_engine", "sdpa"),
     "norm": ("transformer_engine", "local"),

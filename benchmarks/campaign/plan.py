@@ -147,7 +147,7 @@ class Plan:
     attn_iters: int
     check_seq: int
     attn_extra: tuple[tuple[int, int, int, tuple[int, ...]], ...]
-    """(heads, kv heads, head dim, seqs) of other layouts: the fused kernel's default tiles there."""
+    """(heads, kv heads, head dim, seqs) of other layouts: SDPA's split-V path against the baseline there."""
     train_diff: str
     train_layers: tuple[int, ...]
     """Layer counts to try, largest first: the first whose memory plan fits is used."""
@@ -196,8 +196,8 @@ GPU_PLAN = Plan(
     train_diff="diff-3b",
     train_layers=(8, 6, 4, 2),
     train_seqs=(4096, 2048),
-    train_backends=("sdpa", "triton"),
-    train_levers=levers(("sdpa", "sdpa_split_v_batched", "triton"), loss_chunk=1024),
+    train_backends=("sdpa",),
+    train_levers=levers(("sdpa", "sdpa_split_v_batched"), loss_chunk=1024),
     train_full_depth=FullDepth(
         models=("transformer-3b", "diff-3b"),
         seq=4096,

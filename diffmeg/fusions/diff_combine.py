@@ -1,7 +1,7 @@
 """DIFF's combination step, the op between attention and the output projection, in one place.
 
 - V1 (`diff_combine`): `o1 - lam * o2` of the two maps' outputs (each [b, h, sq, 2d]) and the layer's
-  scalar lambda, in fp32 or wider as the reference and the fused Triton kernel compute it. The entry point
+  scalar lambda, in fp32 or wider as the reference computes it. The entry point
   runs `DiffCombine`, which saves o2 as it came; `diff_combine_eager` is its eager twin (plain autograd of
   the fp32 expression, which would save an fp32 copy of o2: twice the bytes under bf16).
 - V2 (`combine_head_pairs`): `attn[2i] - lam_i * attn[2i+1]` with a per-token, per-head lambda.
@@ -9,8 +9,8 @@
 - V1's epilogue (`diff_epilogue`): what follows the backend's combination, head RMSNorm,
   `* (1 - lambda_init)` and the permute to seq-first, as plain ops; `diff_epilogue_compiled` is the same
   function as one `torch.compile`d region (the registry's `diff_epilogue` slot, `--diff-epilogue-impl`).
-  The combination itself stays inside the attention backends (`diffmeg.kernels`: the Triton kernel fuses
-  it into its own epilogue, SDPA's runs `diff_combine`), so the compiled region starts after it.
+  The combination itself stays inside the attention backends (`diffmeg.kernels`: SDPA's runs
+  `diff_combine`), so the compiled region starts after it.
 """
 
 from __future__ import annotations

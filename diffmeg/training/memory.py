@@ -103,7 +103,7 @@ def attention_kernel(run: RunConfig, on_gpu: bool) -> str:
     output and a log-sum-exp) or "maps" (both probability maps, the math path).
 
     The Transformer baseline and DIFF V2 always run fused attention (the local spec's SDPA core, or TE's);
-    DIFF V1 follows its backend (diffmeg.kernels): triton and flash are fused, sdpa (each path) and flex
+    DIFF V1 follows its backend (diffmeg.kernels): flash is fused, sdpa (each path) and flex
     are fused on a GPU (flash, cuDNN, memory-efficient or compiled kernels) but the math path on a CPU
     (V twice as wide as q), reference keeps the maps.
     """
@@ -113,7 +113,7 @@ def attention_kernel(run: RunConfig, on_gpu: bool) -> str:
     backend = model.diff_attn_backend
     if backend == registry.AUTO:
         backend = registry.resolve("diff_attention")
-    if backend in ("triton", "flash", "te") or (on_gpu and (backend.startswith("sdpa") or backend == "flex")):
+    if backend in ("flash", "te") or (on_gpu and (backend.startswith("sdpa") or backend == "flex")):
         return "fused"
     return "maps"
 
