@@ -367,21 +367,24 @@ SAVED_ARGS_DEFAULTS: dict[str, object] = {
     "cross_entropy_chunk_size": None,  # the whole logits
     "cross_entropy_loss_fusion": False,  # megatron-core's unfused loss
     "norm_impl": "auto",  # the spec's own norm
-    "diff_epilogue_impl": "auto",  # the eager epilogue
-    "rope_impl": "auto",  # megatron-core's RoPE
     "sdpa_backend": "auto",  # torch's own SDPA kernel order
     "compile_layers": False,  # eager layers
     "cuda_graph_impl": "none",  # no CUDA graphs
     "gradient_accumulation_fusion": False,  # DDP's hook added each weight gradient to main_grad
 }
 """What a flag added after a checkpoint was written meant for the runs that did not have it yet."""
+RETIRED_SAVED_ARGS = ("rope_impl", "diff_epilogue_impl")
+"""Flags that left (their compiled variants gave way to `--compile-layers`): older args.json files hold
+them; upgraded arguments do not, whatever they said (the eager path is what remains)."""
 
 
 def upgrade_saved_args(args: argparse.Namespace | dict) -> argparse.Namespace:
     """A copy of a checkpoint's saved arguments with the flags it predates set to what those runs did
-    (`SAVED_ARGS_DEFAULTS`), so readers of older args.json files need no defaults of their own."""
+    (`SAVED_ARGS_DEFAULTS`) and the flags that left dropped (`RETIRED_SAVED_ARGS`), so readers of older
+    args.json files need no defaults of their own."""
     values = dict(args) if isinstance(args, dict) else vars(args)
-    return argparse.Namespace(**{**SAVED_ARGS_DEFAULTS, **values})
+    kept = {name: value for name, value in values.items() if name not in RETIRED_SAVED_ARGS}
+    return argparse.Namespace(**{**SAVED_ARGS_DEFAULTS, **kept})
 
 
 def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:

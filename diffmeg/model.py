@@ -69,8 +69,6 @@ class ModelFields(Protocol):
     lambda_std: float
     diff_attn_backend: str
     norm_impl: str
-    rope_impl: str
-    diff_epilogue_impl: str
     sdpa_backend: str
 
 
@@ -165,8 +163,6 @@ def transformer_config(
         cross_entropy_fusion_impl="native",
         gradient_accumulation_fusion=training.gradient_accumulation_fusion,
         norm_impl=model.norm_impl,
-        rope_impl=model.rope_impl,
-        diff_epilogue_impl=model.diff_epilogue_impl,
         sdpa_backend=model.sdpa_backend,
         # megatron-core's local CUDA graphs: each layer whole (scope "full"), the RNG tracker graph-safe
         # (diffmeg.compat seeds it so for such runs; TE's tracker where TE is installed, as Megatron-LM)

@@ -151,23 +151,6 @@ def _torch_norm() -> type:
     return TorchRMSNorm
 
 
-def _compiled_norm() -> type:
-    from diffmeg.fusions.rms_norm import CompiledRMSNorm
-
-    return CompiledRMSNorm
-
-
-def _compile_missing(what: str) -> Callable[[str | None], str | None]:
-    def missing(device_type: str | None) -> str | None:
-        import torch
-
-        if getattr(torch, "compile", None) is None:
-            return f"{what} needs torch.compile (torch >= 2.0); use 'auto'"
-        return None
-
-    return missing
-
-
 def _te_norm() -> type:
     from megatron.core.extensions.transformer_engine import TENorm  # optional GPU dependency
 
@@ -185,30 +168,6 @@ def _fused_loss() -> Callable:
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 
     return fused_vocab_parallel_cross_entropy
-
-
-def _eager_epilogue() -> Callable:
-    from diffmeg.fusions.diff_combine import diff_epilogue
-
-    return diff_epilogue
-
-
-def _compiled_epilogue() -> Callable:
-    from diffmeg.fusions.diff_combine import diff_epilogue_compiled
-
-    return diff_epilogue_compiled
-
-
-def _megatron_rope() -> Callable:
-    from diffmeg.fusions.rope import rope_eager
-
-    return rope_eager
-
-
-def _compiled_rope() -> Callable:
-    from diffmeg.fusions.rope import rope_compiled
-
-    return rope_compiled
 
 
 def _megatron_optimizer_step() -> Callable:
@@ -268,12 +227,6 @@ SLOTS = (
         "loss",
         "training loss",
         "`--cross-entropy-chunk-size` (set: chunked), `--cross-entropy-loss-fusion` (set: fused)",
-    ),
-    Slot("rope", "RoPE", "`--rope-impl`: the rotation of q and k in every self-attention"),
-    Slot(
-        "diff_epilogue",
-        "DIFF epilogue",
-        "`--diff-epilogue-impl` (DIFF V1): head RMSNorm, x (1 - lambda_init), the permute to seq-first",
     ),
     Slot(
         "fp8_linear",
@@ -366,14 +319,6 @@ IMPLEMENTATIONS = (
     ),
     Implementation(
         "norm",
-        "compiled",
-        "the fp32 RMSNorm's math as one `torch.compile`d region (a GPU candidate, not yet measured)",
-        _compiled_norm,
-        _compile_missing("norm 'compiled'"),
-        spec="local",
-    ),
-    Implementation(
-        "norm",
         "transformer_engine",
         "Transformer Engine's norm, fused into the following linear where the spec allows",
         _te_norm,
@@ -400,35 +345,6 @@ IMPLEMENTATIONS = (
         "diffmeg's output projection + cross entropy in chunks of tokens, logits recomputed in backward "
         "(`fusions/cross_entropy.py`)",
         _chunked_loss,
-    ),
-    Implementation(
-        "rope",
-        "megatron",
-        "megatron-core's eager `_apply_rotary_pos_emb_bshd`, inside its attention (its fused RoPE needs TE)",
-        _megatron_rope,
-    ),
-    Implementation(
-        "rope",
-        "compiled",
-        "the same function as one `torch.compile`d region, applied by `fusions/rope.py`'s attention mixin "
-        "(training-shaped calls; a GPU candidate, not yet measured)",
-        _compiled_rope,
-        _compile_missing("RoPE 'compiled'"),
-    ),
-    Implementation(
-        "diff_epilogue",
-        "eager",
-        "plain ops: the head norm (`--norm-impl`'s), the scale, a contiguous permute "
-        "(`fusions/diff_combine.py`)",
-        _eager_epilogue,
-    ),
-    Implementation(
-        "diff_epilogue",
-        "compiled",
-        "the eager epilogue with the fp32 norm math as one `torch.compile`d region, forward and backward "
-        "(a GPU candidate, not yet measured)",
-        _compiled_epilogue,
-        _compile_missing("DIFF epilogue 'compiled'"),
     ),
     Implementation(
         "fp8_linear",
@@ -469,11 +385,9 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "diff_attention": ("sdpa",),
     "core_attention": ("transformer_engine", "sdpa"),
     "norm": ("transformer_engine", "local"),
-    # The fused candidates ('torch'/'compiled' norms, the 'fused' loss, 'compiled' RoPE and epilogue) are
-    # chosen by name only until the lever matrix has timed them on a GPU (docs/gpu.md).
+    # The fused candidates (the 'torch' norm, the 'fused' loss) are chosen by name only until the lever
+    # matrix has timed them on a GPU (docs/gpu.md).
     "loss": ("megatron",),
-    "rope": ("megatron",),
-    "diff_epilogue": ("eager",),
     "fp8_linear": ("transformer_engine", "torchao"),
     # The fused step until the lever matrix's "fused optimizer" lever measures it faster on a GPU; where
     # megatron-core has a fused Adam of its own (TE or apex), and on a CPU, `auto` keeps megatron-core's

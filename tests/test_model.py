@@ -92,3 +92,18 @@ def test_saved_arguments_older_than_a_flag_build_what_those_runs_built(monkeypat
     assert built.cp_comm_type is None and args.cp_comm_type is not None  # megatron-core's default then
     # a value the checkpoint did save wins over the default
     assert upgrade_saved_args({**vars(old), "diff_version": 2}).diff_version == 2
+
+
+def test_saved_arguments_of_flags_that_left_build_the_eager_model(monkeypatch):
+    """An args.json of a run with --rope-impl compiled / --diff-epilogue-impl compiled (flags that left:
+    `--compile-layers` is the one compile strategy) reads as today's run: the keys are dropped."""
+    from diffmeg.checkpoints import RETIRED_SAVED_ARGS, single_rank_args, upgrade_saved_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = resolve_args(["--model", "diff-tiny", "--mock-data"])
+    saved = {**vars(args), "rope_impl": "compiled", "diff_epilogue_impl": "compiled"}
+    upgraded = upgrade_saved_args(saved)
+    assert not any(hasattr(upgraded, name) for name in RETIRED_SAVED_ARGS)
+    assert _comparable(model.config_from_args(single_rank_args(upgraded))) == _comparable(
+        model.config_from_args(single_rank_args(args))
+    )

@@ -83,19 +83,12 @@ def test_fused_candidates_are_by_name_only_and_their_flags_and_fields_are_checke
     from diffmeg.training.arguments import build_parser
     from tests.builders import make_config
 
-    assert registry.resolve("norm", spec="local") == "local"
-    assert (registry.resolve("rope"), registry.resolve("diff_epilogue"), registry.resolve("loss")) == (
-        "megatron",
-        "eager",
-        "megatron",
-    )
+    assert registry.resolve("norm", spec="local") == "local" and registry.resolve("loss") == "megatron"
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions}
-    assert tuple(flags["rope_impl"].choices) == registry.choices("rope")
-    assert tuple(flags["diff_epilogue_impl"].choices) == registry.choices("diff_epilogue")
-    assert tuple(flags["norm_impl"].choices) == ("auto", "local", "torch", "compiled")
-    unknown = r"unknown RoPE 'fused' \(not available in this build\); choose one of auto, megatron, compiled"
+    assert tuple(flags["norm_impl"].choices) == ("auto", "local", "torch")
+    unknown = r"unknown norm 'compiled' \(not available in this build\); choose one of auto, local, torch"
     with pytest.raises(DiffmegError, match=unknown):
-        make_config(rope_impl="fused")
+        make_config(norm_impl="compiled")
     with pytest.raises(DiffmegError, match="norm_impl 'transformer_engine' is the Transformer Engine spec's"):
         make_config(norm_impl="transformer_engine")

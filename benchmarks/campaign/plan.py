@@ -51,12 +51,9 @@ OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
 
 FUSED_OPS = (
     ("torch norm", ("--norm-impl", "torch")),
-    ("compiled norm", ("--norm-impl", "compiled")),
-    ("compiled RoPE", ("--rope-impl", "compiled")),
     ("fused loss", ("--cross-entropy-loss-fusion",)),
 )
 """The fused-op candidates of the registry (docs/implementations.md) that both models take: name, flags."""
-DIFF_ONLY_OPS = (("compiled DIFF epilogue", ("--diff-epilogue-impl", "compiled")),)
 GRAPH_OPS = (
     ("compiled layers", ("--compile-layers",)),
     ("local CUDA graphs", ("--cuda-graph-impl", "local")),
@@ -90,15 +87,13 @@ def levers(backends: tuple[str, ...], loss_chunk: int, fused_ops: bool = True) -
     ]  # fmt: skip
     if not fused_ops:
         return (*out, Lever("torch norm", "diff", (*base, *FUSED_OPS[0][1]), base))  # the mechanism, cheaply
-    # one norm of the two candidates: torch's (a fused kernel each way on CUDA)
-    every = tuple(flag for name, flags in FUSED_OPS if name != "compiled norm" for flag in flags)
-    every += ("--optimizer-impl", "fused")
+    every = (*(flag for _, flags in FUSED_OPS for flag in flags), "--optimizer-impl", "fused")
     for arch, extra in (("diff", base), ("transformer", ())):
-        ops = (*FUSED_OPS, GRAD_ACCUM, *(DIFF_ONLY_OPS if arch == "diff" else ()))
-        out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra) for name, flags in ops]
+        out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra)
+                for name, flags in (*FUSED_OPS, GRAD_ACCUM)]  # fmt: skip
         out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra, "GPU graph option, measured alone")
                 for name, flags in GRAPH_OPS]  # fmt: skip
-        fast = (*extra, *every, *(DIFF_ONLY_OPS[0][1] if arch == "diff" else ()))
+        fast = (*extra, *every)
         every_op = (*fast, *GRAD_ACCUM[1])
         out.append(Lever(f"every fused op ({arch})", arch, every_op, extra, "the fast path against today's"))
         fp8_note = "torchao, tensorwise; without the grad-accum fusion, which torchao's FP8 refuses"

@@ -205,22 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         "norm",
         exclude=("transformer_engine",),
         help="RMSNorm of the local spec's blocks and DIFF V1's head norm (docs/implementations.md): local "
-        "(fp32 eager ops), torch (F.rms_norm, fused on CUDA), compiled (torch.compile); auto: "
+        "(fp32 eager ops), torch (F.rms_norm, fused on CUDA); auto: "
         f"{registry.resolve('norm', spec='local')} on the local spec, TE's norm on the TE spec",
-    )
-    _add_registry_flag(
-        g,
-        "--rope-impl",
-        "rope",
-        help="RoPE of q and k: megatron (megatron-core's eager ops) or compiled (one torch.compile'd "
-        f"region each way); auto: {registry.resolve('rope')} until a GPU run measures it",
-    )
-    _add_registry_flag(
-        g,
-        "--diff-epilogue-impl",
-        "diff_epilogue",
-        help="DIFF V1's epilogue (head RMSNorm, x (1 - lambda_init), seq-first): eager ops or one "
-        f"torch.compile'd region; auto: {registry.resolve('diff_epilogue')} until a GPU run measures it",
     )
     g.add_argument(
         "--sdpa-backend",
@@ -803,12 +789,10 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
     if "fp8_recipe" in explicit and args.fp8_format is None:
         notes.append("--fp8-recipe has no effect without --fp8-format")
     if not args.diff_attention:
-        for name in ("lambda_init", "lambda_std", "diff_attn_backend", "diff_epilogue_impl"):
+        for name in ("lambda_init", "lambda_std", "diff_attn_backend"):
             if name in explicit:
                 flag = "--" + name.replace("_", "-")
                 notes.append(f"{flag} has no effect: the Transformer baseline has no differential attention")
-    elif args.diff_version == 2 and "diff_epilogue_impl" in explicit:
-        notes.append("--diff-epilogue-impl has no effect: DIFF V2 has no head norm (its own combination)")
     if args.data_parallel_size * args.context_parallel_size == 1:
         for name in ("overlap_grad_reduce", "overlap_param_gather"):
             if explicit.get(name):
