@@ -111,16 +111,16 @@ def get_diff_layer_te_spec(config: DiffTransformerConfig) -> ModuleSpec:
 
 
 def get_diff_block_spec(config: DiffTransformerConfig, use_te: bool, vp_stage: int | None = None):
-    """Block spec for this pipeline stage: its layers plus the final norm; with `config.fp8` set, the layer
-    spec goes through the FP8 linear converter (`diffmeg.fusions.fp8`) before anything is built."""
+    """Block spec for this pipeline stage: its layers plus the final norm. With `config.fp8` set, the local
+    layer spec goes through the FP8 linear converter (`diffmeg.fusions.torchao_fp8`) before anything is
+    built; the Transformer Engine spec's linears are TE's, which megatron-core runs in FP8 from the config."""
     if use_te:
         layer = get_diff_layer_te_spec(config)
         final_norm = select("norm", spec="transformer_engine").load()
     else:
         layer = get_diff_layer_local_spec(config)
         final_norm = select("norm", config.norm_impl, spec="local").load()
-    if config.fp8:
-        family = "transformer_engine" if use_te else "local"
-        layer = select("fp8_linear", spec=family).load()(config).convert(layer)
+        if config.fp8:
+            layer = select("fp8_linear", spec="local").load()(config).convert(layer)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)

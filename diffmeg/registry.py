@@ -176,6 +176,17 @@ def _megatron_optimizer_step() -> Callable:
     return keep_megatron_step
 
 
+def _fused_optimizer_missing(device_type: str | None) -> str | None:
+    from diffmeg.fusions.optimizer_step import megatron_has_fused_adam  # lazy: loads when checked
+
+    if megatron_has_fused_adam():
+        return (
+            "--optimizer-impl fused steps torch's AdamW, but megatron-core steps Transformer Engine's or "
+            "apex's fused Adam here; use --optimizer-impl megatron"
+        )
+    return None
+
+
 def _fused_optimizer_step() -> Callable:
     from diffmeg.fusions.optimizer_step import apply_fused_step  # lazy: loads when this entry is chosen
 
@@ -189,25 +200,18 @@ def _chunked_loss() -> Callable:
 
 
 def _torchao_fp8_missing(device_type: str | None) -> str | None:
-    from diffmeg.fusions.torchao_fp8 import fp8_unsupported_reason, torchao_available
+    from diffmeg.fusions.torchao_fp8 import fp8_unsupported_reason
 
-    if device_type is None:
-        return None if torchao_available() else fp8_unsupported_reason(emulate=False)
-    if device_type != "cuda":
+    if device_type not in (None, "cuda"):
         return "FP8 linears need a CUDA GPU (Ada/Hopper or newer) outside emulation; leave out --fp8-format"
-    return fp8_unsupported_reason(emulate=False)
+    # at build: installed (emulation needs no more); for CUDA tensors, the GPU too (all rules: check_fp8)
+    return fp8_unsupported_reason(emulate=device_type is None)
 
 
 def _torchao_fp8() -> type:
     from diffmeg.fusions.torchao_fp8 import TorchaoFp8
 
     return TorchaoFp8
-
-
-def _te_fp8() -> type:
-    from diffmeg.fusions.fp8 import TransformerEngineFp8  # lazy: loads when this entry is chosen
-
-    return TransformerEngineFp8
 
 
 SLOTS = (
@@ -231,7 +235,8 @@ SLOTS = (
     Slot(
         "fp8_linear",
         "FP8 linear converter",
-        "`--fp8-format` (set: the spec is converted) and the spec (`--transformer-impl`)",
+        "`--fp8-format` on the local spec (the Transformer Engine spec's linears are TE's: megatron-core "
+        "runs them in FP8 from the config)",
     ),
     Slot(
         "optimizer",
@@ -348,14 +353,6 @@ IMPLEMENTATIONS = (
     ),
     Implementation(
         "fp8_linear",
-        "transformer_engine",
-        "Transformer Engine's FP8 linears (`fusions/fp8.py`: the spec's linears become TE's)",
-        _te_fp8,
-        _te_missing("the FP8 linear converter", "leave out --fp8-format"),
-        spec="transformer_engine",
-    ),
-    Implementation(
-        "fp8_linear",
         "torchao",
         "torchao's float8 training on megatron-core's parallel linears (`fusions/torchao_fp8.py`): "
         "tensorwise scaling over `torch._scaled_mm` (Ada/Hopper), QKV, out-proj and MLP",
@@ -374,8 +371,10 @@ IMPLEMENTATIONS = (
         "optimizer",
         "fused",
         "the same optimizer with the grad norm and clip on the device, one `_foreach_copy_` to the model's "
-        "weights, torch's fused AdamW on CUDA (foreach elsewhere): `fusions/optimizer_step.py`",
+        "weights, torch's fused AdamW on CUDA (foreach elsewhere): `fusions/optimizer_step.py`; not where "
+        "megatron-core has a fused Adam of its own (Transformer Engine or apex)",
         _fused_optimizer_step,
+        _fused_optimizer_missing,
     ),
 )
 
@@ -388,10 +387,9 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     # The fused candidates (the 'torch' norm, the 'fused' loss) are chosen by name only until the lever
     # matrix has timed them on a GPU (docs/gpu.md).
     "loss": ("megatron",),
-    "fp8_linear": ("transformer_engine", "torchao"),
-    # The fused step until the lever matrix's "fused optimizer" lever measures it faster on a GPU; where
-    # megatron-core has a fused Adam of its own (TE or apex), and on a CPU, `auto` keeps megatron-core's
-    # step whatever this order says (diffmeg.training.optim.optimizer_impl).
+    "fp8_linear": ("torchao",),
+    # megatron-core's step until the lever matrix's "fused optimizer" lever measures the fused one faster
+    # on a GPU; 'fused' cannot run where megatron-core steps a fused Adam of its own (TE or apex).
     "optimizer": ("megatron",),
 }
 """Per slot, what `auto` tries, first choice first: the first that can run (at build time) is taken."""

@@ -54,20 +54,6 @@ def test_the_flag_and_the_config_accept_the_registry_names():
         assert make_config(attention_backend_diff=name).attention_backend_diff == name
 
 
-@pytest.mark.skipif(
-    registry.implementation("fp8_linear", "transformer_engine").missing(None) is None,
-    reason="Transformer Engine runs here: the refusal is for machines without it",
-)
-def test_fp8_without_transformer_engine_is_refused_in_one_line():
-    from tests.builders import make_config
-
-    converter = registry.implementation("fp8_linear", "transformer_engine").load()
-    with pytest.raises(DiffmegError, match="FP8 linears need Transformer Engine"):
-        converter(make_config(fp8="hybrid"))
-    with pytest.raises(DiffmegError, match="the FP8 linear converter needs transformer_engine"):
-        registry.select("fp8_linear", spec="transformer_engine")
-
-
 def test_a_spec_takes_the_first_runnable_entry_of_its_own_family():
     assert registry.select("norm", spec="local").name == "local"
     assert registry.select("core_attention", spec="local").load().__name__ == "SDPACoreAttention"

@@ -6,8 +6,8 @@ attention backends of `diffmeg.kernels`, which use `diff_combine` from here, so 
 - `rms_norm`: RMSNorm of the blocks and of DIFF's heads (eager, torch's `F.rms_norm`);
 - `cross_entropy`: the training loss in chunks of tokens;
 - `diff_combine`: DIFF's combination of the two maps (V1) and of head pairs (V2), V1's epilogue;
-- `fp8`: converters that rewrite a layer spec for FP8 linears before the model is built (Transformer
-  Engine's); `torchao_fp8`: the local spec's, torchao's float8 matmul in megatron-core's parallel linears;
+- `torchao_fp8`: FP8 linears on the local spec, a converter that rewrites the layer spec before the model
+  is built (torchao's float8 matmul in megatron-core's parallel linears), and FP8's rules (`check_fp8`);
 - `grad_accum`: weight gradients added into DDP's fp32 main_grad inside their GEMM
   (`--gradient-accumulation-fusion`), the functions megatron-core wants from apex, over torch's ops.
 

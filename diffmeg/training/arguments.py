@@ -94,7 +94,7 @@ HELP = {
     "clip_grad": "gradient-norm clipping (0: none)",
     "bf16": "bfloat16 mixed precision",
     "fp16": "float16 mixed precision with loss scaling",
-    "fp8_format": "FP8 matmuls through Transformer Engine (GPU)",
+    "fp8_format": "FP8 linears (GPU): Transformer Engine's on its spec, torchao's on the local spec",
     "fp8_recipe": "FP8 scaling recipe (with --fp8-format)",
     "recompute_granularity": "activation recomputation: full layers or selective (attention only)",
     "recompute_method": "which layers full recomputation covers (default uniform)",
@@ -297,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
         "optimizer",
         help="the optimizer step: megatron (megatron-core's: its Python grad norm syncs the host), fused "
         "(torch's fused AdamW on CUDA, foreach on CPU; grad norm, clipping and the main-to-model copy on "
-        "the device without host syncs or temporaries; same weights to fp32 rounding) or auto (megatron "
+        "the device without host syncs or temporaries; same weights to fp32 rounding; not where TE or apex "
+        f"gives megatron-core a fused Adam) or auto ({registry.resolve('optimizer')}: the registry's order, "
         "until a GPU run measures fused faster: docs/recipes.md)",
     )
     g.add_argument("--bf16", action="store_true")
@@ -703,24 +704,20 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int, dp: int) -> No
 
 
 def _validate_fp8(args: argparse.Namespace) -> None:
-    """--fp8-format: Transformer Engine's on its spec; torchao's on the local spec, tensorwise, on a GPU
-    with FP8 matmuls (emulation is for tests, set on the model config)."""
+    """--fp8-format: on the Transformer Engine spec megatron-core's own (the config's `fp8`, TE's linears);
+    on the local spec torchao's, whose rules are `check_fp8`'s (emulation is for tests, set on the model
+    config)."""
     if args.fp8_format is None or args.transformer_impl == "transformer_engine":
         return
-    from diffmeg.fusions.torchao_fp8 import check_grad_accum_fusion, fp8_unsupported_reason
+    from diffmeg.fusions.torchao_fp8 import check_fp8
 
-    reason = fp8_unsupported_reason(emulate=False)
-    if reason is not None:
-        raise DiffmegError(
-            "--fp8-format needs Transformer Engine (--transformer-impl transformer_engine) or torchao's FP8 "
-            f"on the local spec, which cannot run here: {reason}"
-        )
-    check_grad_accum_fusion(getattr(args, "gradient_accumulation_fusion", False))
-    if args.fp8_recipe != "tensorwise":
-        raise DiffmegError(
-            "--fp8-format on the local spec is torchao's FP8, which scales per tensor: "
-            "add --fp8-recipe tensorwise"
-        )
+    check_fp8(
+        args.fp8_recipe,
+        args.recompute_granularity,
+        None,  # megatron-core's default modules: the attention core
+        getattr(args, "gradient_accumulation_fusion", False),
+        emulate=False,
+    )
 
 
 def _validate_graphs(args: argparse.Namespace) -> None:

@@ -113,7 +113,7 @@ def attention_kernel(run: RunConfig, on_gpu: bool) -> str:
     backend = model.diff_attn_backend
     if backend == registry.AUTO:
         backend = registry.resolve("diff_attention")
-    if backend in ("flash", "te") or (on_gpu and (backend.startswith("sdpa") or backend == "flex")):
+    if backend == "flash" or (on_gpu and (backend.startswith("sdpa") or backend == "flex")):
         return "fused"
     return "maps"
 

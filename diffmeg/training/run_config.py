@@ -173,7 +173,7 @@ class OptimizerConfig:
     optimizer_impl: str = "auto"
     """The optimizer step: "megatron" (megatron-core's, as built), "fused" (torch's fused AdamW on CUDA,
     foreach elsewhere; grad norm, clip and copies without host syncs: diffmeg.fusions.optimizer_step) or
-    "auto" (fused on CUDA unless megatron-core has TE's or apex's fused Adam, else megatron)."""
+    "auto": the registry's decision, the first of its `optimizer` AUTO_ORDER that can run here."""
 
 
 @dataclass(kw_only=True)
