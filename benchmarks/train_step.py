@@ -141,7 +141,7 @@ def attention_impl(model: torch.nn.Module) -> str:
 def build_trainer(args: argparse.Namespace):
     """pretrain_diff.py's Trainer for the run `args` describes, in training mode and without callbacks (the
     benchmark steps it itself); its start-up lines are not printed, they would break the table."""
-    from diffmeg.training.run_config import RunConfig
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.trainer import Trainer
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -210,9 +210,9 @@ def time_optimizer_step(optimizer, device: str, warmup: int = 1, iters: int = 5)
 def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
     """Build, warm up, time `opts.iters` optimizer steps. Failures (OOM, a backend that cannot run) are
     returned in `error` with the timing figures None, so a sweep goes on."""
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.flops import train_flops_per_iteration
     from diffmeg.training.memory import estimate_memory
-    from diffmeg.training.run_config import RunConfig
 
     args = resolve_run_args(preset, seq, opts, device)
     run = RunConfig.from_args(args)

@@ -405,12 +405,13 @@ def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
 def build_single_rank_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The TP=PP=1 GPTModel `pretrain_diff.py` builds for these arguments, its weights in `dtype` (built in
     that dtype: no fp32 copy of a bf16 model). Needs `diffmeg.runtime.single_process()`."""
-    from diffmeg.model import build_model, config_from_args
+    from diffmeg.model import build_model, transformer_config
+    from diffmeg.run_config import RunConfig
 
     args = single_rank_args(args)
     args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
     model = build_model(
-        config_from_args(args),
+        transformer_config(RunConfig.from_args(args, partial=True)),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         rotary_base=args.rotary_base,

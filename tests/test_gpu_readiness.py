@@ -81,7 +81,8 @@ def test_seeded_sampling_on_gpu_logits(single_rank_parallel_state):
 def test_bf16_local_spec_trains_on_gpu(single_rank_parallel_state, monkeypatch, preset):
     """The baseline's core attention in bf16 at 512 tokens (the fused-softmax path without its extension
     was a ModuleNotFoundError); DIFF's sdpa and reference backends agree on the loss."""
-    from diffmeg.model import build_model, config_from_args
+    from diffmeg.model import build_model, transformer_config
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.arguments import resolve_args
 
     backends = ["sdpa", "reference"] if preset.startswith("diff") else [None]
@@ -90,7 +91,8 @@ def test_bf16_local_spec_trains_on_gpu(single_rank_parallel_state, monkeypatch, 
         argv = ["--model", preset, "--mock-data", "--bf16", "--seq-length", "512", "--vocab-size", "1024"]
         argv += ["--diff-attn-backend", backend] if backend else []
         args = resolve_args(argv, world_size=1)
-        model = build_model(config_from_args(args), vocab_size=1024, max_sequence_length=512, seed=3)
+        config = transformer_config(RunConfig.from_args(args))
+        model = build_model(config, vocab_size=1024, max_sequence_length=512, seed=3)
         tokens = torch.randint(0, 1024, (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
         positions = torch.arange(512, device="cuda").expand(2, 512)
         per_token = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=tokens)

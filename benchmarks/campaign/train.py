@@ -346,8 +346,8 @@ def _fits(plan: Plan, preset: str, full: FullDepth, layers: int, device: str) ->
     import torch
 
     from benchmarks import train_step
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.memory import estimate_memory
-    from diffmeg.training.run_config import RunConfig
 
     opts = train_step.StepOptions(
         tokens_per_microbatch=plan.train_tokens_per_microbatch,
@@ -402,8 +402,8 @@ def fit_layers(plan: Plan, device: str) -> int:
     import torch
 
     from benchmarks import train_step
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.memory import estimate_memory
-    from diffmeg.training.run_config import RunConfig
 
     free = 0.85 * torch.cuda.get_device_properties(0).total_memory
     for layers in plan.train_layers:

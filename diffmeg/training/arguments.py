@@ -21,6 +21,7 @@ from diffmeg.kernels import sdpa_backends
 from diffmeg.parallel import cp_attention_available
 from diffmeg.parallel.validation import validate_cp
 from diffmeg.presets import PADDED_VOCAB_SIZE, PRESETS, get_preset, swiglu_ffn_size
+from diffmeg.run_config import SHAPE_SIZES
 from diffmeg.runtime import transformer_engine_available
 from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
@@ -492,15 +493,9 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
 
 
 POSITIVE_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
+    *SHAPE_SIZES,
     "seq_length",
     "max_position_embeddings",
-    "vocab_size",
     "micro_batch_size",
     "global_batch_size",
 )

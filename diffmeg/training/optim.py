@@ -7,7 +7,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from diffmeg import registry
-from diffmeg.training.run_config import RunConfig
+from diffmeg.run_config import RunConfig
 
 
 def build_optimizer(run: RunConfig, model: list[torch.nn.Module]) -> MegatronOptimizer:

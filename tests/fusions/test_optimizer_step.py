@@ -8,8 +8,8 @@ import torch
 
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions import optimizer_step
+from diffmeg.run_config import RunConfig
 from diffmeg.training.arguments import resolve_args
-from diffmeg.training.run_config import RunConfig
 from tests.training.helpers import SMALL, STEPS, train_steps
 
 

@@ -5,10 +5,11 @@
 the builders) reads typed groups: `run.model.hidden_size`, `run.optim.lr`, `run.checkpoint.save`.
 
 Every field is named as its flag (`--hidden-size` -> `hidden_size`), so `to_args()` gives the flat form
-back exactly: it is used only to write `args.json` (and the run directory's arguments.json), which old
-checkpoints and the offline tools (conversion, evaluation) read; below the entry point the model config
-(`diffmeg.model.transformer_config`), the FLOPs and memory estimates, the data and the dry run read the
-typed groups. Flags no group knows (`--dry-run` and its options, or a flag added before a group names it)
+back exactly: it is used only to write `args.json` (and the run directory's arguments.json), from which
+the offline readers (single-rank models of checkpoints, conversion) build a RunConfig again
+(`from_args(args, partial=True)`); the model config (`diffmeg.model.transformer_config`), the FLOPs and
+memory estimates, the data and the dry run read the typed groups. It stands below the model (nothing here
+imports more than torch), so every floor that builds a model can hold one. Flags no group knows (`--dry-run` and its options, or a flag added before a group names it)
 travel in `extra`, so nothing resolved is ever dropped.
 """
 
@@ -25,6 +26,20 @@ from diffmeg.errors import DiffmegError
 
 _FLAG = "flag"
 """Field metadata key: the flat argument name where it differs from the field's (`preset` <- `model`)."""
+
+SHAPE_SIZES = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+)
+"""The `ModelConfig` sizes that set a model's tensor shapes."""
+SHAPE_FIELDS = (*SHAPE_SIZES, "diff_attention", "diff_version")
+"""Everything that sets a model's tensor shapes (every iteration of a run has the same): the one list the
+checks of a checkpoint against a run, `--use-checkpoint-args` and the flags' range checks read."""
 
 
 @dataclass(kw_only=True)
