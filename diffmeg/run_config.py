@@ -9,8 +9,9 @@ back exactly: it is used only to write `args.json` (and the run directory's argu
 the offline readers (single-rank models of checkpoints, conversion) build a RunConfig again
 (`from_args(args, partial=True)`); the model config (`diffmeg.model.transformer_config`), the FLOPs and
 memory estimates, the data and the dry run read the typed groups. It stands below the model (nothing here
-imports more than torch), so every floor that builds a model can hold one. Flags no group knows (`--dry-run` and its options, or a flag added before a group names it)
-travel in `extra`, so nothing resolved is ever dropped.
+imports more than torch), so every floor that builds a model can hold one. Flags no group knows
+(`--dry-run` and its options, or a flag added before a group names it) travel in `extra`, so nothing
+resolved is ever dropped.
 """
 
 from __future__ import annotations
