@@ -456,21 +456,24 @@ SAVED_ARGS_DEFAULTS: dict[str, object] = {
     "cross_entropy_chunk_size": None,  # the whole logits
     "cross_entropy_loss_fusion": False,  # megatron-core's unfused loss
     "norm_impl": "auto",  # the spec's own norm
-    "diff_epilogue_impl": "auto",  # the eager epilogue
-    "rope_impl": "auto",  # megatron-core's RoPE
     "sdpa_backend": "auto",  # torch's own SDPA kernel order
     "compile_layers": False,  # eager layers
     "cuda_graph_impl": "none",  # no CUDA graphs
     "gradient_accumulation_fusion": False,  # DDP's hook added each weight gradient to main_grad
 }
 """What a flag added after a checkpoint was written meant for the runs that did not have it yet."""
+RETIRED_SAVED_ARGS = ("rope_impl", "diff_epilogue_impl")
+"""Flags that left (their compiled variants gave way to `--compile-layers`): older args.json files hold
+them; upgraded arguments do not, whatever they said (the eager path is what remains)."""
 
 
 def upgrade_saved_args(args: argparse.Namespace | dict) -> argparse.Namespace:
     """A copy of a checkpoint's saved arguments with the flags it predates set to what those runs did
-    (`SAVED_ARGS_DEFAULTS`), so readers of older args.json files need no defaults of their own."""
+    (`SAVED_ARGS_DEFAULTS`) and the flags that left dropped (`RETIRED_SAVED_ARGS`), so readers of older
+    args.json files need no defaults of their own."""
     values = dict(args) if isinstance(args, dict) else vars(args)
-    return argparse.Namespace(**{**SAVED_ARGS_DEFAULTS, **values})
+    kept = {name: value for name, value in values.items() if name not in RETIRED_SAVED_ARGS}
+    return argparse.Namespace(**{**SAVED_ARGS_DEFAULTS, **kept})
 
 
 def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -491,12 +494,13 @@ def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
 def build_single_rank_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The TP=PP=1 GPTModel `pretrain_diff.py` builds for these arguments, its weights in `dtype` (built in
     that dtype: no fp32 copy of a bf16 model). Needs `diffmeg.runtime.single_process()`."""
-    from diffmeg.model import build_model, config_from_args
+    from diffmeg.model import build_model, transformer_config
+    from diffmeg.run_config import RunConfig
 
     args = single_rank_args(args)
     args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
     model = build_model(
-        config_from_args(args),
+        transformer_config(RunConfig.from_args(args, partial=True)),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         rotary_base=args.rotary_base,

@@ -218,9 +218,9 @@ def test_every_reader_names_a_truncated_file_and_a_corrupt_common_pt_the_same_wa
     .distcp with its byte counts before writing anything (pick with --iteration), and a resumed run names
     a corrupt common.pt (never torch's advice to unpickle it unsafely)."""
     from diffmeg.conversion.checkpoint_io import McoreCheckpointReader
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.arguments import resolve_args
     from diffmeg.training.checkpointing import CheckpointManager
-    from diffmeg.training.run_config import RunConfig
 
     root = tmp_path / "ckpt"
     for it in (1, 2):

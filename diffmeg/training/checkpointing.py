@@ -42,8 +42,8 @@ from diffmeg.checkpoints import (
 from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite, run_now
 from diffmeg.errors import DiffmegError
 from diffmeg.folder_lock import LOCK_FILE, FolderLock
+from diffmeg.run_config import SHAPE_FIELDS, RunConfig, TrainingConfig
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
-from diffmeg.training.run_config import RunConfig, TrainingConfig
 
 ARGUMENTS_FILE = "arguments.json"
 """The full resolved arguments of the latest run, written at start into the run directory (--save)."""
@@ -607,26 +607,12 @@ class CheckpointManager:
         self.log(f" saved checkpoint at iteration {iteration} to {path}{how}")
 
 
-SHAPE_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "vocab_size",
-    "diff_attention",
-    "diff_version",
-)
-"""The arguments that set a model's tensor shapes (every iteration of a run has the same)."""
-
-
 def check_shape(where: str, saved: dict, run: dict) -> None:
     """A checkpoint's model (its args.json, `saved`) has the run's shape, or one line naming each flag that
     differs and the fix: another iteration of the same run cannot help, every one has that shape."""
     defaults = {"diff_attention": True, "diff_version": 1}  # args.json files from before the flags
     differ = []
-    for name in SHAPE_ARGS:
+    for name in SHAPE_FIELDS:
         theirs, ours = saved.get(name, defaults.get(name)), run.get(name, defaults.get(name))
         if name == "diff_version" and not (saved.get("diff_attention", True) and run.get("diff_attention")):
             continue  # the Transformer baseline has no DIFF version

@@ -12,10 +12,10 @@ import torch
 from diffmeg.checkpoints import ARGS_FILE, TRACKER_FILE
 from diffmeg.errors import DiffmegError
 from diffmeg.folder_lock import LOCK_FILE
+from diffmeg.run_config import RunConfig
 from diffmeg.training import checkpointing
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.checkpointing import CheckpointManager
-from diffmeg.training.run_config import RunConfig
 
 
 def _manager(*flags: str) -> tuple[CheckpointManager, list[str]]:
