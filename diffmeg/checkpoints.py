@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 ARGS_FILE = "args.json"
+HF_CONFIG_FILE = "config.json"
+"""What makes a folder a Hugging Face model (`diffmeg.model_source.is_hf_folder`), never a checkpoint."""
 WEIGHTS_ONLY_KEY = "weights_only"
 """Set in the common state of checkpoints that hold model weights and nothing else (HF imports)."""
 TOKENIZER_DIR = "tokenizer"
@@ -93,6 +95,60 @@ def iteration_dirs(root: str) -> list[int]:
         and name[5:].isdigit()
         and os.path.isfile(os.path.join(root, name, ARGS_FILE))
     )
+
+
+def holds_saves(root: str) -> bool:
+    """`root` has a tracker or an iter_* directory: a checkpoint directory, complete or not."""
+    return read_tracker(root) is not None or any(name.startswith("iter_") for name in os.listdir(root))
+
+
+def resolve_iteration(root: str, iteration: int | None = None, pick_flag: str = "--iteration") -> int:
+    """The complete iteration of checkpoint directory `root` a reader loads: `iteration`, else the one the
+    tracker names. Every reader resolves through here (the tools' `--iteration`, training's `--ckpt-step`),
+    so one asked for that is missing or unfinished, a tracker naming one, a folder with no checkpoint at all
+    or a Hugging Face folder is one line: what was asked, what is there, the complete iterations and the fix.
+    """
+    if not holds_saves(root):
+        raise DiffmegError(not_a_checkpoint_message(root))
+    complete = iteration_dirs(root)
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise DiffmegError(
+                f"{root} has no {TRACKER_FILE}: its last save did not finish; "
+                f"{complete_iterations(root, complete, pick_flag)}"
+            )
+        asked = f"{TRACKER_FILE} in {root} names iteration {iteration}, but"
+    else:
+        asked = f"{pick_flag} {iteration}:"
+    if iteration in complete:
+        return iteration
+    path = checkpoint_path(root, iteration)
+    state = "is missing" if not os.path.isdir(path) else f"is incomplete (no {ARGS_FILE}: an unfinished save)"
+    raise DiffmegError(f"{asked} {path} {state}; {complete_iterations(root, complete, pick_flag)}")
+
+
+def complete_iterations(root: str, iterations: list[int], pick_flag: str, other: bool = False) -> str:
+    """The clause that lists the complete `iterations` of `root` (the last 8) and how to pick one."""
+    other_ = "other " if other else ""
+    if not iterations:
+        return f"no {other_}complete iteration in {root}; point the run at another checkpoint"
+    listed = ", ".join(map(str, iterations[-8:]))
+    if len(iterations) > 8:
+        listed += f" (and {len(iterations) - 8} earlier)"
+    return f"{other_}complete iterations in {root}: {listed}; start from one with {pick_flag} N"
+
+
+def not_a_checkpoint_message(root: str, fix: str = "point --load at a checkpoint directory") -> str:
+    """Why --load `root`, a directory holding no tracker and no iter_* directories, is no checkpoint, and
+    `fix`; a Hugging Face model folder is named as one, with the command that converts it instead."""
+    if os.path.isfile(os.path.join(root, HF_CONFIG_FILE)):
+        return (
+            f"--load {root} is a Hugging Face model folder ({HF_CONFIG_FILE}), not a pretrain_diff.py "
+            f"checkpoint; convert it with: python tools/convert_checkpoint.py hf-to-mcore --load {root} "
+            f"--save CKPT_DIR"
+        )
+    return f"--load {root} is not a checkpoint directory (no {TRACKER_FILE}, no iter_* directories); {fix}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -324,15 +380,10 @@ def _latest_kept(root: str) -> str:
 
 def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argparse.Namespace, str]:
     """The resolved arguments a checkpoint was trained with, and its directory (no weights are read)."""
-    if iteration is None:
-        iteration = read_tracker(root)
-        if iteration is None:
-            raise DiffmegError(f"{root} holds no complete checkpoint ({TRACKER_FILE} is missing)")
-    path = checkpoint_path(root, iteration)
-    args_file = os.path.join(path, ARGS_FILE)
-    if not os.path.isfile(args_file):
-        raise DiffmegError(f"{path} is not a complete pretrain_diff.py checkpoint ({ARGS_FILE} is missing)")
-    with open(args_file) as f:
+    if not os.path.isdir(root):
+        raise DiffmegError(f"--load {root} is not a directory")
+    path = checkpoint_path(root, resolve_iteration(root, iteration))
+    with open(os.path.join(path, ARGS_FILE)) as f:
         return argparse.Namespace(**locate_tokenizer(root, json.load(f))), path
 
 
@@ -370,13 +421,7 @@ def damaged_checkpoint_message(path: str, exc: BaseException, pick_flag: str = "
     damage = damaged_file(path, deep=rank == 0)
     what = f"{damage[0]} {damage[1]}" if damage else first_line(exc)
     others = [i for i in iteration_dirs(root) if i != iteration]
-    if others:
-        listed = ", ".join(map(str, others[-8:])) + (
-            f" (and {len(others) - 8} earlier)" if len(others) > 8 else ""
-        )
-        choice = f"other complete iterations in {root}: {listed}; start from one with {pick_flag} N"
-    else:
-        choice = f"no other complete iteration in {root}; point the run at another checkpoint"
+    choice = complete_iterations(root, others, pick_flag, other=True)
     return f"cannot load checkpoint {where}: {what}; {choice}"
 
 
@@ -456,21 +501,24 @@ SAVED_ARGS_DEFAULTS: dict[str, object] = {
     "cross_entropy_chunk_size": None,  # the whole logits
     "cross_entropy_loss_fusion": False,  # megatron-core's unfused loss
     "norm_impl": "auto",  # the spec's own norm
-    "diff_epilogue_impl": "auto",  # the eager epilogue
-    "rope_impl": "auto",  # megatron-core's RoPE
     "sdpa_backend": "auto",  # torch's own SDPA kernel order
     "compile_layers": False,  # eager layers
     "cuda_graph_impl": "none",  # no CUDA graphs
     "gradient_accumulation_fusion": False,  # DDP's hook added each weight gradient to main_grad
 }
 """What a flag added after a checkpoint was written meant for the runs that did not have it yet."""
+RETIRED_SAVED_ARGS = ("rope_impl", "diff_epilogue_impl")
+"""Flags that left (their compiled variants gave way to `--compile-layers`): older args.json files hold
+them; upgraded arguments do not, whatever they said (the eager path is what remains)."""
 
 
 def upgrade_saved_args(args: argparse.Namespace | dict) -> argparse.Namespace:
     """A copy of a checkpoint's saved arguments with the flags it predates set to what those runs did
-    (`SAVED_ARGS_DEFAULTS`), so readers of older args.json files need no defaults of their own."""
+    (`SAVED_ARGS_DEFAULTS`) and the flags that left dropped (`RETIRED_SAVED_ARGS`), so readers of older
+    args.json files need no defaults of their own."""
     values = dict(args) if isinstance(args, dict) else vars(args)
-    return argparse.Namespace(**{**SAVED_ARGS_DEFAULTS, **values})
+    kept = {name: value for name, value in values.items() if name not in RETIRED_SAVED_ARGS}
+    return argparse.Namespace(**{**SAVED_ARGS_DEFAULTS, **kept})
 
 
 def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -491,12 +539,13 @@ def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
 def build_single_rank_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The TP=PP=1 GPTModel `pretrain_diff.py` builds for these arguments, its weights in `dtype` (built in
     that dtype: no fp32 copy of a bf16 model). Needs `diffmeg.runtime.single_process()`."""
-    from diffmeg.model import build_model, config_from_args
+    from diffmeg.model import build_model, transformer_config
+    from diffmeg.run_config import RunConfig
 
     args = single_rank_args(args)
     args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
     model = build_model(
-        config_from_args(args),
+        transformer_config(RunConfig.from_args(args, partial=True)),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         rotary_base=args.rotary_base,

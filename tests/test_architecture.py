@@ -70,6 +70,7 @@ FLOORS = [
                 "diffmeg.kernels",
                 "diffmeg.parallel",
                 "diffmeg.config",
+                "diffmeg.run_config",
             ),
             "data": ("diffmeg.data",),
         },

@@ -218,9 +218,9 @@ def test_every_reader_names_a_truncated_file_and_a_corrupt_common_pt_the_same_wa
     .distcp with its byte counts before writing anything (pick with --iteration), and a resumed run names
     a corrupt common.pt (never torch's advice to unpickle it unsafely)."""
     from diffmeg.conversion.checkpoint_io import McoreCheckpointReader
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.arguments import resolve_args
     from diffmeg.training.checkpointing import CheckpointManager
-    from diffmeg.training.run_config import RunConfig
 
     root = tmp_path / "ckpt"
     for it in (1, 2):
@@ -276,3 +276,66 @@ def test_a_checkpoint_folder_carries_its_tokenizer_and_finds_it_where_it_lies(tm
     assert locate_tokenizer(str(moved), old)["tokenizer_model"] == str(moved / "tokenizer")
     there = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(source)}
     assert locate_tokenizer(str(moved), there) == there  # an older absolute path that still exists
+
+
+# ------------------------------------------------------------------------ which iteration a reader loads
+
+
+def _complete(root, *iterations: int, tracker: int | None = None) -> str:
+    """iter_N directories with args.json (what a finished save leaves), and the tracker if given."""
+    for it in iterations:
+        (root / f"iter_{it:07d}").mkdir(parents=True)
+        (root / f"iter_{it:07d}" / checkpoints.ARGS_FILE).write_text("{}")
+    if tracker is not None:
+        (root / TRACKER_FILE).write_text(str(tracker))
+    return str(root)
+
+
+@pytest.mark.parametrize(
+    "iteration,tracker,expected",
+    [
+        (7, 4, "--iteration 7: {root}/iter_0000007 is missing; "),
+        (6, 4, "--iteration 6: {root}/iter_0000006 is incomplete (no args.json: an unfinished save); "),
+        (None, 7, f"{TRACKER_FILE} in {{root}} names iteration 7, but {{root}}/iter_0000007 is missing; "),
+        (None, 6, f"{TRACKER_FILE} in {{root}} names iteration 6, but {{root}}/iter_0000006 is incomplete"),
+        (None, None, f"{{root}} has no {TRACKER_FILE}: its last save did not finish; "),
+    ],
+    ids=["missing", "incomplete", "tracker-missing", "tracker-incomplete", "no-tracker"],
+)
+def test_a_missing_iteration_is_one_line_listing_the_complete_ones(tmp_path, iteration, tracker, expected):
+    """Every reader (the tools' --iteration through read_checkpoint_args and model_source, training's
+    --ckpt-step) resolves through `resolve_iteration`: what was asked, what is there, what loads instead."""
+    from diffmeg.model_source import read_checkpoint_info
+
+    root = _complete(tmp_path / "run", 2, 4, tracker=tracker)
+    (tmp_path / "run" / "iter_0000006").mkdir()  # a save that died before its args.json
+    for read in (checkpoints.read_checkpoint_args, read_checkpoint_info):
+        with pytest.raises(DiffmegError) as err:
+            read(root, iteration)
+        message = str(err.value)
+        assert message.startswith(expected.format(root=root)), message
+        assert message.endswith(f"complete iterations in {root}: 2, 4; start from one with --iteration N")
+        assert "\n" not in message
+    assert checkpoints.resolve_iteration(root, 2) == 2
+    with pytest.raises(DiffmegError, match=r"--ckpt-step 5: .* start from one with --ckpt-step N$"):
+        checkpoints.resolve_iteration(root, 5, "--ckpt-step")
+
+
+def test_no_complete_iteration_says_none_and_a_folder_without_one_says_what_it_is(tmp_path):
+    died, hf = tmp_path / "died", tmp_path / "hf"
+    (died / "iter_0000003").mkdir(parents=True)
+    with pytest.raises(DiffmegError) as err:
+        checkpoints.read_checkpoint_args(str(died))
+    assert str(err.value).endswith(f"no complete iteration in {died}; point the run at another checkpoint")
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DiffmegError, match=r"^--load .*/empty is not a checkpoint directory \(no "):
+        checkpoints.read_checkpoint_args(str(tmp_path / "empty"), 3)
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(DiffmegError) as err:
+        checkpoints.resolve_iteration(str(hf))
+    assert str(err.value) == (
+        f"--load {hf} is a Hugging Face model folder (config.json), not a pretrain_diff.py checkpoint; "
+        f"convert it with: python tools/convert_checkpoint.py hf-to-mcore --load {hf} --save CKPT_DIR"
+    )

@@ -32,18 +32,20 @@ from diffmeg.checkpoints import (
     begin_checkpoint,
     checkpoint_path,
     damaged_checkpoint_message,
-    iteration_dirs,
+    holds_saves,
     leftovers,
     load_sharded,
+    not_a_checkpoint_message,
     read_checkpoint_args,
     read_tracker,
+    resolve_iteration,
     upgrade_saved_args,
 )
 from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite, run_now
 from diffmeg.errors import DiffmegError
 from diffmeg.folder_lock import LOCK_FILE, FolderLock
+from diffmeg.run_config import SHAPE_FIELDS, RunConfig, TrainingConfig
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
-from diffmeg.training.run_config import RunConfig, TrainingConfig
 
 ARGUMENTS_FILE = "arguments.json"
 """The full resolved arguments of the latest run, written at start into the run directory (--save)."""
@@ -271,11 +273,6 @@ def _holds_only_run_files(root: str) -> bool:
     )
 
 
-def _complete_list(root: str) -> str:
-    found = iteration_dirs(root)
-    return ", ".join(map(str, found)) if found else "none"
-
-
 def _stall_hook(iteration: int) -> HoldAfterWrite | None:
     """The `STALL_ASYNC_SAVE_ENV` test hook for this iteration's background write, if it names it (it runs
     in the writer process, which prints its line to the job's output)."""
@@ -339,34 +336,13 @@ class CheckpointManager:
                     f"as --save too)"
                 )
             return self._fresh(root)
-        latest = read_tracker(root)
-        if cfg.ckpt_step is not None:
-            if cfg.ckpt_step not in iteration_dirs(root):
-                raise DiffmegError(
-                    f"--ckpt-step {cfg.ckpt_step}: {root} holds no complete checkpoint of that iteration "
-                    f"(complete: {_complete_list(root)})"
-                )
-            self.load_iteration = self._not_past_the_end(cfg.ckpt_step)
-            return self.load_iteration
-        if latest is None:
-            if any(name.startswith("iter_") for name in os.listdir(root)):
-                raise DiffmegError(
-                    f"{root} has checkpoint directories but no {TRACKER_FILE}: the last save did not finish; "
-                    f"complete iterations: {_complete_list(root)}; start from one with --ckpt-step N"
-                )
+        if cfg.ckpt_step is None and not holds_saves(root):
             if not (fresh_ok or _holds_only_run_files(root)):
-                raise DiffmegError(
-                    f"--load {root} is not a checkpoint directory (no {TRACKER_FILE}, no iter_* "
-                    f"directories); point --load at one, or drop it to start from scratch"
-                )
+                fix = "point --load at a checkpoint directory, or drop it to start from scratch"
+                raise DiffmegError(not_a_checkpoint_message(root, fix))
             return self._fresh(root)
-        if not os.path.isdir(checkpoint_path(root, latest)):
-            raise DiffmegError(
-                f"{TRACKER_FILE} in {root} names iteration {latest} but {checkpoint_path(root, latest)} is "
-                f"missing; complete iterations: {_complete_list(root)}; start from one with --ckpt-step N"
-            )
-        self.load_iteration = self._not_past_the_end(latest)
-        return latest
+        self.load_iteration = self._not_past_the_end(resolve_iteration(root, cfg.ckpt_step, "--ckpt-step"))
+        return self.load_iteration
 
     def _not_past_the_end(self, iteration: int) -> int:
         """A checkpoint past --train-iters would load, train nothing and exit 0: one line instead."""
@@ -607,26 +583,12 @@ class CheckpointManager:
         self.log(f" saved checkpoint at iteration {iteration} to {path}{how}")
 
 
-SHAPE_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "vocab_size",
-    "diff_attention",
-    "diff_version",
-)
-"""The arguments that set a model's tensor shapes (every iteration of a run has the same)."""
-
-
 def check_shape(where: str, saved: dict, run: dict) -> None:
     """A checkpoint's model (its args.json, `saved`) has the run's shape, or one line naming each flag that
     differs and the fix: another iteration of the same run cannot help, every one has that shape."""
     defaults = {"diff_attention": True, "diff_version": 1}  # args.json files from before the flags
     differ = []
-    for name in SHAPE_ARGS:
+    for name in SHAPE_FIELDS:
         theirs, ours = saved.get(name, defaults.get(name)), run.get(name, defaults.get(name))
         if name == "diff_version" and not (saved.get("diff_attention", True) and run.get("diff_attention")):
             continue  # the Transformer baseline has no DIFF version

@@ -18,7 +18,7 @@ from diffmeg.data.gpt_datasets import build_gpt_datasets, parse_data_path
 from diffmeg.data.indexed import has_loss_mask
 from diffmeg.data.loss_mask import build_loss_mask_datasets
 from diffmeg.parallel import slice_sequence_for_cp
-from diffmeg.training.run_config import RunConfig
+from diffmeg.run_config import RunConfig
 
 
 class MockTokenDataset(torch.utils.data.Dataset):

@@ -25,9 +25,9 @@ from diffmeg.data.indexed import check_dataset
 from diffmeg.data.tokenizers import check_datasets, check_vocabulary, record_of_args
 from diffmeg.errors import DiffmegError
 from diffmeg.presets import count_parameters
+from diffmeg.run_config import DataConfig, RunConfig
 from diffmeg.training.flops import train_flops_per_iteration
 from diffmeg.training.memory import GIB, estimate_memory, loss_peak_bytes, parameters_per_rank
-from diffmeg.training.run_config import DataConfig, RunConfig
 
 HEADROOM = 0.9
 """Plans above this fraction of the GPU's memory get a warning: the rest is not ours to plan."""

@@ -39,6 +39,7 @@ from diffmeg.data.tokenizers import (
 )
 from diffmeg.errors import DiffmegError
 from diffmeg.model import lambda_parameters
+from diffmeg.run_config import RunConfig
 from diffmeg.training import ddp
 from diffmeg.training.arguments import args_to_json
 from diffmeg.training.builders import build_training_objects
@@ -50,7 +51,6 @@ from diffmeg.training.flops import train_flops_per_iteration
 from diffmeg.training.hardware import model_flops_utilization, peak_tflops
 from diffmeg.training.logger import run_summary
 from diffmeg.training.memory import estimate_memory
-from diffmeg.training.run_config import RunConfig
 
 
 class ModelParallelSizes(NamedTuple):

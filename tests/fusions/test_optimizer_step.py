@@ -8,8 +8,8 @@ import torch
 
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions import optimizer_step
+from diffmeg.run_config import RunConfig
 from diffmeg.training.arguments import resolve_args
-from diffmeg.training.run_config import RunConfig
 from tests.training.helpers import SMALL, STEPS, train_steps
 
 
@@ -94,21 +94,25 @@ def test_a_fused_step_reads_nothing_back_to_the_host(single_rank_parallel_state,
         release_training_objects(trainer.model_config, trainer.model)
 
 
-def test_auto_picks_fused_on_cuda_without_te_or_apex_and_unknown_impls_are_refused(monkeypatch):
+def test_auto_is_the_registrys_order_and_fused_cannot_run_beside_megatron_cores_fused_adam(monkeypatch):
+    """One decision: the registry's AUTO_ORDER and each entry's availability check (the docstrings of
+    training/optim.py and run_config.py say so); unknown names are refused."""
     from diffmeg import registry
-    from diffmeg.training.optim import resolve_optimizer_impl
 
     # until a GPU run measured the fused step faster, the registry's auto order keeps megatron-core's
-    assert resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=False) == "megatron"
+    assert registry.resolve("optimizer") == "megatron"
     monkeypatch.setitem(registry.AUTO_ORDER, "optimizer", ("fused", "megatron"))  # as once measured
-    assert resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=False) == "fused"
-    assert resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=True) == "megatron"
-    assert resolve_optimizer_impl("auto", on_cuda=False, megatron_fused_adam=False) == "megatron"
-    assert resolve_optimizer_impl("fused", on_cuda=False, megatron_fused_adam=True) == "fused"
+    monkeypatch.setattr(optimizer_step, "megatron_has_fused_adam", lambda: False)
+    assert registry.resolve("optimizer") == "fused" and registry.resolve("optimizer", "fused") == "fused"
+    monkeypatch.setattr(optimizer_step, "megatron_has_fused_adam", lambda: True)  # TE or apex installed
+    assert registry.resolve("optimizer") == "megatron"
+    with pytest.raises(DiffmegError, match="^--optimizer-impl fused steps torch's AdamW, but megatron-core .*"
+                       "use --optimizer-impl megatron$"):  # fmt: skip
+        registry.resolve("optimizer", "fused")
     with pytest.raises(
         DiffmegError, match="unknown optimizer step 'apex'.*choose one of auto, megatron, fused"
     ):
-        resolve_optimizer_impl("apex", on_cuda=False, megatron_fused_adam=False)
+        registry.resolve("optimizer", "apex")
     assert registry.implementation("optimizer", "fused").load() is optimizer_step.apply_fused_step
 
 

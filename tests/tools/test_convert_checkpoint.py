@@ -187,7 +187,7 @@ def test_mcore_to_hf_refuses_what_diffllama_cannot_express(
 
 def test_not_a_checkpoint_is_refused(tmp_path, capsys, single_rank_parallel_state):
     (tmp_path / "empty").mkdir()
-    assert "holds no complete checkpoint" in refused(
+    assert "is not a checkpoint directory (no latest_checkpointed_iteration.txt" in refused(
         capsys, "mcore-to-hf", "--load", tmp_path / "empty", "--save", tmp_path / "hf"
     )
     assert "is not a directory" in refused(
@@ -195,6 +195,13 @@ def test_not_a_checkpoint_is_refused(tmp_path, capsys, single_rank_parallel_stat
     )
     assert "has no config.json" in refused(
         capsys, "hf-to-mcore", "--load", tmp_path / "empty", "--save", tmp_path / "ckpt"
+    )
+    (tmp_path / "hf-model").mkdir()
+    (tmp_path / "hf-model" / "config.json").write_text("{}")
+    assert (
+        "is a Hugging Face model folder (config.json), not a pretrain_diff.py checkpoint; convert it with: "
+        f"python tools/convert_checkpoint.py hf-to-mcore --load {tmp_path / 'hf-model'} --save"
+        in refused(capsys, "mcore-to-hf", "--load", tmp_path / "hf-model", "--save", tmp_path / "hf")
     )
     assert no_leftovers(tmp_path / "hf") and no_leftovers(tmp_path / "ckpt")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diffmeg.run_config import RunConfig
 from diffmeg.training.arguments import resolve_args
-from diffmeg.training.run_config import RunConfig
 from tests.host_reads import host_reads
 from tests.training.helpers import SMALL
 
