@@ -123,8 +123,8 @@ def test_ids_above_the_vocabulary_fail_the_dry_run_and_the_run_in_one_line(
     with its largest id when pretrain_diff.py checks it and when the run builds its datasets, not in an index
     error inside the embedding at the first step."""
     import pretrain_diff
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.data import build_datasets
-    from diffmeg.training.run_config import RunConfig
 
     prefix = _dataset(tmp_path / "wide", 2000)  # ids 0..1999
     argv = ["--model", "diff-tiny", "--tokenizer-type", "null", "--vocab-size", "1024", "--data-path", prefix]
