@@ -238,10 +238,10 @@ def check_name(slot_name: str, name: str) -> None:
     if name in choices(slot_name):
         return
     s = slot(slot_name)
-    why = "(not available in this build)"
+    problem = f"unknown {s.what} {name!r} (not available in this build)"
     if name in names(s.name):
-        why = "is the Transformer Engine spec's own (--transformer-impl chooses it)"
-    raise DiffmegError(f"unknown {s.what} {name!r} {why}; choose one of {', '.join(choices(s.name))}")
+        problem = f"{s.what} {name!r} is the Transformer Engine spec's own (--transformer-impl chooses it)"
+    raise DiffmegError(f"{problem}; choose one of {', '.join(choices(s.name))}")
 
 
 def entry(slot_name: str, name: str) -> Entry:

@@ -135,7 +135,7 @@ def test_the_gpu_candidates_wait_for_a_measurement_and_are_checked_by_name():
     unknown = r"unknown norm 'compiled' \(not available in this build\); choose one of auto, local, torch$"
     with pytest.raises(DiffmegError, match=unknown):
         make_config(norm_impl="compiled")
-    with pytest.raises(DiffmegError, match="norm 'transformer_engine' is the Transformer Engine spec's own"):
+    with pytest.raises(DiffmegError, match="^norm 'transformer_engine' is the Transformer Engine spec's own"):
         make_config(norm_impl="transformer_engine")
 
 
