@@ -129,8 +129,8 @@ def attention_impl(model: torch.nn.Module) -> str:
     """What attends in the built model: DIFF V1's backend name, else the core attention module's class
     (SDPACoreAttention for the Transformer and DIFF V2 on the local spec, TE's on the TE spec)."""
     for m in model.modules():
-        if hasattr(m, "backend_name"):
-            return m.backend_name
+        if hasattr(m, "diff_attn_backend"):
+            return m.diff_attn_backend
     for m in model.modules():
         core = getattr(m, "core_attention", None)
         if isinstance(core, torch.nn.Module):

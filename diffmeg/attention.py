@@ -42,7 +42,7 @@ from diffmeg.fusions.rms_norm import HeadRMSNorm
 from diffmeg.kernels import DiffAttentionFn
 from diffmeg.kernels.reference import diff_attention_reference
 from diffmeg.parallel import DiffMapsWithCP, head_to_sequence_shards, sequence_to_head_shards
-from diffmeg.registry import resolve, select
+from diffmeg.registry import entry, resolve, select
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +95,15 @@ class DiffCoreAttention(CoreAttention):
         self.heads_per_partition = config.num_diff_heads // tp
         self.kv_heads_per_partition = config.num_diff_kv_heads // tp
         self.lambda_init = config.lambda_init_at(self.layer_number)
-        # Checked here (a name this installation can never run fails at build); resolved per call from the
-        # tensors' device, so a core built on the CPU runs the GPU kernels once its inputs are on the GPU.
-        self.backend_name = resolve("diff_attention", config.attention_backend_diff)
-        self._backends: dict[str, DiffAttentionFn] = {}
+        # Checked here (a name this installation can never run fails at build); the tensors' device type
+        # decides per call, so a core built on the CPU runs the GPU kernels once its inputs are on the GPU
+        # (the row loaded and its answers per device type taken here, outside any compiled region).
+        self.diff_attn_backend = resolve("diff_attention", config.diff_attn_backend)
+        self._backend = entry("diff_attention", self.diff_attn_backend)
+        self._backend_fn: DiffAttentionFn = self._backend.load()
+        self._refusals = {
+            device_type: self._backend.unavailable(device_type) for device_type in ("cpu", "cuda")
+        }
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else "cuda"
 
         # lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init, vectors of size d shared by the layer's heads.
@@ -127,12 +132,12 @@ class DiffCoreAttention(CoreAttention):
             )
 
     def backend_for(self, device_type: str) -> DiffAttentionFn:
-        """The configured backend for tensors of this device type (resolved once per device type)."""
-        fn = self._backends.get(device_type)
-        if fn is None:
-            fn = select("diff_attention", self.backend_name, device_type).load()
-            self._backends[device_type] = fn
-        return fn
+        """The configured backend for tensors of this device type, or its one-line refusal."""
+        if device_type not in self._refusals:
+            self._refusals[device_type] = self._backend.unavailable(device_type)
+        if self._refusals[device_type] is not None:
+            raise DiffmegError(self._refusals[device_type])
+        return self._backend_fn
 
     def lambda_full(self) -> torch.Tensor:
         """The scalar lambda of this layer (fp32 or wider, differentiable in the four vectors)."""

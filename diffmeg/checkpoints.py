@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diffmeg import registry
 from diffmeg.data.hf_tokenizer import HF_TOKENIZER, TOKENIZER_FILES, copy_tokenizer_files, has_tokenizer_files
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes, is_disk_full
@@ -500,8 +501,7 @@ SAVED_ARGS_DEFAULTS: dict[str, object] = {
     "deterministic_mode": False,
     "cross_entropy_chunk_size": None,  # the whole logits
     "cross_entropy_loss_fusion": False,  # megatron-core's unfused loss
-    "norm_impl": "auto",  # the spec's own norm
-    "sdpa_backend": "auto",  # torch's own SDPA kernel order
+    **{s.field: registry.AUTO for s in registry.flagged()},  # each implementation flag: its slot's auto
     "compile_layers": False,  # eager layers
     "cuda_graph_impl": "none",  # no CUDA graphs
     "gradient_accumulation_fusion": False,  # DDP's hook added each weight gradient to main_grad

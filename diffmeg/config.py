@@ -14,14 +14,15 @@ differential (output) heads and g KV heads for every architecture; megatron-core
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diffmeg import registry
 from diffmeg.errors import DiffmegError
-from diffmeg.kernels import sdpa_backends
 from diffmeg.parallel.validation import validate_cp
 
 DIFF_VERSIONS = (1, 2)
@@ -63,18 +64,19 @@ class DiffTransformerConfig(TransformerConfig):
     head_norm_eps: float = 1e-5
     """Epsilon of the per-head RMSNorm applied to each differential head's output (width 2d)."""
 
-    attention_backend_diff: str = "auto"
-    """Differential attention backend, a name of `diffmeg.registry`'s `diff_attention` slot:
-    reference (plain math), sdpa (torch), flash / flex on GPU, or auto (the measured fastest)."""
+    diff_attn_backend: str = "auto"
+    """Differential attention backend (`--diff-attn-backend`), a name of `diffmeg.registry`'s
+    `diff_attention` slot: reference (plain math), sdpa (torch), flash / flex on GPU, or auto."""
 
     norm_impl: str = "auto"
-    """RMSNorm implementation, a name of `diffmeg.registry`'s `norm` slot of the local family
-    (local, torch): the local spec's block and final norms and DIFF V1's head norm. auto: the
-    spec's own (the Transformer Engine spec keeps TE's norms whatever this says, bar the head norm)."""
+    """RMSNorm implementation (`--norm-impl`), a name of `diffmeg.registry`'s `norm` slot of the local
+    family: the local spec's block and final norms and DIFF V1's head norm. auto: the spec's own (the
+    Transformer Engine spec keeps TE's norms whatever this says, bar the head norm)."""
 
     sdpa_backend: str = "auto"
-    """Which kernel torch's SDPA tries first in every core attention (`diffmeg.kernels.sdpa_backends`):
-    auto (torch's own order), cudnn, flash, efficient (GPU kernels first, the others behind) or math."""
+    """Which kernel torch's SDPA tries first in every core attention (`--sdpa-backend`), a name of
+    `diffmeg.registry`'s `sdpa_kernel` slot: auto (torch's own order), cudnn, flash, efficient (GPU
+    kernels first, the others behind) or math."""
 
     cp_comm_type: str | list[str] | None = None
     """megatron-core's field, with one more value for DIFF: `ulysses` (None means it) shards heads with
@@ -119,14 +121,11 @@ class DiffTransformerConfig(TransformerConfig):
 
     def _validate_impls(self) -> None:
         registry.check_name("norm", self.norm_impl)
-        sdpa_backends.check_name(self.sdpa_backend)
-        named = self.norm_impl != registry.AUTO
-        if named and registry.implementation("norm", self.norm_impl).spec != "local":
-            local = [i.name for i in registry.implementations("norm") if i.spec == "local"]
-            raise DiffmegError(
-                f"norm_impl {self.norm_impl!r} is the Transformer Engine spec's own norm; choose one of "
-                f"auto, {', '.join(local)} (--transformer-impl chooses the TE spec)"
-            )
+        registry.check_name("sdpa_kernel", self.sdpa_backend)
+
+    def sdpa_preference(self) -> Callable[[], contextlib.AbstractContextManager]:
+        """The context every core attention enters around its SDPA calls: `sdpa_backend`'s row."""
+        return registry.entry("sdpa_kernel", self.sdpa_backend).load()
 
     def _validate_loss(self) -> None:
         size = self.cross_entropy_chunk_size
@@ -191,7 +190,7 @@ class DiffTransformerConfig(TransformerConfig):
             raise DiffmegError(f"lambda_std must be >= 0, got {self.lambda_std}")
         if self.head_norm_eps <= 0:
             raise DiffmegError(f"head_norm_eps must be > 0, got {self.head_norm_eps}")
-        registry.check_name("diff_attention", self.attention_backend_diff)
+        registry.check_name("diff_attention", self.diff_attn_backend)
         validate_cp(
             cp_size=self.context_parallel_size,
             comm_type=self.cp_comm_type,

@@ -24,7 +24,6 @@ from megatron.core.transformer.module import MegatronModule
 
 from diffmeg.errors import DiffmegError
 from diffmeg.kernels.reference import causal_keep_mask
-from diffmeg.kernels.sdpa_backends import AUTO, check_name, sdpa_preference
 
 
 def context_parallel_group(pg_collection) -> torch.distributed.ProcessGroup:
@@ -37,8 +36,8 @@ class CoreAttention(MegatronModule):
     """Base of diffmeg's core attentions: causal (or no-mask) attention without packed sequences or bias.
 
     Subclasses implement `attend(query, key, value, attention_mask, attn_mask_type)`; `name` is what the
-    one-line errors call them. Each runs its SDPA calls under `sdpa_context()`, the config's
-    `sdpa_backend` preference: one place for both cores.
+    one-line errors call them. Each runs its SDPA calls under `sdpa_context()`, the context of the config's
+    `sdpa_backend` (`DiffTransformerConfig.sdpa_preference`): one place for both cores.
     """
 
     name = "this core attention"
@@ -63,8 +62,11 @@ class CoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.cp_comm_type = cp_comm_type
-        self.sdpa_backend = getattr(config, "sdpa_backend", AUTO)  # megatron-core's own config has none
-        check_name(self.sdpa_backend)
+        preference = getattr(config, "sdpa_preference", None)  # megatron-core's own config has none
+        self.sdpa_context: Callable[[], contextlib.AbstractContextManager] = (
+            preference() if preference is not None else contextlib.nullcontext
+        )
+        """The kernel preference torch's SDPA calls run under (a context per call)."""
 
     def forward(
         self,
@@ -92,10 +94,6 @@ class CoreAttention(MegatronModule):
         or None; `attn_mask_type` the call's, else the layer's. Subclasses override it with the same
         (unannotated) signature."""
         raise NotImplementedError
-
-    def sdpa_context(self) -> contextlib.AbstractContextManager:
-        """The kernel preference (`diffmeg.kernels.sdpa_backends`) torch's SDPA calls run under."""
-        return sdpa_preference(self.sdpa_backend)
 
     def dropout_rng(self) -> contextlib.AbstractContextManager:
         """megatron-core's tensor-parallel RNG around attention dropout (each TP rank drops its own heads'

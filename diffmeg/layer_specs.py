@@ -27,7 +27,7 @@ from diffmeg.config import DiffTransformerConfig
 from diffmeg.errors import DiffmegError
 from diffmeg.parallel import UlyssesAttention, UlyssesAttentionSubmodules
 from diffmeg.registry import select
-from diffmeg.runtime import transformer_engine_available
+from diffmeg.runtime import transformer_engine_unavailable
 
 
 def diff_core_attention_spec(cp_attention: type | None = None) -> ModuleSpec:
@@ -83,10 +83,8 @@ def get_diff_layer_local_spec(config: DiffTransformerConfig, cp_attention: type 
 
 def get_diff_layer_te_spec(config: DiffTransformerConfig) -> ModuleSpec:
     """Transformer Engine linears with the input/pre-MLP RMSNorm fused in (FP8-capable)."""
-    if not transformer_engine_available():
-        raise DiffmegError(
-            "the Transformer Engine spec needs transformer_engine and a CUDA GPU; use --spec local"
-        )
+    if (reason := transformer_engine_unavailable(None)) is not None:
+        raise DiffmegError(reason)
     spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec())
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = select("core_attention", spec="transformer_engine").load()

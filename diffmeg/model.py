@@ -26,9 +26,9 @@ from diffmeg.compat import graph_safe_rng_is_te
 from diffmeg.config import DiffTransformerConfig, megatron_head_counts
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions import grad_accum
+from diffmeg.fusions.cross_entropy import linear_cross_entropy
 from diffmeg.init import initialize_parameters
 from diffmeg.layer_specs import get_diff_block_spec
-from diffmeg.registry import select
 from diffmeg.run_config import RunConfig
 
 # megatron-core's FusedScaleMaskSoftmax imports these CUDA extensions (Megatron-LM's / apex's fused kernels)
@@ -104,13 +104,13 @@ def transformer_config(run: RunConfig) -> DiffTransformerConfig:
         diff_version=model.diff_version,
         lambda_init=model.lambda_init,
         lambda_std=model.lambda_std,
-        attention_backend_diff=model.diff_attn_backend,
+        diff_attn_backend=run.impls["diff_attn_backend"],
         cross_entropy_chunk_size=training.cross_entropy_chunk_size,
         cross_entropy_loss_fusion=training.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl="native",
         gradient_accumulation_fusion=training.gradient_accumulation_fusion,
-        norm_impl=model.norm_impl,
-        sdpa_backend=model.sdpa_backend,
+        norm_impl=run.impls["norm_impl"],
+        sdpa_backend=run.impls["sdpa_backend"],
         # megatron-core's local CUDA graphs: each layer whole (scope "full"), the RNG tracker graph-safe
         # (diffmeg.compat seeds it so for such runs; TE's tracker where TE is installed, as Megatron-LM)
         cuda_graph_impl=training.cuda_graph_impl,
@@ -123,10 +123,9 @@ class DiffGPTModel(GPTModel):
 
     def _postprocess(self, hidden_states, *args, labels=None, inference_context=None, **kwargs):
         chunk_size = getattr(self.config, "cross_entropy_chunk_size", None)
-        # the `loss` slot of diffmeg.registry; megatron-core's GPTModel runs 'megatron' and 'fused'
-        # itself (its `compute_language_model_loss` reads `cross_entropy_loss_fusion`)
-        loss = "chunked" if chunk_size else "fused" if self.config.cross_entropy_loss_fusion else "megatron"
-        if loss != "chunked" or not self.post_process or labels is None or inference_context is not None:
+        # unchunked: megatron-core's loss, fused or not (`compute_language_model_loss` reads its config's
+        # `cross_entropy_loss_fusion`, megatron-core's own switch)
+        if not chunk_size or not self.post_process or labels is None or inference_context is not None:
             return super()._postprocess(
                 hidden_states, *args, labels=labels, inference_context=inference_context, **kwargs
             )
@@ -135,7 +134,7 @@ class DiffGPTModel(GPTModel):
         weight = self.output_layer.weight
         if self.share_embeddings_and_output_weights:
             weight = self.shared_embedding_or_output_weight()
-        return select("loss", loss).load()(
+        return linear_cross_entropy(
             hidden_states,
             weight,
             labels,

@@ -1,34 +1,35 @@
-"""The one selector of implementations: every choice between interchangeable implementations of an op.
+"""The table of interchangeable implementations: a slot per op, a row per implementation of it.
 
-Each `Implementation` names its slot (the op it implements), says what it is, whether it can run here
-(`missing`: the one-line reason it cannot, at build time or for tensors of a device type) and how to get
-it (`load`). `auto` picks, per slot, the first entry of `AUTO_ORDER` that can run (a layer spec: the first of
-its own family, `Implementation.spec`). Read by:
-- the model config's validation (`DiffTransformerConfig`: a name must be one of the slot's),
-- the argument parser (`--diff-attn-backend`'s choices and help),
-- the builders (`diffmeg.attention`, `diffmeg.layer_specs`, `diffmeg.model`: `select`),
-- the docs: docs/implementations.md is `markdown_table()`, checked by tests/test_registry.py.
+A row (`Entry`) names its slot, its name, its code as a `module:attr` string, imported only when the row
+is chosen (reading the table loads no kernel, GPU package or megatron-core module), one line saying what
+it is, and where it cannot run everywhere its check: another `module:attr`, a function beside the code,
+`(device_type) -> str | None`, the one-line reason with the fix, or None where it runs (device_type None:
+at build time, is it installed?; "cpu"/"cuda": for tensors of that device type).
 
-A new implementation (a fused norm, a fused loss, another FP8 GEMM) is one entry in `IMPLEMENTATIONS`
-(and its name in `AUTO_ORDER` where `auto` should prefer it). Like megatron-core's `BackendSpecProvider` and
-`select_cross_entropy`, but one table for every op.
+A slot (`Slot`) says what `auto` tries, first choice first, and what that order rests on (a results file,
+or why it waits), and what chooses in it: a flag, declared here once, or the layer spec. From a slot's
+flag follow the argument parser's flag and choices (`diffmeg.training.arguments`), the run
+configuration's field (`RunConfig.impls`, named as the flag) and what an args.json without it meant
+(`auto`: `diffmeg.checkpoints.SAVED_ARGS_DEFAULTS`); from the rows, docs/implementations.md
+(`markdown_tables`) and the GPU campaign's levers (`levers`: the rows that are GPU candidates).
+
+A new implementation is its module (beside its eager twin), its row here and its test. Read by the model
+config (names), the builders (`select`), the flags, the campaign and the docs; megatron-core's own
+switches (`--cross-entropy-loss-fusion`, `--gradient-accumulation-fusion`) stay its config booleans.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 from dataclasses import dataclass
-from functools import partial
+from typing import Any
 
 from diffmeg.errors import DiffmegError
-from diffmeg.runtime import transformer_engine_available
-
-# Implementations and their checks are imported only when one is asked for: reading the table (names,
-# choices, the docs) loads no kernel, GPU package or megatron-core module.
 
 AUTO = "auto"
 SPECS = ("local", "transformer_engine")
 """The layer spec families (`--transformer-impl`): megatron-core's local modules or Transformer Engine's."""
+H100_RESULTS = "benchmarks/results/campaign-nvidia-h100-80gb-hbm3-20261124T071510Z.json"
 
 
 @dataclass(frozen=True)
@@ -36,363 +37,171 @@ class Slot:
     """An op with interchangeable implementations."""
 
     name: str
-    """How code and docs name it."""
     what: str
     """What its implementations are, as an error message names one ("differential attention backend")."""
-    chosen_by: str
-    """What decides which implementation a run uses (a flag, the spec)."""
+    purpose: str
+    """What the choice covers (the flag's help and the docs say it)."""
+    auto: tuple[str, ...]
+    """What `auto` tries, first choice first: the first that can run at build time (of the spec's family,
+    where a spec chooses)."""
+    rests_on: str
+    """Why `auto` is that order: the results file that measured it, or why it waits."""
+    flag: str | None = None
+    """The flag that chooses (default `auto`); None: the layer spec (`--transformer-impl`) chooses."""
+
+    @property
+    def field(self) -> str | None:
+        """The flag's name in the parsed arguments, args.json and `RunConfig.impls` (`norm_impl`)."""
+        return self.flag.removeprefix("--").replace("-", "_") if self.flag else None
 
 
 @dataclass(frozen=True)
-class Implementation:
+class Entry:
     """One implementation of a slot's op."""
 
     slot: str
-    """The op it implements (a `Slot`'s name)."""
     name: str
     """Its name in flags, configs and docs, unique within the slot."""
+    target: str
+    """`module:attr` of the implementation: a function, or a module class for a spec."""
     description: str
-    """What it is and when to use it (the docs table shows it)."""
-    load: Callable[[], object]
-    """Returns the implementation: a function, or a module class for a spec."""
-    missing: Callable[[str | None], str | None] = lambda device_type: None
-    """Why it cannot run, as a one-line error saying the fix, or None when it can. `device_type` None asks
-    at build time (is it installed?); "cpu"/"cuda" asks for tensors of that device type."""
+    check: str | None = None
+    """`module:attr` of its availability check (`unavailable`); None: it runs everywhere."""
     spec: str | None = None
-    """The layer spec family it belongs to (`SPECS`), for slots a spec chooses in: a spec takes the first
-    entry of the slot's `AUTO_ORDER` of its own family that can run. None: any spec (a flag chooses)."""
+    """The layer spec family it belongs to (`SPECS`); None: any. A flag offers every entry but the
+    Transformer Engine spec's own, which that spec chooses."""
+    lever: str | None = None
+    """Its name in the GPU campaign's lever matrix while it is a candidate `auto` does not try yet."""
 
+    def load(self) -> Any:
+        """The implementation (imported now)."""
+        return _attr(self.target)
 
-def _flash_missing(device_type: str | None) -> str | None:
-    from diffmeg.kernels.sdpa import flash_attn_available  # lazy: loads when this entry is checked
+    def unavailable(self, device_type: str | None = None) -> str | None:
+        """Why it cannot run (at build time, or for tensors of `device_type`), in one line; None: it can."""
+        return _attr(self.check)(device_type) if self.check else None
 
-    if device_type is None and not flash_attn_available():
-        return "attention backend 'flash' needs the flash-attn package (GPU builds); use 'sdpa'"
-    if device_type is not None and (device_type != "cuda" or not flash_attn_available()):
-        return "attention backend 'flash' needs a CUDA GPU and the flash-attn package; use 'sdpa'"
-    return None
 
+def _attr(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
-def _te_missing(what: str, fix: str) -> Callable[[str | None], str | None]:
-    def missing(device_type: str | None) -> str | None:
-        if transformer_engine_available() and device_type in (None, "cuda"):
-            return None
-        return f"{what} needs transformer_engine and a CUDA GPU; {fix}"
 
-    return missing
-
-
-def _diff_reference() -> Callable:
-    from diffmeg.kernels.reference import diff_attention_reference  # lazy: loads when this entry is chosen
-
-    return diff_attention_reference
-
-
-def _diff_sdpa() -> Callable:
-    from diffmeg.kernels.sdpa import diff_attention_sdpa  # lazy: loads when this entry is chosen
-
-    return diff_attention_sdpa
-
-
-def _diff_sdpa_path(path: str) -> Callable[[], Callable]:
-    def load() -> Callable:
-        from functools import partial
-
-        from diffmeg.kernels.sdpa import diff_attention_sdpa
-
-        return partial(diff_attention_sdpa, path=path)
-
-    return load
-
-
-def _diff_flash() -> Callable:
-    from diffmeg.kernels.sdpa import diff_attention_sdpa  # lazy: loads when this entry is chosen
-
-    return partial(diff_attention_sdpa, use_flash_attn=True)
-
-
-def _flex_missing(device_type: str | None) -> str | None:
-    from diffmeg.kernels.flex import flex_attention_available
-
-    if not flex_attention_available():
-        return "attention backend 'flex' needs torch >= 2.5 (FlexAttention); use 'sdpa'"
-    if device_type is not None and device_type != "cuda":
-        return "attention backend 'flex' needs a CUDA GPU (FlexAttention has no CPU backward); use 'sdpa'"
-    return None
-
-
-def _diff_flex() -> Callable:
-    from diffmeg.kernels.flex import diff_attention_flex
-
-    return diff_attention_flex
-
-
-def _sdpa_core() -> type:
-    from diffmeg.core_attention import SDPACoreAttention  # lazy: loads when this entry is chosen
-
-    return SDPACoreAttention
-
-
-def _te_dot_product_attention() -> type:
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention  # optional GPU dependency
-
-    return TEDotProductAttention
-
-
-def _local_norm() -> type:
-    from diffmeg.fusions.rms_norm import RMSNorm  # lazy: loads when this entry is chosen
-
-    return RMSNorm
-
-
-def _torch_norm() -> type:
-    from diffmeg.fusions.rms_norm import TorchRMSNorm
-
-    return TorchRMSNorm
-
-
-def _te_norm() -> type:
-    from megatron.core.extensions.transformer_engine import TENorm  # optional GPU dependency
-
-    return TENorm
-
-
-def _megatron_loss() -> Callable:
-    # lazy: loads when this entry is chosen
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    return vocab_parallel_cross_entropy
-
-
-def _fused_loss() -> Callable:
-    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-
-    return fused_vocab_parallel_cross_entropy
-
-
-def _megatron_optimizer_step() -> Callable:
-    from diffmeg.fusions.optimizer_step import keep_megatron_step  # lazy: loads when this entry is chosen
-
-    return keep_megatron_step
-
-
-def _fused_optimizer_missing(device_type: str | None) -> str | None:
-    from diffmeg.fusions.optimizer_step import megatron_has_fused_adam  # lazy: loads when checked
-
-    if megatron_has_fused_adam():
-        return (
-            "--optimizer-impl fused steps torch's AdamW, but megatron-core steps Transformer Engine's or "
-            "apex's fused Adam here; use --optimizer-impl megatron"
-        )
-    return None
-
-
-def _fused_optimizer_step() -> Callable:
-    from diffmeg.fusions.optimizer_step import apply_fused_step  # lazy: loads when this entry is chosen
-
-    return apply_fused_step
-
-
-def _chunked_loss() -> Callable:
-    from diffmeg.fusions.cross_entropy import linear_cross_entropy  # lazy: loads when this entry is chosen
-
-    return linear_cross_entropy
-
-
-def _torchao_fp8_missing(device_type: str | None) -> str | None:
-    from diffmeg.fusions.torchao_fp8 import fp8_unsupported_reason
-
-    if device_type not in (None, "cuda"):
-        return "FP8 linears need a CUDA GPU (Ada/Hopper or newer) outside emulation; leave out --fp8-format"
-    # at build: installed (emulation needs no more); for CUDA tensors, the GPU too (all rules: check_fp8)
-    return fp8_unsupported_reason(emulate=device_type is None)
-
-
-def _torchao_fp8() -> type:
-    from diffmeg.fusions.torchao_fp8 import TorchaoFp8
-
-    return TorchaoFp8
-
+_TE_CHECK = "diffmeg.runtime:transformer_engine_unavailable"
+_NOT_MEASURED = "not yet measured on a GPU: the lever matrix times the candidates (docs/gpu.md)"
 
 SLOTS = (
-    Slot("diff_attention", "differential attention backend", "`--diff-attn-backend` (DIFF V1)"),
+    Slot(
+        "diff_attention",
+        "differential attention backend",
+        "DIFF V1's attention kernels",
+        ("sdpa",),
+        f"the fastest DIFF backend an H100 measured ({H100_RESULTS}, against the Triton kernel since "
+        "removed; flex not yet timed); its path per key length: `kernels/sdpa_paths.py`",
+        "--diff-attn-backend",
+    ),
+    Slot(
+        "sdpa_kernel",
+        "SDPA kernel preference",
+        "the kernel torch's SDPA tries first in every core attention (DIFF V1's SDPA backends, the "
+        "baseline's and DIFF V2's SDPA core)",
+        ("torch",),
+        _NOT_MEASURED,
+        "--sdpa-backend",
+    ),
     Slot(
         "core_attention",
         "core attention",
-        "the spec (`--transformer-impl`): the Transformer baseline's and DIFF V2's core",
+        "the core attention of the Transformer baseline and DIFF V2",
+        ("transformer_engine", "sdpa"),
+        "each spec's own core",
     ),
     Slot(
         "norm",
         "norm",
-        "the spec (`--transformer-impl`), or `--norm-impl` on the local spec: the blocks' and the final "
-        "RMSNorm, and DIFF V1's head norm",
-    ),
-    Slot(
-        "loss",
-        "training loss",
-        "`--cross-entropy-chunk-size` (set: chunked), `--cross-entropy-loss-fusion` (set: fused)",
+        "the local spec's block and final RMSNorm and DIFF V1's head norm (the Transformer Engine spec "
+        "keeps TE's block norms)",
+        ("transformer_engine", "local"),
+        f"each spec's own norm; {_NOT_MEASURED}",
+        "--norm-impl",
     ),
     Slot(
         "fp8_linear",
         "FP8 linear converter",
-        "`--fp8-format` on the local spec (the Transformer Engine spec's linears are TE's: megatron-core "
-        "runs them in FP8 from the config)",
+        "the local spec's linears under `--fp8-format` (the Transformer Engine spec's are TE's: "
+        "megatron-core runs them in FP8 from the config)",
+        ("torchao",),
+        "the only one",
     ),
     Slot(
         "optimizer",
         "optimizer step",
-        "`--optimizer-impl`: the step after backward (grad norm, clipping, AdamW, the copy to the weights)",
+        "the step after backward: grad norm, clipping, AdamW, the copy to the weights",
+        ("megatron",),
+        _NOT_MEASURED,
+        "--optimizer-impl",
     ),
 )
 
-IMPLEMENTATIONS = (
-    Implementation(
-        "diff_attention",
-        "reference",
-        "plain math in the input dtype (float64 for the golden tests); materialises both maps; custom masks "
-        "and attention dropout",
-        _diff_reference,
-    ),
-    Implementation(
-        "diff_attention",
-        "sdpa",
-        "torch SDPA, combined in fp32; the path per key length from measured crossovers "
-        "(`kernels/sdpa_paths.py`: two calls sharing V, or split-V on a GPU where it measured faster)",
-        _diff_sdpa,
-    ),
-    Implementation(
-        "diff_attention",
-        "sdpa_two_call",
-        "torch SDPA, always two calls sharing V of width 2d (a candidate `sdpa` chooses among)",
-        _diff_sdpa_path("two_call"),
-    ),
-    Implementation(
-        "diff_attention",
-        "sdpa_split_v",
-        "torch SDPA, always four calls over V's d-wide halves (equal head sizes: flash kernels on a GPU)",
-        _diff_sdpa_path("split_v"),
-    ),
-    Implementation(
-        "diff_attention",
-        "sdpa_split_v_batched",
-        "torch SDPA, split-V's four products as one call stacked on the batch axis (one launch)",
-        _diff_sdpa_path("split_v_batched"),
-    ),
-    Implementation(
-        "diff_attention",
-        "flash",
-        "flash-attn, four calls over V's halves (GPU, the flash-attn package)",
-        _diff_flash,
-        _flash_missing,
-    ),
-    Implementation(
-        "diff_attention",
-        "flex",
-        "FlexAttention, two calls over V of width 2d, torch.compile'd (GPU; a measured candidate)",
-        _diff_flex,
-        _flex_missing,
-    ),
-    Implementation(
-        "core_attention",
-        "sdpa",
-        "diffmeg's `SDPACoreAttention`: torch SDPA without the score matrix (the local spec)",
-        _sdpa_core,
-        spec="local",
-    ),
-    Implementation(
-        "core_attention",
-        "transformer_engine",
-        "megatron-core's `TEDotProductAttention` (the Transformer Engine spec; context-parallel modes)",
-        _te_dot_product_attention,
-        _te_missing("TEDotProductAttention", "use --transformer-impl local"),
-        spec="transformer_engine",
-    ),
-    Implementation(
-        "norm",
-        "local",
-        "diffmeg's fp32 RMSNorm (`fusions/rms_norm.py`), sequence-parallel capable (the local spec)",
-        _local_norm,
-        spec="local",
-    ),
-    Implementation(
-        "norm",
-        "torch",
-        "the same RMSNorm through torch's `F.rms_norm`: one fused kernel each way on CUDA, no fp32 copy of "
-        "the input (a GPU candidate, not yet measured)",
-        _torch_norm,
-        spec="local",
-    ),
-    Implementation(
-        "norm",
-        "transformer_engine",
-        "Transformer Engine's norm, fused into the following linear where the spec allows",
-        _te_norm,
-        _te_missing("Transformer Engine's norm", "use --transformer-impl local"),
-        spec="transformer_engine",
-    ),
-    Implementation(
-        "loss",
-        "megatron",
-        "megatron-core's vocabulary-parallel cross entropy over the whole logits (GPTModel's own loss)",
-        _megatron_loss,
-    ),
-    Implementation(
-        "loss",
-        "fused",
-        "megatron-core's native fused vocabulary-parallel cross entropy (`cross_entropy_loss_fusion`, "
-        "'native'): its steps compiled, the fp32 logits turned into the softmax in place and the gradient "
-        "returned in bf16 (bf16 runs only; a GPU candidate, not yet measured)",
-        _fused_loss,
-    ),
-    Implementation(
-        "loss",
-        "chunked",
-        "diffmeg's output projection + cross entropy in chunks of tokens, logits recomputed in backward "
-        "(`fusions/cross_entropy.py`)",
-        _chunked_loss,
-    ),
-    Implementation(
-        "fp8_linear",
-        "torchao",
-        "torchao's float8 training on megatron-core's parallel linears (`fusions/torchao_fp8.py`): "
-        "tensorwise scaling over `torch._scaled_mm` (Ada/Hopper), QKV, out-proj and MLP",
-        _torchao_fp8,
-        _torchao_fp8_missing,
-        spec="local",
-    ),
-    Implementation(
-        "optimizer",
-        "megatron",
-        "megatron-core's step as built: its fused Adam where Transformer Engine or apex is installed, else "
-        "torch's AdamW and Python fallbacks (a host sync per tensor for the grad norm)",
-        _megatron_optimizer_step,
-    ),
-    Implementation(
-        "optimizer",
-        "fused",
-        "the same optimizer with the grad norm and clip on the device, one `_foreach_copy_` to the model's "
-        "weights, torch's fused AdamW (CUDA and CPU): no host read in a step, `fusions/optimizer_step.py`; "
-        "not where megatron-core has a fused Adam of its own (Transformer Engine or apex)",
-        _fused_optimizer_step,
-        _fused_optimizer_missing,
-    ),
-)
-
-AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    # SDPA picks its path per key length from measured crossovers (kernels/sdpa_paths.py); the other
-    # backends are candidates by name.
-    "diff_attention": ("sdpa",),
-    "core_attention": ("transformer_engine", "sdpa"),
-    "norm": ("transformer_engine", "local"),
-    # The fused candidates (the 'torch' norm, the 'fused' loss) are chosen by name only until the lever
-    # matrix has timed them on a GPU (docs/gpu.md).
-    "loss": ("megatron",),
-    "fp8_linear": ("torchao",),
-    # megatron-core's step until the lever matrix's "fused optimizer" lever measures the fused one faster
-    # on a GPU; 'fused' cannot run where megatron-core steps a fused Adam of its own (TE or apex).
-    "optimizer": ("megatron",),
-}
-"""Per slot, what `auto` tries, first choice first: the first that can run (at build time) is taken."""
+_SDPA = "diffmeg.kernels.sdpa"
+_SDPA_KERNELS = "diffmeg.kernels.sdpa_backends"
+ENTRIES = (
+    Entry("diff_attention", "reference", "diffmeg.kernels.reference:diff_attention_reference",
+          "plain math in the input dtype (float64 for the golden tests); materialises both maps; custom "
+          "masks and attention dropout"),
+    Entry("diff_attention", "sdpa", f"{_SDPA}:diff_attention_sdpa",
+          "torch SDPA, combined in fp32; the path per key length from measured crossovers "
+          "(`kernels/sdpa_paths.py`: two calls sharing V, or split-V on a GPU where it measured faster)"),
+    Entry("diff_attention", "sdpa_two_call", f"{_SDPA}:diff_attention_two_call",
+          "torch SDPA, always two calls sharing V of width 2d (a path `sdpa` chooses among)"),
+    Entry("diff_attention", "sdpa_split_v", f"{_SDPA}:diff_attention_split_v",
+          "torch SDPA, always four calls over V's d-wide halves (equal head sizes: flash kernels on a GPU)"),
+    Entry("diff_attention", "sdpa_split_v_batched", f"{_SDPA}:diff_attention_split_v_batched",
+          "torch SDPA, split-V's four products as one call stacked on the batch axis (one launch)",
+          lever="attention sdpa_split_v_batched vs sdpa"),
+    Entry("diff_attention", "flash", f"{_SDPA}:diff_attention_flash",
+          "flash-attn, four calls over V's halves (GPU, the flash-attn package)",
+          f"{_SDPA}:flash_unavailable"),
+    Entry("diff_attention", "flex", "diffmeg.kernels.flex:diff_attention_flex",
+          "FlexAttention, two calls over V of width 2d, torch.compile'd (GPU; a measured candidate)",
+          "diffmeg.kernels.flex:flex_unavailable"),
+    Entry("sdpa_kernel", "torch", "contextlib:nullcontext",
+          "torch's own order (torch 2.13: flash, memory-efficient, math, cuDNN)"),
+    Entry("sdpa_kernel", "cudnn", f"{_SDPA_KERNELS}:cudnn_first",
+          "cuDNN's attention first, torch's order behind it (cuDNN takes DIFF's V of 2d in one call)",
+          f"{_SDPA_KERNELS}:gpu_unavailable", lever="cuDNN attention first"),
+    Entry("sdpa_kernel", "flash", f"{_SDPA_KERNELS}:flash_first", "the flash kernel first, torch's order "
+          "behind it", f"{_SDPA_KERNELS}:gpu_unavailable"),
+    Entry("sdpa_kernel", "efficient", f"{_SDPA_KERNELS}:efficient_first", "the memory-efficient kernel "
+          "first, torch's order behind it", f"{_SDPA_KERNELS}:gpu_unavailable"),
+    Entry("sdpa_kernel", "math", f"{_SDPA_KERNELS}:math_only",
+          "the math kernel only (on a CPU torch ignores priorities, so it restricts), for checks"),
+    Entry("core_attention", "sdpa", "diffmeg.core_attention:SDPACoreAttention",
+          "diffmeg's `SDPACoreAttention`: torch SDPA without the score matrix", spec="local"),
+    Entry("core_attention", "transformer_engine", "megatron.core.extensions.transformer_engine:"
+          "TEDotProductAttention", "megatron-core's `TEDotProductAttention` (context-parallel modes)",
+          _TE_CHECK, spec="transformer_engine"),
+    Entry("norm", "local", "diffmeg.fusions.rms_norm:RMSNorm",
+          "diffmeg's fp32 RMSNorm (`fusions/rms_norm.py`), sequence-parallel capable", spec="local"),
+    Entry("norm", "torch", "diffmeg.fusions.rms_norm:TorchRMSNorm",
+          "the same RMSNorm through torch's `F.rms_norm`: one fused kernel each way on CUDA, no fp32 copy of "
+          "the input", spec="local", lever="torch norm"),
+    Entry("norm", "transformer_engine", "megatron.core.extensions.transformer_engine:TENorm",
+          "Transformer Engine's norm, fused into the following linear where the spec allows", _TE_CHECK,
+          spec="transformer_engine"),
+    Entry("fp8_linear", "torchao", "diffmeg.fusions.torchao_fp8:TorchaoFp8",
+          "torchao's float8 training on megatron-core's parallel linears (`fusions/torchao_fp8.py`): "
+          "tensorwise scaling over `torch._scaled_mm` (Ada/Hopper), QKV, out-proj and MLP",
+          "diffmeg.fusions.torchao_fp8:converter_unavailable", spec="local"),
+    Entry("optimizer", "megatron", "diffmeg.fusions.optimizer_step:keep_megatron_step",
+          "megatron-core's step as built: its fused Adam where Transformer Engine or apex is installed, "
+          "else torch's AdamW and Python fallbacks (a host sync per tensor for the grad norm)"),
+    Entry("optimizer", "fused", "diffmeg.fusions.optimizer_step:apply_fused_step",
+          "grad norm and clip on the device, one `_foreach_copy_` to the weights, torch's fused AdamW (CUDA "
+          "and CPU): no host read in a step (`fusions/optimizer_step.py`); not beside megatron-core's own "
+          "fused Adam (Transformer Engine or apex)", "diffmeg.fusions.optimizer_step:fused_step_unavailable",
+          lever="fused optimizer"),
+)  # fmt: skip
 
 
 def slot(name: str) -> Slot:
@@ -403,86 +212,96 @@ def slot(name: str) -> Slot:
     raise DiffmegError(f"no implementation slot {name!r}; the slots are {', '.join(s.name for s in SLOTS)}")
 
 
-def implementations(slot_name: str) -> tuple[Implementation, ...]:
-    """The slot's implementations, in the table's order."""
+def flagged() -> tuple[Slot, ...]:
+    """The slots a flag chooses in."""
+    return tuple(s for s in SLOTS if s.flag)
+
+
+def entries(slot_name: str) -> tuple[Entry, ...]:
+    """The slot's rows, in the table's order."""
     slot(slot_name)
-    return tuple(i for i in IMPLEMENTATIONS if i.slot == slot_name)
+    return tuple(e for e in ENTRIES if e.slot == slot_name)
 
 
 def names(slot_name: str) -> tuple[str, ...]:
-    """The slot's implementation names."""
-    return tuple(i.name for i in implementations(slot_name))
+    """Every row's name (the spec's own included)."""
+    return tuple(e.name for e in entries(slot_name))
 
 
 def choices(slot_name: str) -> tuple[str, ...]:
-    """What a flag or config field choosing in this slot accepts: `auto` and every name."""
-    return (AUTO, *names(slot_name))
+    """What the slot's flag and config field accept: `auto` and every entry but the TE spec's own."""
+    return (AUTO, *(e.name for e in entries(slot_name) if e.spec != "transformer_engine"))
 
 
 def check_name(slot_name: str, name: str) -> None:
-    """Refuse a name that is neither `auto` nor one of the slot's, whether or not it can run here."""
-    if name not in choices(slot_name):
-        raise DiffmegError(
-            f"unknown {slot(slot_name).what} {name!r} (not available in this build); "
-            f"choose one of {', '.join(choices(slot_name))}"
-        )
+    """Refuse a name the slot's flag does not offer, whether or not it can run here."""
+    if name in choices(slot_name):
+        return
+    s = slot(slot_name)
+    problem = f"unknown {s.what} {name!r} (not available in this build)"
+    if name in names(s.name):
+        problem = f"{s.what} {name!r} is the Transformer Engine spec's own (--transformer-impl chooses it)"
+    raise DiffmegError(f"{problem}; choose one of {', '.join(choices(s.name))}")
+
+
+def entry(slot_name: str, name: str) -> Entry:
+    """The slot's row called `name` (`auto`: resolved), without checking that it can run."""
+    name = resolve(slot_name) if name == AUTO else name
+    found = [e for e in entries(slot_name) if e.name == name]
+    if not found:
+        check_name(slot_name, name)  # no such row: refused, naming the choices
+    return found[0]
 
 
 def resolve(slot_name: str, name: str = AUTO, spec: str | None = None) -> str:
     """The name `name` stands for at build time: `auto` becomes the slot's first choice that can run here
     (of `spec`'s family, given one); a name this installation can never run is refused in one line."""
-    check_name(slot_name, name)
-    if name != AUTO:
-        reason = implementation(slot_name, name).missing(None)
-        if reason is not None:
-            raise DiffmegError(reason)
-        return name
     if spec is not None and spec not in SPECS:
         raise DiffmegError(f"unknown layer spec {spec!r}; choose one of {', '.join(SPECS)}")
-    order = [
-        c for c in AUTO_ORDER[slot_name] if spec is None or implementation(slot_name, c).spec in (None, spec)
-    ]
+    if name != AUTO:
+        if (reason := entry(slot_name, name).unavailable()) is not None:
+            raise DiffmegError(reason)
+        return name
+    order = [e for e in (entry(slot_name, n) for n in slot(slot_name).auto) if spec in (None, e.spec)]
     for candidate in order:
-        if implementation(slot_name, candidate).missing(None) is None:
-            return candidate
+        if candidate.unavailable() is None:
+            return candidate.name
     if not order:
         raise DiffmegError(f"no {slot(slot_name).what} of the {spec} spec is registered")
-    reason = implementation(slot_name, order[0]).missing(None)  # the first choice's reason: what to change
-    raise DiffmegError(reason or f"no {slot(slot_name).what} runs here")
-
-
-def implementation(slot_name: str, name: str) -> Implementation:
-    """The slot's entry called `name` (no availability check)."""
-    if name == AUTO:
-        name = resolve(slot_name, name)
-    check_name(slot_name, name)
-    return next(i for i in implementations(slot_name) if i.name == name)
+    raise DiffmegError(order[0].unavailable())  # the first choice's reason: what to change
 
 
 def select(
     slot_name: str, name: str = AUTO, device_type: str | None = None, *, spec: str | None = None
-) -> Implementation:
-    """The implementation to run: `name` (or `auto`, resolved, among `spec`'s family given one) checked for
-    this installation and, given a `device_type`, for tensors of that device type; its reason in one line
-    where it cannot run."""
-    chosen = implementation(slot_name, resolve(slot_name, name, spec))
-    if device_type is not None:
-        reason = chosen.missing(device_type)
-        if reason is not None:
-            raise DiffmegError(reason)
+) -> Entry:
+    """The row to run: `name` (`auto` resolved, among `spec`'s family given one) checked for this
+    installation and, given a `device_type`, for tensors of that device type; its reason in one line where
+    it cannot run."""
+    chosen = entry(slot_name, resolve(slot_name, name, spec))
+    if device_type is not None and (reason := chosen.unavailable(device_type)) is not None:
+        raise DiffmegError(reason)
     return chosen
 
 
-def markdown_table() -> str:
-    """docs/implementations.md's table: every slot, what chooses in it, its implementations and `auto`."""
-    lines = [
-        "| slot | chosen by | implementation | what it is | spec | auto tries |",
+def levers(slot_name: str) -> tuple[tuple[str, tuple[str, str]], ...]:
+    """The slot's GPU candidates as the campaign's levers: (lever name, the flags that pull it)."""
+    return tuple((e.lever, (slot(e.slot).flag, e.name)) for e in entries(slot_name) if e.lever)
+
+
+def markdown_tables() -> str:
+    """docs/implementations.md's tables: the slots (what chooses, what `auto` tries and why), the rows."""
+    lines = ["| slot | covers | chosen by | auto tries | which rests on |", "|---|---|---|---|---|"]
+    for s in SLOTS:
+        by = f"`{s.flag}`" if s.flag else "the spec (`--transformer-impl`)"
+        auto = ", then ".join(f"`{name}`" for name in s.auto)
+        lines.append(f"| `{s.name}` | {s.purpose} | {by} | {auto} | {s.rests_on} |")
+    lines += [
+        "",
+        "| slot | implementation | what it is | code | spec | GPU lever |",
         "|---|---|---|---|---|---|",
     ]
-    for s in SLOTS:
-        for i in implementations(s.name):
-            rank = AUTO_ORDER[s.name].index(i.name) + 1 if i.name in AUTO_ORDER[s.name] else None
-            auto = f"choice {rank}" if rank else "by name only"
-            spec = f"`{i.spec}`" if i.spec else "any"
-            lines.append(f"| `{s.name}` | {s.chosen_by} | `{i.name}` | {i.description} | {spec} | {auto} |")
+    for e in ENTRIES:
+        spec = f"`{e.spec}`" if e.spec else "any"
+        code = e.target.removeprefix("diffmeg.")
+        lines.append(f"| `{e.slot}` | `{e.name}` | {e.description} | `{code}` | {spec} | {e.lever or ''} |")
     return "\n".join(lines) + "\n"

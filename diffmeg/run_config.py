@@ -8,10 +8,11 @@ Every field is named as its flag (`--hidden-size` -> `hidden_size`), so `to_args
 back exactly: it is used only to write `args.json` (and the run directory's arguments.json), from which
 the offline readers (single-rank models of checkpoints, conversion) build a RunConfig again
 (`from_args(args, partial=True)`); the model config (`diffmeg.model.transformer_config`), the FLOPs and
-memory estimates, the data and the dry run read the typed groups. It stands below the model (nothing here
-imports more than torch), so every floor that builds a model can hold one. Flags no group knows
-(`--dry-run` and its options, or a flag added before a group names it) travel in `extra`, so nothing
-resolved is ever dropped.
+memory estimates, the data and the dry run read the typed groups; the implementation choices are one
+dict, `impls`, keyed by the flags the registry's slots declare (`diffmeg.registry.flagged`). It stands
+below the model (nothing here imports more than torch and the registry's table), so every floor that
+builds a model can hold one. Flags no group knows (`--dry-run` and its options, or a flag added before a
+group names it) travel in `extra`, so nothing resolved is ever dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from diffmeg import registry
 from diffmeg.errors import DiffmegError
 
 _FLAG = "flag"
@@ -72,11 +74,6 @@ class ModelConfig:
     """1: the paper's differential attention; 2: DIFF V2."""
     lambda_init: str = "exp"
     lambda_std: float = 0.1
-    diff_attn_backend: str = "auto"
-    norm_impl: str = "auto"
-    """The RMSNorm implementation (the registry's `norm` slot; auto: the spec's own)."""
-    sdpa_backend: str = "auto"
-    """The kernel torch's SDPA tries first (`diffmeg.kernels.sdpa_backends`; auto: torch's own order)."""
     transformer_impl: str = "local"
     tie_embeddings_and_output_weights: bool = False
     """One matrix for the word embedding and the output layer (False, the default and what an args.json
@@ -186,10 +183,6 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     override_opt_param_scheduler: bool = False
-    optimizer_impl: str = "auto"
-    """The optimizer step: "megatron" (megatron-core's, as built), "fused" (torch's fused AdamW on CUDA
-    and CPU; grad norm, clip and copies without host syncs: diffmeg.fusions.optimizer_step) or
-    "auto": the registry's decision, the first of its `optimizer` AUTO_ORDER that can run here."""
 
 
 @dataclass(kw_only=True)
@@ -269,6 +262,9 @@ class RunConfig:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    impls: dict[str, str] = field(default_factory=dict)
+    """The implementation each flag of `diffmeg.registry` chose, under the flag's name (`norm_impl`): a name
+    of its slot, or `auto` (also where the flat arguments lack the flag)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Resolved flags no group reads (`dry_run`, `explicit_flags`, ...), kept for `to_args()`."""
     defaulted: frozenset[str] = frozenset()
@@ -297,7 +293,12 @@ class RunConfig:
                         raise DiffmegError(f"the run arguments lack {key!r}")
                     values[f.name] = None
             groups[name] = cls_(**values)
-        return cls(**groups, extra=flat, defaulted=frozenset(defaulted))
+        impls = {}
+        for s in registry.flagged():
+            if s.field not in flat:
+                defaulted.add(s.field)
+            impls[s.field] = flat.pop(s.field, registry.AUTO)
+        return cls(**groups, impls=impls, extra=flat, defaulted=frozenset(defaulted))
 
     def to_args(self) -> argparse.Namespace:
         """The flat arguments (Megatron-LM's names): for args.json and the flat-argument readers."""
@@ -307,6 +308,7 @@ class RunConfig:
             for f in dataclasses.fields(group):
                 if _flag(f) not in self.defaulted:
                     flat[_flag(f)] = getattr(group, f.name)
+        flat.update({name: value for name, value in self.impls.items() if name not in self.defaulted})
         flat.update(self.extra)
         return argparse.Namespace(**dict(sorted(flat.items())))
 

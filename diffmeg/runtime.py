@@ -83,3 +83,10 @@ def teardown() -> None:
 def transformer_engine_available() -> bool:
     """Transformer Engine is usable here: it imports and CUDA exists (its modules refuse to build on CPU)."""
     return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+
+
+def transformer_engine_unavailable(device_type: str | None) -> str | None:
+    """The registry's check of the Transformer Engine spec's modules (its core attention and norm)."""
+    if transformer_engine_available() and device_type in (None, "cuda"):
+        return None
+    return "the Transformer Engine spec needs transformer_engine and a CUDA GPU; use --transformer-impl local"

@@ -18,7 +18,7 @@ def test_core_attention_matches_equations(single_rank_parallel_state, backend, h
     from diffmeg.attention import DiffCoreAttention
 
     d, s, b = 8, 11, 2
-    cfg = make_config(heads, kv_heads, d, attention_backend_diff=backend)
+    cfg = make_config(heads, kv_heads, d, diff_attn_backend=backend)
     core = DiffCoreAttention(cfg, layer_number, AttnMaskType.causal, "self").double()
     gen = torch.Generator().manual_seed(layer_number * 10 + heads + kv_heads)
     with torch.no_grad():  # lambda far from its init (exp terms ~ e^{+-1}), non-trivial norm weight
@@ -69,7 +69,7 @@ def test_kv_cache_step_is_causal_at_the_end(single_rank_parallel_state):
 
     for backend in ("reference", "sdpa"):
         core = DiffCoreAttention(
-            make_config(attention_backend_diff=backend), 2, AttnMaskType.causal, "self"
+            make_config(diff_attn_backend=backend), 2, AttnMaskType.causal, "self"
         ).double()
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(9, 1, 8, 8, generator=gen, dtype=torch.float64) for _ in range(3))

@@ -20,26 +20,18 @@ def _baseline_config(heads=4, groups=2, d=8, **kw):
 # item 4: the backend follows the tensors
 
 
-def test_backend_is_resolved_per_call_from_the_tensors(single_rank_parallel_state, monkeypatch):
-    import diffmeg.attention as attention
-    from diffmeg import registry
+def test_backend_is_resolved_per_call_from_the_tensors(single_rank_parallel_state):
+    """The inputs' device type decides each call, from the row's answers prepared at build (outside any
+    compiled region): a core built on the CPU runs a GPU backend once its inputs are on the GPU."""
+    from diffmeg.attention import DiffCoreAttention
+    from diffmeg.kernels.flex import flex_attention_available
 
-    seen: list[str] = []
-
-    def recording(slot, name, device_type=None, **kwargs):
-        if slot != "diff_attention":  # the head norm's choice, made where the module is built
-            return registry.select(slot, name, device_type, **kwargs)
-        seen.append(device_type)
-        return registry.implementation(slot, "reference")
-
-    monkeypatch.setattr(attention, "select", recording)
-    core = attention.DiffCoreAttention(make_config(2, 1, 8), 1, AttnMaskType.causal, "self").double()
-    assert seen == []  # nothing decided where the module was built
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(5, 1, n, 8, generator=gen, dtype=torch.float64) for n in (4, 2, 2))
-    core(q, k, v, None)
-    core(q, k, v, None)
-    assert seen == ["cpu"]  # once per device type, from the inputs
+    if not flex_attention_available():
+        pytest.skip("needs FlexAttention (torch >= 2.5)")
+    core = DiffCoreAttention(make_config(2, 1, 8, diff_attn_backend="flex"), 1, AttnMaskType.causal, "self")
+    assert core.backend_for("cuda").__name__ == "diff_attention_flex"  # built on the CPU all the same
+    with pytest.raises(DiffmegError, match="'flex' needs a CUDA GPU"):
+        core.backend_for("cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU check: flex runs on a GPU")
@@ -51,7 +43,7 @@ def test_a_core_built_for_a_gpu_backend_refuses_cpu_tensors_in_one_line(single_r
 
     if not flex_attention_available():
         pytest.skip("needs FlexAttention (torch >= 2.5)")
-    cfg = make_config(2, 1, 16, attention_backend_diff="flex")
+    cfg = make_config(2, 1, 16, diff_attn_backend="flex")
     core = DiffCoreAttention(cfg, 1, AttnMaskType.causal, "self").float()  # built on the CPU all the same
     q, k, v = (torch.randn(20, 1, n, 16) for n in (4, 2, 2))
     with pytest.raises(DiffmegError, match="'flex' needs a CUDA GPU"):

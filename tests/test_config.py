@@ -30,7 +30,7 @@ def test_valid_config_properties():
         (dict(num_query_groups=6), "divide"),
         (dict(lambda_init="bogus"), "lambda_init must be"),
         (dict(lambda_init=1.0), r"\[0, 1\)"),
-        (dict(attention_backend_diff="magic"), "unknown differential attention backend"),
+        (dict(diff_attn_backend="magic"), "unknown differential attention backend"),
         (
             dict(context_parallel_size=8),
             "context-parallel-size 8 with --cp-comm-type ulysses shards whole differential heads",
@@ -54,5 +54,5 @@ def test_baseline_skips_diff_validation():
     odd = dict(num_attention_heads=7, kv_channels=8, hidden_size=56, lambda_init="bogus")
     with pytest.raises(DiffmegError, match="even number of sub-heads"):
         cfg(**odd)
-    c = cfg(diff_attention=False, attention_backend_diff="magic", **odd)
+    c = cfg(diff_attention=False, diff_attn_backend="magic", **odd)
     assert (c.num_query_groups, c.ffn_hidden_size, c.lambda_init) == (7, 4 * 56, "bogus")

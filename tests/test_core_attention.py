@@ -3,6 +3,8 @@ or at call, in megatron-core's calling convention."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -65,7 +67,7 @@ def _preference_cores(backend: str) -> dict:
     from diffmeg.attention import DiffCoreAttention, SDPACoreAttention
     from tests.builders import tiny_config
 
-    diff = tiny_config(2, 2, 8, sdpa_backend=backend, attention_backend_diff="sdpa")
+    diff = tiny_config(2, 2, 8, sdpa_backend=backend, diff_attn_backend="sdpa")
     baseline = tiny_config(2, 2, 8, sdpa_backend=backend, diff_attention=False)
     return {
         "diff": DiffCoreAttention(diff, 1, AttnMaskType.causal, "self"),
@@ -84,7 +86,7 @@ def test_the_sdpa_preference_is_entered_around_both_cores_calls(single_rank_para
 
     def spy(kernels, set_priority=False):
         entered.append((list(kernels), set_priority))
-        return sdpa_backends.contextlib.nullcontext()
+        return contextlib.nullcontext()
 
     monkeypatch.setattr(sdpa_backends, "sdpa_kernel", spy)
     q = torch.randn(6, 2, 4, 8)  # [s, b, sub-heads, d]
@@ -117,19 +119,21 @@ def test_the_sdpa_preference_names_and_torchs_order():
     kernels are refused without CUDA in one line naming the way out."""
     from torch.nn.attention import SDPBackend
 
+    from diffmeg import registry
     from diffmeg.errors import DiffmegError
     from diffmeg.kernels import sdpa_backends
 
     order = [SDPBackend(i) for i in torch._C._get_sdp_priority_order() if i != int(SDPBackend.OVERRIDEABLE)]
-    assert [sdpa_backends._KERNELS[k] for k in sdpa_backends.TORCH_ORDER] == order
-    assert sdpa_backends.priority("auto") == [] and sdpa_backends.unsupported_reason("math") is None
-    with pytest.raises(DiffmegError, match="unknown SDPA backend 'fast'; choose one of auto, cudnn"):
-        sdpa_backends.check_name("fast")
-    with pytest.raises(DiffmegError, match="unknown SDPA backend"):
+    assert list(sdpa_backends.TORCH_ORDER) == order
+    assert registry.select("sdpa_kernel").load() is contextlib.nullcontext  # auto: torch's own order
+    assert registry.select("sdpa_kernel", "math", "cpu").name == "math"
+    with pytest.raises(
+        DiffmegError, match="unknown SDPA kernel preference 'fast'.*; choose one of auto, torch"
+    ):
         make_config(2, 2, 8, sdpa_backend="fast")
     if not torch.cuda.is_available():
-        for name in sdpa_backends.GPU_ONLY:
-            assert (
-                "needs CUDA, which this machine lacks (use auto or math)"
-                in sdpa_backends.unsupported_reason(name)
-            )
+        for name in ("cudnn", "flash", "efficient"):
+            with pytest.raises(
+                DiffmegError, match=r"^the GPU SDPA kernels .* need CUDA, .*; use auto or math$"
+            ):
+                registry.select("sdpa_kernel", name)

@@ -57,7 +57,7 @@ def test_core_built_on_cpu_runs_sdpa_on_gpu(single_rank_parallel_state):
 
     cores = {}
     for backend in ("reference", "sdpa"):
-        cfg = make_config(2, 1, 16, attention_backend_diff=backend)  # use_cpu_initialization=True
+        cfg = make_config(2, 1, 16, diff_attn_backend=backend)  # use_cpu_initialization=True
         torch.manual_seed(0)
         cores[backend] = DiffCoreAttention(cfg, 3, AttnMaskType.causal, "self").float().cuda()
     cores["sdpa"].load_state_dict(cores["reference"].state_dict())

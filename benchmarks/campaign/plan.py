@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from benchmarks.campaign import schema
+from diffmeg import registry
 
 PHASES = schema.PHASES
 # Seconds per phase on a GPU, and in a CPU smoke run; --budget caps the sum of those selected.
@@ -49,18 +50,20 @@ DIST_OPT = ("--use-distributed-optimizer",)
 OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
 
 
-FUSED_OPS = (
-    ("torch norm", ("--norm-impl", "torch")),
-    ("fused loss", ("--cross-entropy-loss-fusion",)),
-)
-"""The fused-op candidates of the registry (docs/implementations.md) that both models take: name, flags."""
+# The GPU candidates of the implementation table (`diffmeg.registry.levers`, docs/implementations.md) by
+# slot: a new row marked as one joins its slot's place here (tests/test_registry.py checks every one has).
+FUSED_OPS = (*registry.levers("norm"), ("fused loss", ("--cross-entropy-loss-fusion",)))
+"""The fused-op candidates both models take (the norm slot's, megatron-core's fused loss): name, flags."""
+FUSED_OPTIMIZER = registry.levers("optimizer")
 GRAPH_OPS = (
     ("compiled layers", ("--compile-layers",)),
     ("local CUDA graphs", ("--cuda-graph-impl", "local")),
-    ("cuDNN attention first", ("--sdpa-backend", "cudnn")),
+    *registry.levers("sdpa_kernel"),
 )
-"""Whole-layer options (`diffmeg.training.graphs`, `diffmeg.kernels.sdpa_backends`), each alone on both
+"""Whole-layer options (`diffmeg.training.graphs`, the SDPA kernel preference), each alone on both
 models: not in the fast path until measured (CUDA graphs and compiled layers exclude each other)."""
+ATTENTION_CANDIDATES = tuple(flags[1] for _, flags in registry.levers("diff_attention"))
+"""DIFF V1's attention backends the GPU lever matrix times against `sdpa`."""
 GRAD_ACCUM = ("grad-accum fusion", ("--gradient-accumulation-fusion",))
 """Weight gradients added into DDP's fp32 main_grad inside their GEMM (`diffmeg.fusions.grad_accum`);
 torchao's FP8 refuses it, so the FP8 lever runs the fast path without it."""
@@ -79,15 +82,15 @@ def levers(backends: tuple[str, ...], loss_chunk: int, fused_ops: bool = True) -
     out += [
         Lever("chunked loss", "diff", (*base, "--cross-entropy-chunk-size", str(loss_chunk)), base,
               "a memory option: its gain is below 1"),
-        Lever("fused optimizer", "diff", (*base, "--optimizer-impl", "fused"),
-              (*base, "--optimizer-impl", "megatron")),
+        *(Lever(name, "diff", (*base, *flags), (*base, flags[0], "megatron"))
+          for name, flags in FUSED_OPTIMIZER),
         Lever("distributed optimizer", "diff", (*base, *DIST_OPT), base),
         Lever("overlapped communication", "diff", (*base, *DIST_OPT, *OVERLAP), (*base, *DIST_OPT),
               "one GPU: DP=1, so overlap can only show its overhead here, not its gain"),
     ]  # fmt: skip
     if not fused_ops:
         return (*out, Lever("torch norm", "diff", (*base, *FUSED_OPS[0][1]), base))  # the mechanism, cheaply
-    every = (*(flag for _, flags in FUSED_OPS for flag in flags), "--optimizer-impl", "fused")
+    every = tuple(flag for _, flags in (*FUSED_OPS, *FUSED_OPTIMIZER) for flag in flags)
     for arch, extra in (("diff", base), ("transformer", ())):
         out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra)
                 for name, flags in (*FUSED_OPS, GRAD_ACCUM)]  # fmt: skip
@@ -192,7 +195,7 @@ GPU_PLAN = Plan(
     train_layers=(8, 6, 4, 2),
     train_seqs=(4096, 2048),
     train_backends=("sdpa",),
-    train_levers=levers(("sdpa", "sdpa_split_v_batched"), loss_chunk=1024),
+    train_levers=levers(("sdpa", *ATTENTION_CANDIDATES), loss_chunk=1024),
     train_full_depth=FullDepth(
         models=("transformer-3b", "diff-3b"),
         seq=4096,

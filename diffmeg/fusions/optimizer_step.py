@@ -39,6 +39,16 @@ def megatron_has_fused_adam() -> bool:
     return not getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", True)
 
 
+def fused_step_unavailable(device_type: str | None) -> str | None:
+    """The registry's check of the fused step: not where megatron-core steps a fused Adam of its own."""
+    if megatron_has_fused_adam():
+        return (
+            "--optimizer-impl fused steps torch's AdamW, but megatron-core steps Transformer Engine's or "
+            "apex's fused Adam here; use --optimizer-impl megatron"
+        )
+    return None
+
+
 def grad_norm(grads: list[torch.Tensor], group: torch.distributed.ProcessGroup | None) -> torch.Tensor:
     """The L2 norm of `grads` over all ranks of `group`, as a 0-dim fp32 device tensor (no host sync)."""
     distributed = group is not None and torch.distributed.get_world_size(group) > 1

@@ -73,6 +73,14 @@ def fp8_unsupported_reason(emulate: bool) -> str | None:
     return None
 
 
+def converter_unavailable(device_type: str | None) -> str | None:
+    """The registry's check of the converter: at build, torchao installed (emulation needs no more); for
+    CUDA tensors, the GPU too (all rules: `check_fp8`)."""
+    if device_type not in (None, "cuda"):
+        return "FP8 linears need a CUDA GPU (Ada/Hopper or newer) outside emulation; leave out --fp8-format"
+    return fp8_unsupported_reason(emulate=device_type is None)
+
+
 def check_fp8(
     recipe: object,
     recompute_granularity: str | None,

@@ -25,6 +25,15 @@ def flex_attention_available() -> bool:
     return True
 
 
+def flex_unavailable(device_type: str | None) -> str | None:
+    """The registry's check of the `flex` backend: this torch has it; training needs CUDA tensors."""
+    if not flex_attention_available():
+        return "attention backend 'flex' needs torch >= 2.5 (FlexAttention); use 'sdpa'"
+    if device_type is not None and device_type != "cuda":
+        return "attention backend 'flex' needs a CUDA GPU (FlexAttention has no CPU backward); use 'sdpa'"
+    return None
+
+
 @cache
 def _flex(compiled: bool) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention

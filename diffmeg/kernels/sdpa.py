@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,15 @@ from diffmeg.kernels.sdpa_paths import check_path, path_for_length
 def flash_attn_available() -> bool:
     """True when the flash-attn package is importable (GPU builds only)."""
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def flash_unavailable(device_type: str | None) -> str | None:
+    """The registry's check of the `flash` backend: the package at build time, and CUDA tensors."""
+    if device_type is None and not flash_attn_available():
+        return "attention backend 'flash' needs the flash-attn package (GPU builds); use 'sdpa'"
+    if device_type is not None and (device_type != "cuda" or not flash_attn_available()):
+        return "attention backend 'flash' needs a CUDA GPU and the flash-attn package; use 'sdpa'"
+    return None
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float) -> torch.Tensor:
@@ -110,3 +120,10 @@ def diff_attention_sdpa(
         o1 = call(q1, k1, v, scale, dropout_p)  # [b, h, sq, 2d]
         o2 = call(q2, k2, v, scale, dropout_p)
     return diff_combine(o1, o2, lam)
+
+
+# The registry's rows that force one path (candidates `sdpa` chooses among) or flash-attn's kernels.
+diff_attention_two_call = partial(diff_attention_sdpa, path="two_call")
+diff_attention_split_v = partial(diff_attention_sdpa, path="split_v")
+diff_attention_split_v_batched = partial(diff_attention_sdpa, path="split_v_batched")
+diff_attention_flash = partial(diff_attention_sdpa, use_flash_attn=True)

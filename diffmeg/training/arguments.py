@@ -17,7 +17,6 @@ from diffmeg import registry
 from diffmeg.data.tokenizers import resolve_tokenizer_args
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions import grad_accum
-from diffmeg.kernels import sdpa_backends
 from diffmeg.parallel import cp_attention_available
 from diffmeg.parallel.validation import validate_cp
 from diffmeg.presets import PADDED_VOCAB_SIZE, PRESETS, get_preset, swiglu_ffn_size
@@ -73,7 +72,6 @@ HELP = {
     "hidden_dropout": "dropout after attention and MLP",
     "attention_dropout": "dropout on attention probabilities",
     "lambda_std": "standard deviation of the lambda vectors' init",
-    "diff_attn_backend": "differential attention kernel (auto: the fastest available)",
     "tensor_model_parallel_size": "tensor-parallel ranks",
     "pipeline_model_parallel_size": "pipeline stages",
     "context_parallel_size": "context-parallel ranks (the sequence split over them)",
@@ -138,13 +136,13 @@ class _Parser(argparse.ArgumentParser):
         )
 
 
-def _add_registry_flag(
-    group: argparse._ArgumentGroup, flag: str, slot: str, help: str, exclude: tuple[str, ...] = ()
-) -> None:
-    """A flag over one registry slot: its choices and its `auto` default come from `diffmeg.registry`, so
-    an implementation added there is a choice here with no second list to keep."""
-    choices = [name for name in registry.choices(slot) if name not in exclude]
-    group.add_argument(flag, default=registry.AUTO, choices=choices, help=help)
+def _add_registry_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per slot of `diffmeg.registry` that declares one: its choices, its `auto` default and its help
+    come from the table, so a row added there is a choice here with no second list to keep."""
+    g = parser.add_argument_group("implementations (docs/implementations.md)")
+    for s in registry.flagged():
+        text = f"{s.purpose}; auto: {' then '.join(s.auto)}, the first that runs here"
+        g.add_argument(s.flag, default=registry.AUTO, choices=registry.choices(s.name), help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,30 +191,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--lambda-init", default="exp", help="'exp' (layer-wise schedule) or a constant in [0, 1)")
     g.add_argument("--lambda-std", type=float, default=0.1)
-    _add_registry_flag(
-        g,
-        "--diff-attn-backend",
-        "diff_attention",
-        help=f"DIFF V1's attention backend (docs/implementations.md); auto: "
-        f"{registry.resolve('diff_attention')}, the fastest measured",
-    )
-    _add_registry_flag(
-        g,
-        "--norm-impl",
-        "norm",
-        exclude=("transformer_engine",),
-        help="RMSNorm of the local spec's blocks and DIFF V1's head norm (docs/implementations.md): local "
-        "(fp32 eager ops), torch (F.rms_norm, fused on CUDA); auto: "
-        f"{registry.resolve('norm', spec='local')} on the local spec, TE's norm on the TE spec",
-    )
-    g.add_argument(
-        "--sdpa-backend",
-        default=sdpa_backends.AUTO,
-        choices=sdpa_backends.SDPA_BACKENDS,
-        help="the kernel torch's SDPA tries first in every core attention (DIFF V1's SDPA backend, the "
-        "baseline's and DIFF V2's SDPA core): cudnn, flash or efficient first with the others behind (GPU), "
-        "or math only; auto: torch's own order (flash, efficient, math, cuDNN)",
-    )
     g.add_argument(
         "--transformer-impl",
         default="auto",
@@ -235,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Megatron-LM's flag for diffmeg's default: the output layer is a matrix of its own (wins over "
         "a tie taken from --use-checkpoint-args, for a checkpoint of its own)",
     )
+    _add_registry_flags(p)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -292,16 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
-    _add_registry_flag(
-        g,
-        "--optimizer-impl",
-        "optimizer",
-        help="the optimizer step: megatron (megatron-core's: its Python grad norm syncs the host), fused "
-        "(torch's fused AdamW, on CUDA and CPU; grad norm, clipping and the main-to-model copy on "
-        "the device without host syncs or temporaries; same weights to fp32 rounding; not where TE or apex "
-        f"gives megatron-core a fused Adam) or auto ({registry.resolve('optimizer')}: the registry's order, "
-        "until a GPU run measures fused faster: docs/recipes.md)",
-    )
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument(
@@ -717,8 +682,8 @@ def _validate_fp8(args: argparse.Namespace) -> None:
 
 def _validate_graphs(args: argparse.Namespace) -> None:
     """--sdpa-backend, --cuda-graph-impl and --compile-layers: where they cannot run, and together."""
-    backend = getattr(args, "sdpa_backend", sdpa_backends.AUTO)
-    reason = sdpa_backends.unsupported_reason(backend)
+    backend = getattr(args, "sdpa_backend", registry.AUTO)
+    reason = registry.entry("sdpa_kernel", backend).unavailable()
     if reason is not None:
         raise DiffmegError(f"--sdpa-backend {backend}: {reason}")
     if getattr(args, "cuda_graph_impl", "none") == "none":
@@ -814,8 +779,8 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
         notes.append("--async-save has no effect without --save")
     if explicit.get("compile_layers") and (reason := graphs.compile_no_effect_reason()) is not None:
         notes.append(f"--compile-layers has no effect: {reason}")
-    backend = explicit.get("sdpa_backend", sdpa_backends.AUTO)
-    if backend != sdpa_backends.AUTO and (reason := _no_sdpa_reason(args)) is not None:
+    backend = explicit.get("sdpa_backend", registry.AUTO)
+    if backend != registry.AUTO and (reason := _no_sdpa_reason(args)) is not None:
         notes.append(f"--sdpa-backend {backend} has no effect: {reason}")
     if args.mock_data and "data_path" in explicit:
         notes.append("--data-path is ignored: --mock-data generates the data")
@@ -825,9 +790,7 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
 def _no_sdpa_reason(args: argparse.Namespace) -> str | None:
     """Why no attention of this run calls torch's SDPA (so `--sdpa-backend` changes nothing), or None."""
     if args.diff_attention and args.diff_version == 1:
-        backend = args.diff_attn_backend
-        if backend == registry.AUTO:
-            backend = registry.resolve("diff_attention")
+        backend = registry.entry("diff_attention", args.diff_attn_backend).name  # auto resolved
         if not backend.startswith("sdpa"):
             return f"DIFF V1's attention backend is {backend}, not torch's SDPA"
         return None

@@ -110,9 +110,7 @@ def attention_kernel(run: RunConfig, on_gpu: bool) -> str:
     model = run.model
     if not model.diff_attention or _is_v2(run):
         return "fused"
-    backend = model.diff_attn_backend
-    if backend == registry.AUTO:
-        backend = registry.resolve("diff_attention")
+    backend = registry.entry("diff_attention", run.impls["diff_attn_backend"]).name  # auto resolved
     if backend == "flash" or (on_gpu and (backend.startswith("sdpa") or backend == "flex")):
         return "fused"
     return "maps"

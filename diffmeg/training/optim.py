@@ -13,7 +13,7 @@ from diffmeg.run_config import RunConfig
 def build_optimizer(run: RunConfig, model: list[torch.nn.Module]) -> MegatronOptimizer:
     """AdamW with fp32 main params; weight decay skips 1-D params (norms, lambda vectors) as in Megatron.
     Its step is the registry's `optimizer` slot (`--optimizer-impl`; `auto`: the first of the slot's
-    `AUTO_ORDER` that can run here): megatron-core's as built, or the fused step of
+    `auto` order that can run here): megatron-core's as built, or the fused step of
     diffmeg.fusions.optimizer_step."""
     o, t = run.optim, run.training
     config = OptimizerConfig(
@@ -33,7 +33,7 @@ def build_optimizer(run: RunConfig, model: list[torch.nn.Module]) -> MegatronOpt
         # megatron-core's gloo side groups would double the process groups on CPU; not needed here.
     )
     optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=False)
-    registry.select("optimizer", run.optim.optimizer_impl).load()(optimizer)
+    registry.select("optimizer", run.impls["optimizer_impl"]).load()(optimizer)
     return optimizer
 
 

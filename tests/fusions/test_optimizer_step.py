@@ -95,13 +95,18 @@ def test_a_fused_step_reads_nothing_back_to_the_host(single_rank_parallel_state,
 
 
 def test_auto_is_the_registrys_order_and_fused_cannot_run_beside_megatron_cores_fused_adam(monkeypatch):
-    """One decision: the registry's AUTO_ORDER and each entry's availability check (the docstrings of
+    """One decision: the registry's `auto` order and each entry's availability check (the docstrings of
     training/optim.py and run_config.py say so); unknown names are refused."""
+    import dataclasses
+
     from diffmeg import registry
 
     # until a GPU run measured the fused step faster, the registry's auto order keeps megatron-core's
     assert registry.resolve("optimizer") == "megatron"
-    monkeypatch.setitem(registry.AUTO_ORDER, "optimizer", ("fused", "megatron"))  # as once measured
+    measured = dataclasses.replace(registry.slot("optimizer"), auto=("fused", "megatron"))  # as once measured
+    monkeypatch.setattr(
+        registry, "SLOTS", tuple(measured if s.name == "optimizer" else s for s in registry.SLOTS)
+    )
     monkeypatch.setattr(optimizer_step, "megatron_has_fused_adam", lambda: False)
     assert registry.resolve("optimizer") == "fused" and registry.resolve("optimizer", "fused") == "fused"
     monkeypatch.setattr(optimizer_step, "megatron_has_fused_adam", lambda: True)  # TE or apex installed
@@ -113,14 +118,14 @@ def test_auto_is_the_registrys_order_and_fused_cannot_run_beside_megatron_cores_
         DiffmegError, match="unknown optimizer step 'apex'.*choose one of auto, megatron, fused"
     ):
         registry.resolve("optimizer", "apex")
-    assert registry.implementation("optimizer", "fused").load() is optimizer_step.apply_fused_step
+    assert registry.entry("optimizer", "fused").load() is optimizer_step.apply_fused_step
 
 
 def test_the_flag_is_in_the_run_config_with_auto_by_default():
     run = RunConfig.from_args(resolve_args(SMALL, world_size=1))
-    assert run.optim.optimizer_impl == "auto"
+    assert run.impls["optimizer_impl"] == "auto"
     run = RunConfig.from_args(resolve_args([*SMALL, "--optimizer-impl", "fused"], world_size=1))
-    assert run.optim.optimizer_impl == "fused" and run.to_args().optimizer_impl == "fused"
+    assert run.impls["optimizer_impl"] == "fused" and run.to_args().optimizer_impl == "fused"
 
 
 def test_adamw_runs_its_fused_kernel_here_and_leaves_the_groups_flags_as_they_were():

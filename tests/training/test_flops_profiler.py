@@ -94,7 +94,7 @@ def test_whole_model_flops_match_formula(single_rank_parallel_state, diff):
     layers, heads, kv_heads, d, ffn, vocab, b, s = 2, 2, 1, 16, 96, 128, 2, 32
     sub = 2 if diff else 1  # megatron-core counts sub-heads; DIFF heads are pairs of them
     # the baseline has 2h heads of d: same width, same linears
-    cfg = tiny_config(heads, kv_heads, d, layers, ffn=ffn, diff_attention=diff, attention_backend_diff="sdpa")
+    cfg = tiny_config(heads, kv_heads, d, layers, ffn=ffn, diff_attention=diff, diff_attn_backend="sdpa")
     model = build_model(cfg, vocab_size=vocab, max_sequence_length=s)
     tokens = torch.randint(0, vocab, (b, s))
     kwargs = {"input_ids": tokens, "position_ids": torch.arange(s)[None].expand(b, s), "attention_mask": None}

@@ -160,7 +160,7 @@ def test_every_lever_of_the_gpu_plan_is_a_run_the_arguments_accept(monkeypatch):
 
     monkeypatch.setattr(torchao_fp8, "fp8_unsupported_reason", lambda emulate=False: None)  # as on an H100
     monkeypatch.setattr(graphs, "cuda_graphs_unsupported_reason", lambda: None)
-    monkeypatch.setattr(sdpa_backends, "unsupported_reason", lambda name: None)
+    monkeypatch.setattr(sdpa_backends, "gpu_unavailable", lambda device_type: None)
     monkeypatch.setattr(grad_accum, "unsupported_reason", lambda: None)
 
     models = {"diff": "diff-tiny", "transformer": "transformer-tiny"}
