@@ -79,12 +79,15 @@ def rate_from(results: Path) -> Rate | None:
 
 
 def comparison_seconds(
-    built: list[Variant], build_s: float, step_s: float, window_steps: int, windows: int
+    builds: int, profiles: int, build_s: float, step_s: float, window_steps: int, windows: int
 ) -> float:
-    """A comparison's estimate: the twins it builds (`built`; a profiled fast path's profile too) and both
-    twins' timed windows."""
-    profiles = sum(1 for v in built if v.profile)
-    return len(built) * build_s + 2 * windows * window_steps * step_s + profiles * (PROFILE_S + step_s)
+    """A comparison's estimate: its builds, both twins' timed windows, and its fast paths' profiles."""
+    return builds * build_s + 2 * windows * window_steps * step_s + profiles * (PROFILE_S + step_s)
+
+
+def profiles_due(c: Comparison, profiled: set[tuple]) -> list[Variant]:
+    """The twins of `c` to profile after its windows: fast paths not yet profiled in this command."""
+    return [v for v in (c.off, c.on) if v.profile and v.key not in profiled]
 
 
 def step_at(rate: Rate, seq: int) -> float:
@@ -110,15 +113,18 @@ def simulate(
     placed: dict[str, Planned] = {}
     totals: list[float] = []
     for number, budget in enumerate(budgets, start=1):
-        t, alive, skipped = rate.command_s, (), []
+        t, alive, skipped, profiled = rate.command_s, (), [], set()
         end = budget - min(CHILD_MARGIN_S, 0.15 * (budget - rate.command_s))
         for c in left:
             after, build = alive_after(alive, c)
-            cost = comparison_seconds(build, rate.build_s, step_at(rate, c.on.seq), window_steps, windows)
+            due = profiles_due(c, profiled)
+            step = step_at(rate, c.on.seq)
+            cost = comparison_seconds(len(build), len(due), rate.build_s, step, window_steps, windows)
             if t + cost > end:
                 skipped.append(c)
                 continue
             t, alive = t + cost, after
+            profiled |= {v.key for v in due}
             placed[c.name] = Planned(c, number, len(build), cost)
         if len(skipped) < len(left):
             totals.append(t)

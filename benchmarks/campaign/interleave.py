@@ -22,7 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from benchmarks.campaign.estimate import Rate, comparison_seconds, step_at
+from benchmarks.campaign.estimate import Rate, comparison_seconds, profiles_due, step_at
 from benchmarks.campaign.part import Part
 from benchmarks.campaign.train_plan import Comparison, Variant, alive_after
 from benchmarks.campaign.worker import WorkerError
@@ -135,9 +135,8 @@ class Bench:
                     return self._finish(row, f"{side} twin failed: {self.failed[variant.key]}")
                 row[f"{side}_windows"].append(tokens_per_s)
                 self.part.save()
-        for variant in (c.off, c.on):
-            if variant.profile and variant.key not in self.profiled:
-                self._profile(variant)
+        for variant in profiles_due(c, self.profiled):
+            self._profile(variant)
         return self._finish(row, None)
 
     def _estimate(self, c: Comparison, built: list[Variant]) -> float:
@@ -150,7 +149,8 @@ class Bench:
             if self.build_costs
             else (self.rate.build_s if self.rate else 0.0)
         )
-        return comparison_seconds(built, build, step, self.window_steps, self.windows)
+        due = len(profiles_due(c, self.profiled))
+        return comparison_seconds(len(built), due, build, step, self.window_steps, self.windows)
 
     def _start(self, variant: Variant, worker, warmups: list[float]) -> str | None:
         """Build `variant` in `worker` and run its warm-up window; its tokens/s go to `warmups` (the
