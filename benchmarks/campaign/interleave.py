@@ -229,7 +229,7 @@ class Bench:
         return error
 
     def _stop(self, live: _Live) -> None:
-        live.worker.stop()
+        live.worker.close()
         self.alive.pop(live.variant.key, None)
 
     def _finish(self, row: dict, error: str | None) -> dict:

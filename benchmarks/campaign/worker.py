@@ -13,8 +13,10 @@ the worker's stdout and stderr stay the phase's log). A worker first imports wha
 preset, length, flags, sizes, device; replies with the run's facts: tokens a step, FLOPs a token, the
 memory plan, the attention backend, seconds spent), `window` (k steps, the device synchronised before each
 clock reading; replies with seconds and the peak memory so far), `profile` (one more step under
-torch.profiler) and `stop` (free the model, exit). A failed request replies `{"ok": false, "error": ...}`
-in one line; a worker that dies or hangs is ended (`WorkerError`), and its variant is reported as failed.
+torch.profiler). A failed request replies `{"ok": false, "error": ...}` in one line; a worker that dies or
+hangs is ended (`WorkerError`), and its variant is reported as failed. A worker no comparison needs is
+ended with its whole process tree (`Worker.close`): the process's end frees its GPU memory at once, where
+a polite exit would spend seconds tearing down torch and megatron-core.
 """
 
 from __future__ import annotations
@@ -86,16 +88,6 @@ class Worker:
             raise WorkerError(f"worker exited with code {self.proc.returncode} during {op} (its log above)")
         return json.loads(line)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Ask the worker to free its model and exit; end it whatever it answers."""
-        if self.proc.poll() is None:
-            try:
-                self.request("stop", timeout)
-                self.proc.wait(timeout=timeout)
-            except (WorkerError, subprocess.TimeoutExpired):
-                pass
-        self.close()
-
     def close(self) -> None:
         """End the process and everything it started (its GPU memory is free once this returns)."""
         end(self.proc)
@@ -107,6 +99,10 @@ class Worker:
 
 
 # --- the worker process ---------------------------------------------------------------------------
+
+
+STEPS_AT_MOST = 1000
+"""More optimizer steps than any worker takes (a warm-up window, then 6 steps a comparison it is in)."""
 
 
 class _State:
@@ -125,6 +121,7 @@ def _build(state: _State, spec: dict) -> dict:
     opts = train_step.StepOptions(
         tokens_per_microbatch=spec["tokens_per_microbatch"],
         microbatches=spec["microbatches"],
+        iters=STEPS_AT_MOST,  # the run's --train-iters, its schedule and mock data: never outrun
         vocab_size=spec["vocab_size"],
         num_layers=spec["layers"],
         extra_args=list(spec["flags"]),
@@ -168,25 +165,13 @@ def _profile(state: _State) -> dict:
     return {"profile": step_profile.profile_step(state.trainer.train_step, state.device)}
 
 
-def _stop(state: _State) -> dict:
-    if state.trainer is not None:
-        from benchmarks import train_step
-        from diffmeg.training.builders import release_training_objects
-
-        release_training_objects(state.trainer.model_config, state.trainer.model)
-        state.trainer = None
-        train_step.close_process()
-    return {}
-
-
 def serve(requests, reply) -> None:
-    """Answer each request line of `requests` on `reply` until `stop` (or the end of the input)."""
+    """Answer each request line of `requests` on `reply` until the end of the input."""
     state = _State()
     ops = {
         "build": lambda msg: _build(state, msg["spec"]),
         "window": lambda msg: _window(state, msg),
         "profile": lambda msg: _profile(state),
-        "stop": lambda msg: _stop(state),
     }
     for line in requests:
         msg = json.loads(line)
@@ -197,8 +182,6 @@ def serve(requests, reply) -> None:
             out = {"ok": False, "error": one_line(exc)}
         reply.write(json.dumps(out, default=str) + "\n")
         reply.flush()
-        if msg["op"] == "stop":
-            return
 
 
 def one_line(exc: BaseException) -> str:

@@ -22,7 +22,7 @@ class FakeWorkers:
         cost: dict[str, float] | None = None,
     ) -> None:
         self.tokens_per_s, self.fail = tokens_per_s, fail
-        self.cost = {"build": 0.0, "profile": 0.0, "stop": 0.0, **(cost or {})}
+        self.cost = {"build": 0.0, "profile": 0.0, **(cost or {})}
         self.now = 0.0
         self.calls: list[tuple] = []
         """(op, model, flags, steps or None) in order."""
@@ -69,9 +69,6 @@ class FakeWorker:
         if op == "profile":
             return {"ok": True, "profile": {"total_ms": 1.0}}
         return {"ok": True}
-
-    def stop(self) -> None:
-        self.close()
 
     def close(self) -> None:
         self.factory.alive.discard(id(self))

@@ -23,13 +23,11 @@ def test_serve_answers_each_request_in_one_line_and_keeps_going_after_a_failure(
 
     monkeypatch.setattr(worker, "_build", build)
     monkeypatch.setattr(worker, "_window", lambda state, msg: {"seconds": 0.5, "steps": msg["steps"]})
-    monkeypatch.setattr(worker, "_stop", lambda state: {})
     requests = [
         {"op": "build", "spec": {"preset": "bad"}},
         {"op": "build", "spec": {"preset": "good"}},
         {"op": "window", "steps": 3},
-        {"op": "stop"},
-        {"op": "window", "steps": 1},  # after stop: never read
+        {"op": "nap"},
     ]
     reply = io.StringIO()
     worker.serve((json.dumps(r) + "\n" for r in requests), reply)
@@ -38,7 +36,7 @@ def test_serve_answers_each_request_in_one_line_and_keeps_going_after_a_failure(
         {"ok": False, "error": "RuntimeError: no such model"},
         {"ok": True, "tokens_per_step": 64, "build_s": 0.1},
         {"ok": True, "seconds": 0.5, "steps": 3},
-        {"ok": True},
+        {"ok": False, "error": "KeyError: 'nap'"},
     ]
 
 
@@ -60,8 +58,6 @@ for line in sys.stdin:
         time.sleep(60)
     else:
         send({"ok": True, "op": op})
-        if op == "stop":
-            break
 """
 
 
@@ -82,13 +78,14 @@ def test_a_worker_that_refuses_dies_or_hangs_is_one_error_and_ends(tmp_path, mod
     assert w.proc.poll() is not None
 
 
-def test_a_worker_answers_and_stops(tmp_path):
+def test_a_worker_answers_until_it_is_ended(tmp_path):
     stub = tmp_path / "stub.py"
     stub.write_text(_STUB)
     w = worker.Worker({**os.environ, "STUB_MODE": "ok"}, program=(str(stub),))
     assert w.request("window", timeout=30.0, steps=2) == {"ok": True, "op": "window"}
-    w.stop()
-    assert w.proc.returncode == 0
+    assert w.request("profile", timeout=30.0) == {"ok": True, "op": "profile"}
+    w.close()
+    assert w.proc.poll() is not None
 
 
 def test_out_of_memory_is_one_word():
