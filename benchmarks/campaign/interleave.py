@@ -6,7 +6,7 @@ first process on a GPU. Here both twins of a comparison are live workers (benchm
 after each one's warm-up window (compilation, cuDNN's heuristics, the allocator, CUDA graphs' capture;
 recorded as `warmup_windows`, never in a gain) their timed windows alternate off, on, off, on, ... and the
 gain is median(on) / median(off) of their tokens/s. A variant alive from the comparison before is kept
-(the anchor) and only its new partner is built; every other worker is stopped first, so the GPU holds two
+(the anchor) and only its new partner is built; every other worker is ended first, so the GPU holds two
 models at a time; the next build's worker is started while a comparison's windows run, so its imports
 cost no time. Each variant's own train row is the median of all its timed windows (tokens/s, MFU).
 
@@ -29,7 +29,10 @@ from benchmarks.campaign.worker import WorkerError
 
 SKIPPED = "skipped: time budget"
 BUILD_TIMEOUT_S = 600.0
-"""At most this long for a build (compiled layers compile in the first window, not here)."""
+"""At most this long for a build, and for the warm-up window after it (where the compiled layers compile)."""
+WINDOW_TIMEOUT_S = 180.0
+"""At most this long for a timed window or a profiled step: far over any step of these models, short of
+letting a hung worker take the command."""
 
 
 class _Live:
@@ -65,13 +68,8 @@ class Bench:
         replace it as they are measured)."""
         self.spawn, self.spec, self.row_of, self.part = spawn, spec, row_of, part
         self.deadline, self.window_steps, self.windows = deadline, window_steps, windows
-        self.warmup_steps, self.rate, self.mfu_of, self.clock, self.log = (
-            warmup_steps,
-            rate,
-            mfu_of,
-            clock,
-            log,
-        )
+        self.warmup_steps, self.rate, self.mfu_of = warmup_steps, rate, mfu_of
+        self.clock, self.log = clock, log
         self.alive: dict[tuple, _Live] = {}
         self.rows: dict[tuple, dict] = {}
         self.failed: dict[tuple, str] = {}
@@ -113,16 +111,14 @@ class Bench:
             self.part.set(_status="partial", _error="some comparisons skipped: time budget")
             return self._finish(row, SKIPPED)
         for key in [k for k in self.alive if k not in (c.off.key, c.on.key)]:
-            self._stop(self.alive.pop(key))
+            self._stop(self.alive[key])
         workers = [self.spare] if self.spare is not None else []  # both started now: imports overlap
         workers += [self.spawn() for _ in range(len(build) - len(workers))]
         self.spare = None
         for side, variant in (("off", c.off), ("on", c.on)):
-            error = (
-                self._start(variant, workers.pop(0), row["warmup_windows"][side])
-                if variant in build
-                else None
-            )
+            if variant not in build:
+                continue
+            error = self._start(variant, workers.pop(0), row["warmup_windows"][side])
             if error:
                 self.spare = workers.pop() if workers else None
                 return self._finish(row, f"{side} twin failed: {error}")
@@ -144,11 +140,10 @@ class Bench:
         0 where neither is known (the first comparison of a CPU smoke run)."""
         steps = [r["step_s"] for r in self.rows.values() if r.get("step_s") and r["seq"] == c.on.seq]
         step = max(steps) if steps else (step_at(self.rate, c.on.seq) if self.rate else 0.0)
-        build = (
-            statistics.fmean(self.build_costs)
-            if self.build_costs
-            else (self.rate.build_s if self.rate else 0.0)
-        )
+        if self.build_costs:
+            build = statistics.fmean(self.build_costs)
+        else:
+            build = self.rate.build_s if self.rate else 0.0
         due = len(profiles_due(c, self.profiled))
         return comparison_seconds(len(built), due, build, step, self.window_steps, self.windows)
 
@@ -167,7 +162,7 @@ class Bench:
             self.rows[variant.key] = train_row
             self.part.add("train", train_row)
         live = self.alive[variant.key] = _Live(variant, worker, train_row)
-        warmup = self._steps(live, self.warmup_steps)
+        warmup = self._steps(live, self.warmup_steps, BUILD_TIMEOUT_S)  # compilation is in it
         if warmup is None:
             return self.failed[variant.key]
         train_row["warmup_windows"].append(warmup)
@@ -179,10 +174,10 @@ class Bench:
         self.part.save()
         return None
 
-    def _steps(self, live: _Live, steps: int) -> float | None:
-        """Tokens/s of one window of `steps` steps; None when the worker failed (recorded, stopped)."""
+    def _steps(self, live: _Live, steps: int, timeout: float) -> float | None:
+        """Tokens/s of one window of `steps` steps; None when the worker failed (recorded, ended)."""
         try:
-            reply = live.worker.request("window", _window_timeout(steps), steps=steps)
+            reply = live.worker.request("window", timeout, steps=steps)
         except WorkerError as exc:
             self.alive.pop(live.variant.key, None)
             live.worker.close()
@@ -196,7 +191,7 @@ class Bench:
         live = self.alive.get(variant.key)
         if live is None:
             return None
-        tokens_per_s = self._steps(live, self.window_steps)
+        tokens_per_s = self._steps(live, self.window_steps, WINDOW_TIMEOUT_S)
         if tokens_per_s is not None:
             live.row["windows"].append(tokens_per_s)
             live.row["window_steps"] = self.window_steps
@@ -207,7 +202,7 @@ class Bench:
         live = self.alive[variant.key]
         self.profiled.add(variant.key)
         try:
-            live.row["profile"] = live.worker.request("profile", _window_timeout(1) + 120)["profile"]
+            live.row["profile"] = live.worker.request("profile", WINDOW_TIMEOUT_S)["profile"]
             live.row["profiled"] = True
         except WorkerError as exc:  # a profile that fails costs the row nothing it measured
             live.row["profile_error"] = str(exc)
@@ -247,11 +242,6 @@ class Bench:
         else:
             self.say(f"    {row['lever']}: {error}")
         return row
-
-
-def _window_timeout(steps: int) -> float:
-    """Long enough for any step of these models, short enough that a hung worker does not eat the command."""
-    return 120.0 + 30.0 * steps
 
 
 def lever_row(c: Comparison) -> dict:

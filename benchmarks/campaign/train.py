@@ -52,7 +52,7 @@ def phase_train(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) 
         from benchmarks.campaign import schema
 
         earlier = Path(a.continue_from)
-        done = measured_comparisons(schema.read(earlier)["levers"])
+        done = measured_comparisons(schema.read(earlier)["levers"]) & {c.name for c in todo}
         print(
             f"--continue {earlier.name}: {len(done)} comparisons measured there are not timed again",
             flush=True,

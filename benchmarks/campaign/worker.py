@@ -52,7 +52,6 @@ class Worker:
         )  # fmt: skip
         os.close(write_fd)
         self.replies = os.fdopen(read_fd, "r")
-        self.started = time.monotonic()
         self.ready = False
 
     def request(self, op: str, timeout: float, **fields) -> dict:
@@ -115,7 +114,6 @@ def _build(state: _State, spec: dict) -> dict:
 
     from benchmarks import train_step
 
-    start = time.monotonic()
     state.device = spec["device"]
     train_step.init_process()
     opts = train_step.StepOptions(
@@ -133,8 +131,7 @@ def _build(state: _State, spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     backend = train_step.attention_impl(state.trainer.model[0])
     return {**facts, "layers": args.num_layers, "micro_batch_size": args.micro_batch_size,
-            "microbatches": spec["microbatches"], "backend": backend,
-            "build_s": time.monotonic() - start}  # fmt: skip
+            "microbatches": spec["microbatches"], "backend": backend}  # fmt: skip
 
 
 def _sync(state: _State) -> None:

@@ -59,7 +59,7 @@ class FakeWorker:
             f.max_alive = max(f.max_alive, len(f.alive))
             return {"ok": True, "tokens_per_step": TOKENS_PER_STEP, "flops_per_token": 1e9,
                     "flops_per_token_full_square": 1.1e9, "estimated_gib": 1.0, "layers": self.spec["layers"],
-                    "micro_batch_size": 1, "microbatches": 1, "backend": "sdpa", "build_s": 0.0}  # fmt: skip
+                    "micro_batch_size": 1, "microbatches": 1, "backend": "sdpa"}  # fmt: skip
         if op == "window":
             tps = f.tokens_per_s(self.spec, self.windows)
             self.windows += 1

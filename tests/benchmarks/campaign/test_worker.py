@@ -19,7 +19,7 @@ def test_serve_answers_each_request_in_one_line_and_keeps_going_after_a_failure(
         if spec["preset"] == "bad":
             raise RuntimeError("no such\nmodel")
         state.trainer = "built"
-        return {"tokens_per_step": 64, "build_s": 0.1}
+        return {"tokens_per_step": 64, "backend": "sdpa"}
 
     monkeypatch.setattr(worker, "_build", build)
     monkeypatch.setattr(worker, "_window", lambda state, msg: {"seconds": 0.5, "steps": msg["steps"]})
@@ -34,7 +34,7 @@ def test_serve_answers_each_request_in_one_line_and_keeps_going_after_a_failure(
     answers = [json.loads(line) for line in reply.getvalue().splitlines()]
     assert answers == [
         {"ok": False, "error": "RuntimeError: no such model"},
-        {"ok": True, "tokens_per_step": 64, "build_s": 0.1},
+        {"ok": True, "tokens_per_step": 64, "backend": "sdpa"},
         {"ok": True, "seconds": 0.5, "steps": 3},
         {"ok": False, "error": "KeyError: 'nap'"},
     ]
