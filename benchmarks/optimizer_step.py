@@ -5,9 +5,8 @@
 
 Each row builds pretrain_diff.py's Trainer (benchmarks/train_step.py), runs one training step so every
 gradient and optimizer state exists, then times `optimizer.step()` alone (grad norm, clip, AdamW, the
-main-to-model copy) over `--iters` calls after `--warmup`. The step is what a data-parallel run with the
-distributed optimizer shards, so the train phase amortizes it (train_step.time_optimizer_step). Prints a
-table; never a timed test.
+main-to-model copy) over `--iters` calls after `--warmup` (train_step.time_optimizer_step). The step is
+what a data-parallel run with the distributed optimizer shards. Prints a table; never a timed test.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ kernel left the package keep its rows and figures, shown as history (`schema.RET
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -191,10 +192,11 @@ def _failed(c: dict) -> str:
 
 
 def _train(name: str, r: dict) -> list[str]:
+    windowed = any("windows" in t for t in r["train"])  # the interleaved design: each row's windows
     rows = [
         [
             t["model"],
-            f"{t['impl']} {t['variant']}" if t.get("variant") else t["impl"],
+            f"{t['impl']} {t['variant']}" if t.get("variant") and t["variant"] != t["impl"] else t["impl"],
             str(t["seq"]),
             str(t.get("layers", "–")),
             _num(t["tokens_per_s"], "{:.0f}"),
@@ -204,6 +206,7 @@ def _train(name: str, r: dict) -> list[str]:
             _num(t.get("mem_gib"), "{:.1f}"),
             _num(t.get("estimated_gib"), "{:.1f}"),
             _num(t.get("resident_gib"), "{:.1f}"),
+            *([_spread(t.get("windows") or [])] if windowed else []),
             t["error"] or "",
         ]
         for t in r["train"]
@@ -215,26 +218,25 @@ def _train(name: str, r: dict) -> list[str]:
         "optimizer without and with overlapped communication, which on one GPU (DP=1) can only show its "
         "overhead; lever rows: the lever matrix's runs, below; `held before GiB`: what earlier runs of the "
         "process still held when the row started, not counted in its peak; files without it (–) count it "
-        "in the peak): " + _source(name, r),
+        "in the peak)" + _WINDOWED_TRAIN * windowed + ": " + _source(name, r),
         "",
     ]
-    return head + _table(
-        [
-            "model",
-            "impl",
-            "seq",
-            "layers",
-            "tokens/s",
-            "MFU",
-            "MFU full square",
-            "MFU of matmul",
-            "peak GiB",
-            "plan GiB",
-            "held before GiB",
-            "error",
-        ],
-        rows,
-    )
+    columns = ["model", "impl", "seq", "layers", "tokens/s", "MFU", "MFU full square", "MFU of matmul"]
+    columns += ["peak GiB", "plan GiB", "held before GiB", *(["windows"] if windowed else []), "error"]
+    return head + _table(columns, rows)
+
+
+_WINDOWED_TRAIN = (
+    "; rows with windows: each variant in a worker process of its own, tokens/s the median of its timed "
+    "windows after a warm-up window, `windows` their count and spread ((max - min) / median)"
+)
+
+
+def _spread(windows: list[float]) -> str:
+    """`6 (1.2%)`: how many timed windows, and (max - min) / median of their tokens/s."""
+    if not windows:
+        return "–"
+    return f"{len(windows)} ({(max(windows) - min(windows)) / statistics.median(windows):.1%})"
 
 
 def mfu_full_square(t: dict) -> float | None:
@@ -306,15 +308,21 @@ def _sdpa(profile: dict) -> str:
 
 
 def levers_table(name: str, r: dict) -> list[str]:
-    """Each lever's gain (tokens/s with it over its off twin, timed side by side in one process)."""
+    """Each comparison's gain: tokens/s of the `on` twin over the `off` twin's. Files of the interleaved
+    design hold both twins' timed windows (alternated, after a warm-up) and the gain is median over
+    median; files before it timed each twin once."""
     rows = [
         [
             f"{lv['lever']}",
-            lv["model"],
+            lv["model"]
+            if lv.get("off_model", lv["model"]) == lv["model"]
+            else f"{lv['model']} / {lv['off_model']}",
             str(lv["seq"]),
             _num(lv["off_tokens_per_s"], "{:.0f}"),
             _num(lv["on_tokens_per_s"], "{:.0f}"),
             _num(lv["gain"], "{:.3f}x"),
+            _windows(lv.get("off_windows")),
+            _windows(lv.get("on_windows")),
             *_own_flags(lv.get("on") or [], lv.get("off") or []),
             _lever_note(lv),
             lv["error"] or "",
@@ -324,13 +332,28 @@ def levers_table(name: str, r: dict) -> list[str]:
     if not rows:
         return []
     head = [
-        "Levers, each against its off twin in the same process unless the note names an earlier command's "
-        "file (train phase resumed with --continue; gain = tokens/s on / off; "
-        "benchmarks/campaign/plan.py's `levers`): " + _source(name, r),
+        "Levers and ratios, each `on` twin against its `off` twin (gain = tokens/s on / off): with windows, "
+        "both twins alive in worker processes of their own, their timed windows alternated off, on, off, "
+        "on after a warm-up window, the gain median over median (benchmarks/campaign/train_plan.py); "
+        "without, each twin timed once in one process: " + _source(name, r),
         "",
     ]
-    columns = ["lever", "model", "seq", "off tokens/s", "on tokens/s", "gain", "on", "off", "note", "error"]
-    return head + _table(columns, rows)
+    columns = [
+        "comparison",
+        "model",
+        "seq",
+        "off tokens/s",
+        "on tokens/s",
+        "gain",
+        "off windows",
+        "on windows",
+    ]
+    return head + _table([*columns, "on", "off", "note", "error"], rows)
+
+
+def _windows(windows: list[float] | None) -> str:
+    """A twin's timed windows, tokens/s (files before windows: –)."""
+    return "–" if not windows else ", ".join(f"{w:.0f}" for w in windows)
 
 
 def _lever_note(lever: dict) -> str:

@@ -18,7 +18,8 @@ carries the peak memory and the memory plan's estimate (diffmeg.training.memory)
 peak is the run's own: what earlier runs of the process still hold is subtracted (`resident_gib`), and
 `left_gib` is what the run leaves behind (0 when its model and optimizer were freed). On a GPU
 megatron-core's fusions are compiled by TorchDynamo, as in pretrain_diff.py (on a CPU diffmeg.runtime
-runs them eagerly). The campaign (benchmarks/campaign/train.py) calls `init_process` and `run_one`.
+runs them eagerly). The campaign's workers (benchmarks/campaign/worker.py) build their model with
+`init_process`, `run_facts` and `build_trainer` and time the Trainer's own step in windows.
 Prints a table; never a timed test.
 """
 
@@ -64,9 +65,6 @@ class StepOptions:
     extra_args: list[str] = field(default_factory=list)
     profile: bool = False
     """After timing, one more step under torch.profiler: `profile` in the result (step_profile.py)."""
-    time_optimizer: bool = False
-    """After timing, the optimizer step alone (time_optimizer_step): `optimizer_s` in the result,
-    so a caller can amortize it as a data-parallel run's sharded optimizer would see it."""
 
 
 def hide_gpu_for_cpu_runs(device: str) -> None:
@@ -183,10 +181,7 @@ def _timed_steps(trainer, opts: StepOptions, device: str) -> dict:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / max(1, opts.iters)
     profile = step_profile.profile_step(step, device) if opts.profile else None
-    optimizer_s = None
-    if opts.time_optimizer:
-        optimizer_s = time_optimizer_step(trainer.optimizer, device, warmup=1, iters=opts.iters)
-    return {"seconds": seconds, "backend": backend, "profile": profile, "optimizer_s": optimizer_s}
+    return {"seconds": seconds, "backend": backend, "profile": profile}
 
 
 def time_optimizer_step(optimizer, device: str, warmup: int = 1, iters: int = 5) -> float:
@@ -207,18 +202,30 @@ def time_optimizer_step(optimizer, device: str, warmup: int = 1, iters: int = 5)
     return times[len(times) // 2]
 
 
-def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
-    """Build, warm up, time `opts.iters` optimizer steps. Failures (OOM, a backend that cannot run) are
-    returned in `error` with the timing figures None, so a sweep goes on."""
+def run_facts(preset: str, seq: int, opts: StepOptions, device: str) -> tuple[argparse.Namespace, dict]:
+    """The run's resolved arguments and what is known of it before a step: tokens a step, model FLOPs a
+    token (causal attention as half the square, and as the full square), the memory plan in GiB."""
     from diffmeg.run_config import RunConfig
     from diffmeg.training.flops import train_flops_per_iteration
     from diffmeg.training.memory import estimate_memory
 
     args = resolve_run_args(preset, seq, opts, device)
     run = RunConfig.from_args(args)
-    flops = train_flops_per_iteration(run)
-    flops_full = train_flops_per_iteration(run, causal=False)
     tokens = args.global_batch_size * seq
+    return args, {
+        "tokens_per_step": tokens,
+        "flops_per_token": train_flops_per_iteration(run) / tokens,
+        "flops_per_token_full_square": train_flops_per_iteration(run, causal=False) / tokens,
+        "estimated_gib": estimate_memory(run, on_gpu=device == "cuda").total / 2**30,
+    }
+
+
+def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
+    """Build, warm up, time `opts.iters` optimizer steps. Failures (OOM, a backend that cannot run) are
+    returned in `error` with the timing figures None, so a sweep goes on."""
+    args, facts = run_facts(preset, seq, opts, device)
+    tokens = facts["tokens_per_step"]
+    flops, flops_full = facts["flops_per_token"] * tokens, facts["flops_per_token_full_square"] * tokens
     result = {
         "preset": preset,
         "seq": seq,
@@ -230,15 +237,14 @@ def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
         "tokens_per_s": None,
         "tflops": None,
         "tflops_full_square": None,
-        "flops_per_token": flops / tokens,
-        "flops_per_token_full_square": flops_full / tokens,
+        "flops_per_token": facts["flops_per_token"],
+        "flops_per_token_full_square": facts["flops_per_token_full_square"],
         "mem_gib": None,
-        "estimated_gib": estimate_memory(run, on_gpu=device == "cuda").total / 2**30,
+        "estimated_gib": facts["estimated_gib"],
         "resident_gib": None,
         "left_gib": None,
         "profile": None,
         "step_s": None,
-        "optimizer_s": None,
         "error": None,
     }
     _reset_peak(device)
@@ -249,7 +255,6 @@ def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
         result.update(step_s=seconds, tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12)
         result["tflops_full_square"] = flops_full / seconds / 1e12
         result.update(backend=timed["backend"], profile=timed["profile"])
-        result["optimizer_s"] = timed.get("optimizer_s")
         if device == "cuda":
             result["mem_gib"] = (torch.cuda.max_memory_allocated() - resident) / 2**30
     except Exception as exc:  # noqa: BLE001 - every failure is a result here

@@ -190,7 +190,9 @@ def test_every_lever_of_the_table_is_in_the_gpu_campaigns_matrix():
     slot the plan does not place yet fails here, not on a lent GPU)."""
     from benchmarks.campaign import plan
 
-    pulled = [lever.on for lever in plan.GPU_PLAN.train_levers]
+    gpu = plan.GPU_PLAN
+    pulled = [flags for _, flags in gpu.train_fast]
+    pulled += [("--diff-attn-backend", backend) for backend in gpu.train_backends]
     for slot in registry.SLOTS:
         for name, flags in registry.levers(slot.name):
             assert any(_contains(on, flags) for on in pulled), f"{slot.name}: {name} {flags}"

@@ -90,6 +90,8 @@ def phase_tests(
     counts.update(timed_out=False, workers=workers)
     try:
         for line in lines_until(proc, deadline):
+            if line is None:  # a second without output
+                continue
             print(line.rstrip("\n"), flush=True)
             counter.feed(line)
             part.set(tests=counts)

@@ -11,11 +11,17 @@ from diffmeg import registry
 PHASES = schema.PHASES
 # Seconds per phase on a GPU, and in a CPU smoke run; --budget caps the sum of those selected.
 PHASE_BUDGET_S = {"env": 60, "tests": 180, "kernels": 300, "train": 420, "memory": 420}
-SMOKE_BUDGET_S = {"env": 20, "tests": 25, "kernels": 30, "train": 60, "memory": 90}  # train: + the levers
-# 7 minutes: three commands, each with its own 1-2 minute machine start (and 30 s warm unless handed
-# back), fit the 30 minutes of device time a session gets (docs/gpu.md, "GPU time").
+SMOKE_BUDGET_S = {"env": 20, "tests": 25, "kernels": 30, "train": 90, "memory": 90}
 DEFAULT_TOTAL_S = 420
-SMOKE_TOTAL_S = 225  # CI: about 2 minutes of work on 2 idle cores; a slower machine skips rows, never hangs
+SMOKE_TOTAL_S = 255  # CI: about 2 minutes of work on 2 idle cores; a slower machine skips rows, never hangs
+# One lent GPU (docs/gpu.md, "The two commands"): 15 minutes of device time a session, the machine's start
+# included. `--lent-gpu` runs the env and train phases in one command of LENT_GPU_S, and with --continue
+# the runs that command did not reach in one of LENT_CONTINUE_S; `--plan` estimates both and must stay
+# within DEVICE_PLAN_MAX_S (what is left of the 900 s covers the copies between the calls and giving back).
+LENT_GPU_S = 510
+LENT_CONTINUE_S = 180
+DEVICE_START_S = 120  # a machine's start, counted against the session
+DEVICE_PLAN_MAX_S = 780
 MIN_PHASE_S = 30  # kept back for each phase still to come
 CHILD_MARGIN_S = 20  # a phase stops starting new work this long (at most 15%) before its budget ends
 # Where the `gpu`-marked tests live (tests/benchmarks/campaign/test_plan.py fails if one is added elsewhere),
@@ -31,103 +37,19 @@ GPU_TEST_PATHS = (
 GPU_TEST_WORKERS = 4
 
 
-@dataclass(frozen=True)
-class Lever:
-    """One speed lever of the train phase's matrix: the same model timed with `off` then `on` flags, side by
-    side in one process; its gain is tokens/s on over off. A new fused path is one more entry."""
-
-    name: str
-    arch: str
-    """Which model of the plan runs it: "diff" (Plan.train_diff) or "transformer" (its baseline)."""
-    on: tuple[str, ...]
-    """pretrain_diff.py flags with the lever pulled."""
-    off: tuple[str, ...]
-    """Its twin's flags: everything else the same."""
-    note: str = ""
-
-
-DIST_OPT = ("--use-distributed-optimizer",)
-OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
-
-
-# The GPU candidates of the implementation table (`diffmeg.registry.levers`, docs/implementations.md) by
-# slot: a new row marked as one joins its slot's place here (tests/test_registry.py checks every one has).
-FUSED_OPS = (*registry.levers("norm"), ("fused loss", ("--cross-entropy-loss-fusion",)))
-"""The fused-op candidates both models take (the norm slot's, megatron-core's fused loss): name, flags."""
-FUSED_OPTIMIZER = registry.levers("optimizer")
-GRAPH_OPS = (
-    ("compiled layers", ("--compile-layers",)),
-    ("local CUDA graphs", ("--cuda-graph-impl", "local")),
+# The fast path: the GPU candidates of the implementation table (`diffmeg.registry.levers`,
+# docs/implementations.md: a row marked as a lever joins here by itself) and megatron-core's own switches, in
+# the order their leave-one-out runs are timed (tests/test_registry.py checks every lever row is timed).
+FAST_PATH = (
     *registry.levers("sdpa_kernel"),
+    ("compiled layers", ("--compile-layers",)),
+    ("fused loss", ("--cross-entropy-loss-fusion",)),
+    *registry.levers("norm"),
+    *registry.levers("optimizer"),
+    ("grad-accum fusion", ("--gradient-accumulation-fusion",)),
 )
-"""Whole-layer options (`diffmeg.training.graphs`, the SDPA kernel preference), each alone on both
-models: not in the fast path until measured (CUDA graphs and compiled layers exclude each other)."""
 ATTENTION_CANDIDATES = tuple(flags[1] for _, flags in registry.levers("diff_attention"))
-"""DIFF V1's attention backends the GPU lever matrix times against `sdpa`."""
-GRAD_ACCUM = ("grad-accum fusion", ("--gradient-accumulation-fusion",))
-"""Weight gradients added into DDP's fp32 main_grad inside their GEMM (`diffmeg.fusions.grad_accum`);
-torchao's FP8 refuses it, so the FP8 lever runs the fast path without it."""
-FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
-"""torchao's float8 training on the local spec (no Transformer Engine on the GPU machine)."""
-
-
-def levers(backends: tuple[str, ...], loss_chunk: int, fused_ops: bool = True) -> tuple[Lever, ...]:
-    """The lever matrix: each DIFF attention backend against the first of `backends`, the chunked loss
-    (`loss_chunk` tokens a chunk), the fused optimizer, the distributed optimizer and its overlap; with
-    `fused_ops` (a GPU: bf16, so the fused loss and FP8 can run) each fused-op candidate, the grad-accum
-    fusion and each graph option (compiled layers, local CUDA graphs, cuDNN attention first) on both
-    models, the fused ops together (the headline: the fast path against today's) and FP8."""
-    base = ("--diff-attn-backend", backends[0])
-    out = [Lever(f"attention {b} vs {backends[0]}", "diff", (base[0], b), base) for b in backends[1:]]
-    out += [
-        Lever("chunked loss", "diff", (*base, "--cross-entropy-chunk-size", str(loss_chunk)), base,
-              "a memory option: its gain is below 1"),
-        *(Lever(name, "diff", (*base, *flags), (*base, flags[0], "megatron"))
-          for name, flags in FUSED_OPTIMIZER),
-        Lever("distributed optimizer", "diff", (*base, *DIST_OPT), base),
-        Lever("overlapped communication", "diff", (*base, *DIST_OPT, *OVERLAP), (*base, *DIST_OPT),
-              "one GPU: DP=1, so overlap can only show its overhead here, not its gain"),
-    ]  # fmt: skip
-    if not fused_ops:
-        return (*out, Lever("torch norm", "diff", (*base, *FUSED_OPS[0][1]), base))  # the mechanism, cheaply
-    every = tuple(flag for _, flags in (*FUSED_OPS, *FUSED_OPTIMIZER) for flag in flags)
-    for arch, extra in (("diff", base), ("transformer", ())):
-        out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra)
-                for name, flags in (*FUSED_OPS, GRAD_ACCUM)]  # fmt: skip
-        out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra, "GPU graph option, measured alone")
-                for name, flags in GRAPH_OPS]  # fmt: skip
-        fast = (*extra, *every)
-        every_op = (*fast, *GRAD_ACCUM[1])
-        out.append(Lever(f"every fused op ({arch})", arch, every_op, extra, "the fast path against today's"))
-        fp8_note = "torchao, tensorwise; without the grad-accum fusion, which torchao's FP8 refuses"
-        out.append(Lever(f"FP8 on the fast path ({arch})", arch, (*fast, *FP8), fast, fp8_note))
-    return tuple(sorted(out, key=lever_priority))  # stable: the rest keep their order
-
-
-HEADLINE_LEVERS = ("every fused op (diff)", "every fused op (transformer)")
-"""Timed first: the fast path against today's is what the issue's goals are judged on (the Transformer's
-MFU, DIFF V1's tokens/s ratio), so a command cut by its budget has measured them."""
-
-
-def lever_priority(lever: Lever) -> int:
-    """Run order of the lever matrix: the headline levers, then FP8 (its gain is a goal too), the rest."""
-    if lever.name in HEADLINE_LEVERS:
-        return HEADLINE_LEVERS.index(lever.name)
-    return len(HEADLINE_LEVERS) + (0 if lever.name.startswith("FP8") else 1)
-
-
-@dataclass(frozen=True)
-class FullDepth:
-    """The full-depth 3B rows (GPU only): the whole model where its memory plan fits, else the largest cut
-    of `fallback_layers` that does; many micro-batches a step so the optimizer step is amortized."""
-
-    models: tuple[str, ...]
-    seq: int
-    microbatches: int
-    fallback_layers: tuple[int, ...]
-    amortize_dp: int
-    """The optimizer step is also reported as a data-parallel run of this many ranks sees it: the
-    distributed optimizer's shard is 1/amortize_dp of it (`tokens_per_s_amortized`)."""
+"""DIFF V1's attention backends timed on the fast path against its own `sdpa`."""
 
 
 @dataclass(frozen=True)
@@ -146,22 +68,36 @@ class Plan:
     check_seq: int
     attn_extra: tuple[tuple[int, int, int, tuple[int, ...]], ...]
     """(heads, kv heads, head dim, seqs) of other layouts: SDPA's split-V path against the baseline there."""
-    train_diff: str
+    train_models: tuple[str, ...]
+    """The Transformer, DIFF V1 and (where given) DIFF V2 presets, cut to the layers that fit."""
     train_layers: tuple[int, ...]
-    """Layer counts to try, largest first: the first whose memory plan fits is used."""
+    """Layer counts to try, largest first: the first at which two models (the pair being timed) fit 85% of
+    the GPU by the memory plan is used."""
     train_seqs: tuple[int, ...]
+    train_fast: tuple[tuple[str, tuple[str, ...]], ...]
+    """The fast path: every lever expected to win, (name, pretrain_diff.py flags), in the order its
+    leave-one-out runs are timed."""
+    train_fp8: tuple[str, ...] | None
+    """FP8 flags tried on the fast path (GPU only: None in the smoke run)."""
     train_backends: tuple[str, ...]
-    train_levers: tuple[Lever, ...]
-    """The lever matrix, timed at the first length after the rows above (off twin, then on)."""
-    train_full_depth: FullDepth | None
-    """The full 28-layer 3B where it fits (GPU only; None in the smoke run)."""
+    """DIFF V1 attention backends timed on the fast path against its own (`sdpa`)."""
+    train_graphs: tuple[str, ...] | None
+    """Flags that take the compiled layers' place in a comparison (CUDA graphs; they exclude each other)."""
+    train_leave_out: tuple[tuple[str, str], ...] | None
+    """(arch, fast lever) pairs timed as leave-one-out runs; None: every lever of the fast path, DIFF V1's
+    first, then the Transformer's (the grad-accum fusion's runs with FP8 already)."""
     train_profile: bool
-    """One more step of each row at the first length (not the variants) under torch.profiler: where the
-    step's time goes (benchmarks/step_profile.py), the question a low MFU raises."""
+    """One more step of each model's fast path at the first length under torch.profiler: where the step's
+    time goes (benchmarks/step_profile.py), the question a low MFU raises."""
     train_tokens_per_microbatch: int
     train_microbatches: int
-    train_warmup: int
-    train_iters: int
+    train_window_steps: int
+    """Optimizer steps in one timed window."""
+    train_windows: int
+    """Timed windows of each twin in a comparison (at least two), alternated off, on, off, on, ..."""
+    train_warmup_steps: int
+    """Steps of a model's first window after its build (compilation, cuDNN's heuristics, the allocator,
+    CUDA graphs' capture): recorded, never in a gain."""
     vocab_size: int | None
     memory_diff: str
     memory_layers: int
@@ -191,23 +127,20 @@ GPU_PLAN = Plan(
     attn_iters=20,
     check_seq=1024,
     attn_extra=((8, 8, 96, (2048,)),),  # DIFF-830M's head dim
-    train_diff="diff-3b",
+    train_models=("transformer-3b", "diff-3b", "diff2-3b"),
     train_layers=(8, 6, 4, 2),
     train_seqs=(4096, 2048),
-    train_backends=("sdpa",),
-    train_levers=levers(("sdpa", *ATTENTION_CANDIDATES), loss_chunk=1024),
-    train_full_depth=FullDepth(
-        models=("transformer-3b", "diff-3b"),
-        seq=4096,
-        microbatches=16,
-        fallback_layers=(4, 8),
-        amortize_dp=64,
-    ),
+    train_fast=FAST_PATH,
+    train_fp8=("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"),
+    train_backends=ATTENTION_CANDIDATES,
+    train_graphs=("--cuda-graph-impl", "local"),
+    train_leave_out=None,
     train_profile=True,
     train_tokens_per_microbatch=4096,
     train_microbatches=4,
-    train_warmup=2,
-    train_iters=5,
+    train_window_steps=2,
+    train_windows=3,
+    train_warmup_steps=4,  # past megatron-core's 3 CUDA-graph warm-up steps: the graphs are captured in it
     vocab_size=None,
     memory_diff="diff-3b",
     memory_layers=4,
@@ -233,17 +166,20 @@ SMOKE_PLAN = Plan(
     attn_iters=1,
     check_seq=64,
     attn_extra=(),
-    train_diff="diff-tiny",
+    train_models=("transformer-tiny", "diff-tiny"),
     train_layers=(2,),
     train_seqs=(64,),
-    train_backends=("sdpa", "reference"),
-    train_levers=levers(("sdpa", "reference"), loss_chunk=16, fused_ops=False),
-    train_full_depth=None,
+    train_fast=(("torch norm", ("--norm-impl", "torch")), ("fused optimizer", ("--optimizer-impl", "fused"))),
+    train_fp8=None,
+    train_backends=(),
+    train_graphs=None,
+    train_leave_out=(),  # the anchor and its partners are the models' own comparisons here
     train_profile=True,
     train_tokens_per_microbatch=64,
     train_microbatches=1,
-    train_warmup=0,
-    train_iters=1,
+    train_window_steps=1,
+    train_windows=2,
+    train_warmup_steps=1,
     vocab_size=256,
     memory_diff="diff-tiny",
     memory_layers=2,

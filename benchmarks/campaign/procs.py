@@ -113,8 +113,8 @@ def end(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def lines_until(proc: subprocess.Popen, end: float) -> Iterator[str]:
-    """The child's output lines until it exits or the time is up."""
+def lines_until(proc: subprocess.Popen, end: float) -> Iterator[str | None]:
+    """The child's output lines until it exits or the time is up; None each second without one."""
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     while True:
@@ -124,6 +124,7 @@ def lines_until(proc: subprocess.Popen, end: float) -> Iterator[str]:
         if not sel.select(timeout=min(left, 1.0)):
             if proc.poll() is not None:
                 return
+            yield None
             continue
         line = proc.stdout.readline()
         if not line:
@@ -132,20 +133,29 @@ def lines_until(proc: subprocess.Popen, end: float) -> Iterator[str]:
 
 
 def run_phase_process(
-    cmd: list[str], budget: float, env: dict[str, str], log: Callable[[str], None], part_file: Path
+    cmd: list[str],
+    budget: float,
+    env: dict[str, str],
+    log: Callable[[str], None],
+    part_file: Path,
+    on_update: Callable[[dict], None] | None = None,
 ) -> tuple[dict, float]:
     """Run a phase's process for at most `budget` seconds, passing its output to `log`; end it with all
     it started, however it ended. Returns what it kept in `part_file` (rows written before a crash or
-    kill included; `_status` timeout or failed where it did not end by itself with exit 0) and seconds."""
+    kill included; `_status` timeout or failed where it did not end by itself with exit 0) and seconds.
+    `on_update` gets the part each time the child saved it anew (checked at each line and each second)."""
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
-    timed_out = False
+    timed_out, seen = False, None
     try:
         for line in lines_until(proc, start + budget):
-            log(line.rstrip("\n"))
+            if line is not None:
+                log(line.rstrip("\n"))
+            if on_update is not None:
+                seen = _updated(part_file, seen, on_update)
         try:
             proc.wait(timeout=max(1.0, start + budget - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -154,10 +164,7 @@ def run_phase_process(
         end(proc)  # a finished phase too: a helper it left behind must not outlive it
         proc.stdout.close()
     seconds = time.monotonic() - start
-    try:
-        part = json.loads(part_file.read_text()) if part_file.is_file() else {}
-    except ValueError:
-        part = {}
+    part = _read_part(part_file)
     shutil.rmtree(part_file.parent, ignore_errors=True)
     if timed_out:
         part["_status"], part["_error"] = "timeout", f"killed after {budget:.0f}s"
@@ -165,3 +172,24 @@ def run_phase_process(
         part["_status"] = "failed"
         part["_error"] = part.get("_error") or f"phase process exited with {proc.returncode}"
     return part, seconds
+
+
+def _read_part(part_file: Path) -> dict:
+    try:
+        return json.loads(part_file.read_text()) if part_file.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _updated(part_file: Path, seen: tuple | None, on_update: Callable[[dict], None]) -> tuple | None:
+    """Call `on_update` with the part file when it changed since `seen` (its mtime and size); the new mark."""
+    try:
+        stat = part_file.stat()
+    except OSError:
+        return seen
+    mark = (stat.st_mtime_ns, stat.st_size)
+    if mark != seen:
+        part = _read_part(part_file)
+        if part:
+            on_update(part)
+    return mark

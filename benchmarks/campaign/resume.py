@@ -1,10 +1,12 @@
-"""A train phase that continues an earlier one (`--continue FILE`): which rows it may reuse, and the merge.
+"""A train phase that continues an earlier one (`--continue FILE`): what it skips, and how rows merge.
 
-The lever matrix has outgrown one device command (docs/gpu.md, "The commands"), so a second command with
-`--phase train --continue FILE` measures only what FILE lacks. A row is reused only for the same run: the
-model, sequence length, pretrain_diff.py flags, layers, micro-batches and TorchDynamo on or off
-(`run_key`); labels (impl, variant) are not identity, so the lever matrix's off twin can be the base
-row of the earlier command. A row with an error (a failure, or `skipped: time budget`) is measured again.
+The plan (benchmarks/campaign/train_plan.py) outgrows one device command, so a second command with
+`--continue FILE` times only the comparisons FILE lacks or holds with an error: a comparison is the unit,
+since its gain needs both twins' windows from one process pair. A comparison is known by its name, which
+holds the models, the labels and the length; `--continue` takes only a file of the same clean revision on
+the same GPU (merge.py), so the name stands for the same flags and layer count. In the merged file the
+earlier rows are kept (named by the file that measured them) and a row measured again replaces its
+earlier one.
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ FROM = "from"
 """Row field: the results file whose command measured the row (absent: the file's own command)."""
 
 
+def measured_comparisons(levers: list[dict]) -> set[str]:
+    """Names of the earlier file's comparisons measured without error (interleaved windows and a gain)."""
+    return {
+        row["lever"]
+        for row in levers
+        if row.get("gain") is not None and not row.get("error") and "off_windows" in row
+    }
+
+
 def run_key(row: dict) -> tuple | None:
-    """What makes two train rows the same measurement; None for a row that names no flags (a `fit` row, or
-    a file written before rows carried them): such a row is never reused."""
+    """What makes two train rows the same run: model, length, pretrain_diff.py flags, layers, micro-batches,
+    TorchDynamo on or off; None for a row that names no flags (a file written before rows carried them)."""
     if not isinstance(row.get("flags"), list):
         return None
     return (
@@ -30,28 +41,8 @@ def run_key(row: dict) -> tuple | None:
     )
 
 
-def reusable(rows: list[dict], name: str) -> dict[tuple, dict]:
-    """The earlier file's measured runs by `run_key`: what a train phase continuing it need not time again.
-    Each value holds what the lever matrix and the full-depth fit read, and where it was measured."""
-    out: dict[tuple, dict] = {}
-    for row in rows:
-        key = run_key(row)
-        if key is None or row.get("error") or not row.get("tokens_per_s"):
-            continue
-        out[key] = {
-            "tokens_per_s": row["tokens_per_s"],
-            "step_s": row.get("step_s"),
-            "optimizer_s": row.get("optimizer_s"),
-            "error": None,
-            "profiled": bool(row.get("profiled")),
-            FROM: row.get(FROM) or name,
-        }
-    return out
-
-
 def _train_identity(row: dict) -> tuple:
-    """The run (one run can stand under several labels: a budget skips each lever asking for it); by its
-    labels only where the row names no flags (a `fit` row)."""
+    """The run; by its labels only where the row names no flags."""
     key = run_key(row)
     if key is not None:
         return ("run", *key)
@@ -68,8 +59,8 @@ IDENTITY: dict[str, Callable[[dict], tuple]] = {"train": _train_identity, "lever
 
 def combined(table: str, earlier: list[dict], current: list[dict], earlier_name: str) -> list[dict]:
     """The earlier file's rows (marked with the file that measured them) and this command's after them; a
-    row of this command replaces the earlier row of the same identity (an error measured again, a gain
-    derived again from its twins)."""
+    row of this command replaces the earlier row of the same identity (a comparison or a variant measured
+    again)."""
     identity = IDENTITY[table]
     new = {identity(row) for row in current}
     kept = [{**row, FROM: row.get(FROM) or earlier_name} for row in earlier if identity(row) not in new]

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -21,17 +19,18 @@ from pathlib import Path
 
 from benchmarks.campaign import schema
 from benchmarks.campaign.env import phase_env
-from benchmarks.campaign.figures import headlines
 from benchmarks.campaign.gpu_tests import phase_tests
 from benchmarks.campaign.install import install_wheels, missing_requirement
 from benchmarks.campaign.kernels import phase_kernels
 from benchmarks.campaign.memory import phase_memory
-from benchmarks.campaign.merge import RESUMABLE_PHASES, ContinueError, load_earlier, merged
-from benchmarks.campaign.part import Part, clean
+from benchmarks.campaign.merge import RESUMABLE_PHASES, ContinueError, load_earlier
+from benchmarks.campaign.part import Part
 from benchmarks.campaign.plan import (
     CHILD_MARGIN_S,
     DEFAULT_TOTAL_S,
     GPU_PLAN,
+    LENT_CONTINUE_S,
+    LENT_GPU_S,
     MIN_PHASE_S,
     PHASES,
     SMOKE_PLAN,
@@ -40,6 +39,7 @@ from benchmarks.campaign.plan import (
     phase_budgets,
 )
 from benchmarks.campaign.procs import REPO, child_env, run_phase_process, torchdynamo_disable
+from benchmarks.campaign.results_file import ResultsFile, with_part
 from benchmarks.campaign.source import STAMP_NAME, source_revision, write_stamp
 from benchmarks.campaign.summary import summary_lines
 from benchmarks.campaign.train import phase_train, plan_lines
@@ -82,10 +82,12 @@ def run_child(
     figures: dict,
     log: Callable[[str], None],
     reuse: Path | None = None,
+    on_update: Callable[[dict], None] | None = None,
 ) -> tuple[dict, float]:
     """Run one phase in a child process; its results (what it kept before any crash) and seconds.
-    `figures`: the env phase's roof and peak, for the train phase's MFU; `reuse`: the --continue file
-    whose measured train runs the train phase does not time again (same GPU only)."""
+    `figures`: the env phase's roof, peak and GPU memory, for the train phase's MFU and layer count;
+    `reuse`: the --continue file whose measured comparisons the train phase does not time again (same GPU
+    only); `on_update`: called with the phase's results each time the child saved them."""
     part_file = Path(tempfile.mkdtemp(prefix="campaign-part-")) / f"{phase}.json"
     cmd = [sys.executable, "-m", "benchmarks.campaign", "--child", phase, "--part", str(part_file)]
     cmd += ["--budget-s", str(budget)]
@@ -96,12 +98,14 @@ def run_child(
     for flag, key in (("--roof", "bf16_matmul_tflops"), ("--peak", "peak_bf16_tflops")):
         if figures.get(key):
             cmd += [flag, str(figures[key])]
+    if (figures.get("machine") or {}).get("gpu_memory_gib"):
+        cmd += ["--gpu-gib", str(figures["machine"]["gpu_memory_gib"])]
     if reuse is not None and phase in RESUMABLE_PHASES:
         cmd += ["--continue", str(reuse)]
     log(f"=== phase {phase} (budget {budget:.0f}s)")
     env = child_env(a)
     env["TORCHDYNAMO_DISABLE"] = torchdynamo_disable(phase, device_type)
-    return run_phase_process(cmd, budget, env, log, part_file)
+    return run_phase_process(cmd, budget, env, log, part_file, on_update)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -116,6 +120,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks every phase runs (CI, CPU)")
     p.add_argument(
+        "--lent-gpu",
+        action="store_true",
+        help=f"one lent GPU's command (docs/gpu.md): the env and train phases within {LENT_GPU_S} s, or with "
+        f"--continue the comparisons the first left within {LENT_CONTINUE_S} s (--budget still wins)",
+    )
+    p.add_argument(
         "--phase-budget",
         action="append",
         default=[],
@@ -126,7 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budget",
         type=float,
         default=None,
-        help=f"seconds for the whole command (default {DEFAULT_TOTAL_S}, smoke {SMOKE_TOTAL_S})",
+        help=f"seconds for the whole command (default {DEFAULT_TOTAL_S}, smoke {SMOKE_TOTAL_S}, "
+        f"--lent-gpu {LENT_GPU_S} or {LENT_CONTINUE_S})",
     )
     p.add_argument(
         "--prepare",
@@ -141,20 +152,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="FILE",
         help="add this command's phases to an earlier results file of the same clean revision and GPU "
         "(its other phases and rows are kept; the new file names it in 'continues'); a train phase "
-        "times only the runs that file lacks or holds with an error, and keeps its rows",
+        "times only the comparisons that file lacks or holds with an error, and keeps its rows",
     )
     p.add_argument(
         "--plan",
         action="store_true",
-        help="print the train phase's runs in order (the GPU plan, or the smoke plan with --smoke), each "
-        "lever twin once, their count and a time estimate from the newest GPU results file; runs nothing",
+        help="print the train phase's comparisons in order (the GPU plan, or the smoke plan with --smoke), "
+        "where docs/gpu.md's two --lent-gpu commands reach, and the device time they take at the rate of "
+        "the newest GPU results file (the last line); runs nothing",
     )
     p.add_argument("--child", choices=PHASES, default=None, help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget-s", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--roof", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--peak", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--gpu-gib", type=float, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.lent_gpu:
+        a.phase = "env,train"
+        if a.budget is None:
+            a.budget = LENT_CONTINUE_S if a.continue_from else LENT_GPU_S
+        a.phase_budget = [f"train={a.budget}", *a.phase_budget]  # all the env phase leaves
     if a.child is None and not a.prepare and not a.plan and not a.out:
         p.error("--out DIR is required")
     return a
@@ -185,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.prepare:
         return prepare(Path(a.wheels or ".whl"))
     if a.plan:
-        for line in plan_lines(plan_for(a.smoke), REPO / "benchmarks" / "results"):
+        for line in plan_lines(plan_for(a.smoke), REPO / "benchmarks" / "results", a.smoke):
             print(line)
         return 0
     selected = [p.strip() for p in a.phase.split(",") if p.strip()]
@@ -230,13 +248,16 @@ def _run(
     log: Callable[[str], None],
     log_path: Path,
 ) -> int:
-    """Prepare the machine, run each phase's child, write the results file; the exit status."""
+    """Prepare the machine, run each phase's child, write the results file; the exit status. The file is
+    written whole (a temporary file renamed over it) after every phase and whenever a phase's child saved
+    its rows, so a command stopped at any moment, even killed, leaves a file holding what it measured."""
     started = time.monotonic()
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
     result = schema.empty_result()
     carried = Path(a.wheels) if a.wheels else None
     if carried is not None:
         result["wheels"] = install_wheels(carried, log)
+        result["wheels"]["seconds"] = round(time.monotonic() - started, 1)
     problem = missing_requirement(result["wheels"])
     if problem:
         log(f"campaign: {problem}")
@@ -256,6 +277,7 @@ def _run(
         git_source=source,
         smoke=bool(a.smoke),
     )
+    results = ResultsFile(out, stamp, earlier, Path(a.continue_from).name if earlier else None, phases)
     total = a.budget if a.budget is not None else (SMOKE_TOTAL_S if a.smoke else DEFAULT_TOTAL_S)
     failed = False
     for i, phase in enumerate(phases):
@@ -272,56 +294,48 @@ def _run(
         reuse = None
         if earlier is not None and earlier["device"] == result["device"]:  # another GPU's rows: never
             reuse = Path(a.continue_from)
-        part, seconds = run_child(phase, budget, a, device_type, result, log, reuse=reuse)
+
+        def progress(part: dict, phase: str = phase, before: dict = result) -> None:
+            running = {"status": "partial", "seconds": None, "error": "unfinished: the command ended here"}
+            results.write(with_part(before, phase, part, running))
+
+        part, seconds = run_child(phase, budget, a, device_type, result, log, reuse=reuse, on_update=progress)
         status, error = part.pop("_status", "failed"), part.pop("_error", None)
-        result["phases"][phase] = {"status": status, "seconds": round(seconds, 1), "error": error}
-        if reuse is not None and phase in RESUMABLE_PHASES:  # runs the earlier command measured
-            result["phases"][phase]["reused"] = part.pop("_reused", 0)
+        info = {"status": status, "seconds": round(seconds, 1), "error": error}
+        if reuse is not None and phase in RESUMABLE_PHASES:  # comparisons the earlier command measured
+            info["reused"] = part.get("_reused", 0)
         # A phase that raised fails the command; one cut short by its budget (partial, or killed as a
         # timeout on a slow machine) is reported, not fatal: the budget is what keeps CI bounded.
         failed |= status == "failed"
-        for key, value in part.items():
-            if key in result:
-                result[key] = value
-        result.update(headlines(result))  # from the rows kept, finished or not
+        result = with_part(result, phase, part, info)
         if phase == "env" and result["device_type"] not in ("cuda", "cpu"):  # env failed: what we know
             import torch
 
             result["device_type"] = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
             result["device"] = result["device"] or f"unknown {result['device_type']} (env phase failed)"
+        results.write(result)
         if phase == "env" and result["device_type"] == "cpu" and not a.smoke:
             log("campaign: no CUDA GPU here; a CPU run is a smoke test: add --smoke (and --device cpu)")
             break
-    if earlier is not None:
-        try:
-            result = merged(earlier, Path(a.continue_from).name, result, phases)
-            result.update(headlines(result))
-        except ContinueError as exc:  # another GPU: this command's results stand alone
-            log(f"campaign: {exc}")
-            failed = True
-    result = clean(result)
-    name = f"campaign-{slug(result['device'] or 'unknown')}-{stamp}.json"
-    problems = schema.validate(result)
-    (out / name).write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
-    for line in summary_lines(result):
+    if results.merge_error:  # another GPU: this command's results stand alone
+        log(f"campaign: {results.merge_error}")
+        failed = True
+    final = results.write(result)
+    problems = schema.validate(final)
+    for line in summary_lines(final):
         log(line)
     if problems:
         log("results do not follow the schema: " + "; ".join(problems[:5]))
-    log(f"results: {out / name}  (log: {log_path}; {time.monotonic() - started:.0f}s)")
+    log(f"results: {results.path}  (log: {log_path}; {time.monotonic() - started:.0f}s)")
     row_errors = [
         r["error"]
-        for t in ("attention", "train", "memory", "gpu_train_run")
-        for r in result[t]
-        if r.get("error") and not str(r["error"]).startswith("skipped")
+        for t in ("attention", "train", "memory", "gpu_train_run", "levers")
+        for r in final.get(t) or []
+        if r.get("error") and not str(r["error"]).startswith(("skipped", "unfinished"))  # cut by the budget
     ]
-    tests = result["tests"] or {}
+    tests = final["tests"] or {}
     if a.smoke and (row_errors or tests.get("failed") or tests.get("errors")):
         failed = True  # on a CPU every smoke row must work; on a GPU a failing row is a result
         for e in row_errors[:10]:
             print(f"smoke: row error: {e}", file=sys.stderr)
     return 1 if (failed or problems) else 0
-
-
-def slug(text: str) -> str:
-    """File-name-safe lower-case form of a device name (letters, digits, '-')."""
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"

@@ -61,6 +61,18 @@ ROW_FIELDS: dict[str, dict[str, tuple]] = {
     },
 }
 
+# Row fields of the interleaved train phase (benchmarks/campaign/interleave.py): absent from files before
+# it, typed where present. Windows are tokens/s, one per timed window; a gain is median(on) / median(off).
+ROW_OPTIONAL_FIELDS: dict[str, dict[str, tuple]] = {
+    "train": {
+        "windows": (list,),
+        "warmup_windows": (list,),
+        "build_s": _OPT_NUM,
+        "window_steps": (int, type(None)),
+    },
+    "levers": {"kind": (str,), "off_windows": (list,), "on_windows": (list,), "warmup_windows": (dict,)},
+}
+
 # Top-level keys and their types (lists of rows are checked with ROW_FIELDS).
 TOP_LEVEL: dict[str, tuple] = {
     "schema": (str,),
@@ -91,7 +103,7 @@ OPTIONAL_TOP_LEVEL: dict[str, tuple] = {
     "peak_bf16_tflops": _OPT_NUM,  # the GPU's dense bf16 peak (datasheet): the MFU denominator
     "wheels": (dict, type(None)),  # what --wheels found and installed
     "continues": (list,),  # earlier results files of the same revision and GPU merged in (--continue)
-    "levers": (list,),  # the train phase's lever matrix: each lever's gain, tokens/s on over its off twin
+    "levers": (list,),  # the train phase's comparisons: each gain, tokens/s on over its off twin
 }
 # Keys of the fused Triton kernel, which left the package (docs/gpu.md, "The first GPU run"): the files
 # under benchmarks/results/ written before hold them, report.py shows them as history; no run writes them.
@@ -158,6 +170,9 @@ def validate(result: Any) -> list[str]:
                 if name not in row:
                     problems.append(f"{table}[{i}] lacks {name!r}")
                 elif not _is(row[name], types):
+                    problems.append(f"{table}[{i}].{name} has type {type(row[name]).__name__}")
+            for name, types in ROW_OPTIONAL_FIELDS.get(table, {}).items():
+                if name in row and not _is(row[name], types):
                     problems.append(f"{table}[{i}].{name} has type {type(row[name]).__name__}")
     return problems
 

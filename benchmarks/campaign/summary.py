@@ -36,17 +36,18 @@ def summary_lines(result: dict) -> list[str]:
             f"{fmt(r['tflops'], '{:.0f}')} TF/s {r['error'] or ''}"
         )
     for r in result["train"]:
-        impl = f"{r['impl']} {r['variant']}" if r.get("variant") else r["impl"]
+        impl = f"{r['impl']} {r['variant']}" if r.get("variant") and r["variant"] != r["impl"] else r["impl"]
         out.append(
             f"train {r['model']:16s} {impl:24s} s{r['seq']:<5d} "
             f"tokens/s {fmt(r['tokens_per_s'], '{:.0f}')}  MFU {fmt(r['mfu'], '{:.1%}')}"
             f" ({fmt(r.get('mfu_vs_matmul'), '{:.1%}')} of matmul) {r['error'] or ''}"
         )
     for r in result.get("levers") or []:
+        windows = f", {len(r['on_windows'])} + {len(r['off_windows'])} windows" if "on_windows" in r else ""
         out.append(
-            f"lever {r['lever']:28s} {r['model']:12s} s{r['seq']:<5d} gain {fmt(r['gain'], '{:.3f}')}x "
-            f"({fmt(r['on_tokens_per_s'], '{:.0f}')} / {fmt(r['off_tokens_per_s'], '{:.0f}')} tokens/s) "
-            f"{r['error'] or ''}"
+            f"{r.get('kind', 'lever')} {r['lever']:48s} gain {fmt(r['gain'], '{:.3f}')}x "
+            f"({fmt(r['on_tokens_per_s'], '{:.0f}')} / {fmt(r['off_tokens_per_s'], '{:.0f}')} tokens/s"
+            f"{windows}) {r['error'] or ''}"
         )
     for key in ("4k", "2k"):
         ratio, bound = result[f"diff_vs_transformer_ratio_{key}"], result[f"flop_bound_{key}"]

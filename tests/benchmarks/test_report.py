@@ -100,7 +100,10 @@ def test_the_lever_table_shows_each_gain_from_a_results_file():
     r["levers"] = [fused, chunked, resumed]
     assert report.schema.validate(r) == []
     text = "\n".join(report.levers_table("campaign-cpu-1.json", r))
-    assert "| fused optimizer | diff-tiny | 64 | 100 | 125 | 1.250x | `--optimizer-impl` `fused` |" in text
+    assert (
+        "| fused optimizer | diff-tiny | 64 | 100 | 125 | 1.250x | – | – | `--optimizer-impl` `fused` |"
+        in text
+    )
     assert "| `--optimizer-impl` `megatron` |" in text
     assert "| `--cross-entropy-chunk-size` `16` | – | a memory option | skipped: time budget |" in text
     fused_row = next(line for line in text.splitlines() if line.startswith("| fused optimizer |"))
@@ -110,6 +113,29 @@ def test_the_lever_table_shows_each_gain_from_a_results_file():
     gpu = gpu_result()
     gpu["levers"] = r["levers"]
     assert "| fused optimizer | diff-tiny | 64 | 100 | 125 | 1.250x" in report.render([("g.json", gpu)])
+
+
+def test_the_interleaved_design_shows_each_twins_windows():
+    """A comparison's row holds both twins' timed windows; a ratio names both models; a train row of this
+    design gives its windows' count and spread."""
+    r = cpu_smoke_result()
+    ratio = {"lever": "DIFF V1 / Transformer (fast path) s64", "kind": "ratio", "model": "diff-tiny",
+             "off_model": "transformer-tiny", "seq": 64, "on": ["--norm-impl", "torch"],
+             "off": ["--norm-impl", "torch"], "off_windows": [100.0, 104.0, 98.0],
+             "on_windows": [95.0, 94.0, 96.0], "off_tokens_per_s": 100.0, "on_tokens_per_s": 95.0,
+             "gain": 0.95, "note": "", "error": None}  # fmt: skip
+    r["levers"] = [ratio]
+    r["train"] = [{"model": "diff-tiny", "impl": "fast path", "arch": "diff", "seq": 64, "layers": 2,
+                   "tokens_per_s": 95.0, "mfu": None, "error": None, "variant": None,
+                   "windows": [95.0, 94.0, 96.0, 100.0]}]  # fmt: skip
+    assert report.schema.validate(r) == []
+    text = "\n".join(report.levers_table("campaign-cpu-1.json", r))
+    assert (
+        "| diff-tiny / transformer-tiny | 64 | 100 | 95 | 0.950x | 100, 104, 98 | 95, 94, 96 | – | – |"
+        in text
+    )
+    train = "\n".join(report._train("campaign-cpu-1.json", r))
+    assert "| diff-tiny | fast path | 64 | 2 | 95 |" in train and "| 4 (6.3%) |" in train
 
 
 def test_mfu_in_the_full_square_convention_from_the_row_or_the_flop_model():

@@ -95,7 +95,7 @@ def test_the_rows_time_the_trainers_own_step(single_rank_parallel_state, monkeyp
     monkeypatch.setattr(Trainer, "train_step", counted)
     monkeypatch.setattr(builders, "release_training_objects", recorded)
     opts = train_step.StepOptions(tokens_per_microbatch=32, microbatches=2, warmup=1, iters=2, vocab_size=256)
-    opts.num_layers, opts.profile, opts.time_optimizer = 1, True, True
+    opts.num_layers, opts.profile = 1, True
     opts.extra_args = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     r = train_step.run_one("diff-tiny", 32, opts, "cpu")
     assert r["error"] is None, r["error"]
@@ -105,7 +105,7 @@ def test_the_rows_time_the_trainers_own_step(single_rank_parallel_state, monkeyp
     assert (r["mbs"], r["microbatches"], r["backend"]) == (1, 2, "sdpa")
     assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["profile"]["total_ms"] > 0
     assert r["tflops_full_square"] > r["tflops"]  # Megatron-LM's convention counts the full square
-    assert r["optimizer_s"] > 0 and r["profile"]["busy"] > 0
+    assert r["profile"]["busy"] > 0
     chosen = r["profile"]["sdpa"]  # what SDPA chose per shape on this CPU (whatever it is, recorded)
     assert chosen and {c["backend"] for c in chosen} <= set(step_profile.SDPA_OPS.values())
     assert all(c["q_shape"][-1] == 32 for c in chosen)  # diff-tiny's head dim

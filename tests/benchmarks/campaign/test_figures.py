@@ -39,3 +39,27 @@ def test_headlines_come_from_the_rows_a_killed_phase_kept():
     assert figures_now["diff_vs_transformer_ratio_2k"] is None
     assert figures_now["flop_bound_3b_4k"] == pytest.approx(0.956, abs=5e-4)
     assert figures.headlines({"attention": [], "train": []}) == {}
+
+
+def test_the_ratio_of_the_interleaved_design_is_its_comparisons_gain():
+    """DIFF V1 over the Transformer on the fast path, timed in alternating windows: the comparison's gain;
+    its bound from the two variants' FLOPs; before that comparison ran, no figure (never a row of one
+    model's fast path over the other's defaults)."""
+    fast = ["--norm-impl", "torch"]
+
+    def row(model, arch, flags, tokens_per_s, flops):
+        return {"model": model, "arch": arch, "seq": 4096, "flags": flags, "tokens_per_s": tokens_per_s,
+                "flops_per_token": flops, "error": None, "variant": None,
+                "windows": [tokens_per_s]}  # fmt: skip
+
+    rows = [
+        row("transformer-3b", "transformer", [], 90.0, 9.0),
+        row("transformer-3b", "transformer", fast, 100.0, 9.0),
+        row("diff-3b", "diff", fast, 95.0, 10.0),
+    ]
+    assert figures.throughput_ratio(rows, 4096, []) == (None, None)
+    lever = {"lever": "DIFF V1 / Transformer (fast path) s4096", "kind": "ratio", "seq": 4096, "gain": 0.93,
+             "on_model": "diff-3b", "off_model": "transformer-3b", "on_label": "fast path",
+             "on_flags": fast, "off_flags": fast}  # fmt: skip
+    assert figures.throughput_ratio(rows, 4096, [lever]) == (0.93, pytest.approx(0.9))
+    assert figures.headlines({"train": rows, "levers": [lever]})["diff_vs_transformer_ratio_4k"] == 0.93

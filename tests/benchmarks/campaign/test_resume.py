@@ -1,95 +1,14 @@
-"""`--phase train --continue FILE` resumes the train phase: only the runs FILE lacks or holds with an error
-are timed, FILE's rows are kept (named by the file that measured them), and a lever's gain is derived when
-its twins were timed in two commands (benchmarks/campaign/resume.py, merge.py, train.py, runner.py)."""
+"""`--lent-gpu --continue FILE` resumes the train phase: only the comparisons FILE lacks or holds with an
+error are timed, FILE's rows are kept (named by the file that measured them) and a variant measured again
+replaces its row (benchmarks/campaign/resume.py, merge.py, train.py, runner.py), with fake workers."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
-from pathlib import Path
-
-import pytest
 
 from benchmarks.campaign import merge, resume, runner, schema, train
 from benchmarks.campaign.part import Part
-from benchmarks.campaign.plan import SMOKE_PLAN
-
-RUN_S = 23.0  # each fake run moves the phase's clock on by this much (the last GPU run's rate)
-
-
-def _fake_train_step(monkeypatch, fail=lambda preset, flags: False):
-    """train_step.run_one answered at once, the phase's clock moved on RUN_S a run; the calls, in order."""
-    from benchmarks import train_step
-
-    calls: list[tuple[str, int, tuple[str, ...], int]] = []
-    real = time.monotonic
-
-    def run_one(preset, seq, opts, device):
-        flags = tuple(opts.extra_args)
-        calls.append((preset, seq, flags, opts.num_layers))
-        error = "RuntimeError: boom" if fail(preset, flags) else None
-        tps = None if error else 100.0 + len(flags)  # a lever's on run: more flags, more tokens/s
-        return {"preset": preset, "seq": seq, "layers": opts.num_layers, "mbs": 1,
-                "microbatches": opts.microbatches, "backend": "sdpa", "tokens_per_s": tps,
-                "tflops_full_square": 1.1, "flops_per_token": 1.0, "mem_gib": None, "estimated_gib": 0.0,
-                "resident_gib": None, "left_gib": None, "profile": None, "step_s": None if error else 0.64,
-                "tflops": 1.0,
-                "optimizer_s": None, "error": error}  # fmt: skip
-
-    monkeypatch.setattr(train_step, "run_one", run_one)
-    monkeypatch.setattr(train_step, "init_process", lambda: None)
-    monkeypatch.setattr(train_step, "close_process", lambda: None)
-    monkeypatch.setattr(train, "time", argparse.Namespace(monotonic=lambda: real() + RUN_S * len(calls)))
-    return calls
-
-
-def _timer(tmp_path, layers=2, compiled=False, name="p.json"):
-    a = argparse.Namespace(peak=None, roof=None)
-    deadline = time.monotonic() + 1e6
-    return train._Timer(a, Part(tmp_path / name), deadline, SMOKE_PLAN, "cpu", layers, compiled)
-
-
-def _matrix(timer):
-    train.run_matrix(timer, SMOKE_PLAN, train.train_runs(SMOKE_PLAN), full_depth_fits=None)
-
-
-def test_a_row_is_reused_only_for_the_same_run(monkeypatch, tmp_path):
-    """Another layer count, TorchDynamo setting or flag set is another measurement; an error is measured
-    again; a run asked to be profiled is not answered by a row measured without the profile."""
-    calls = _fake_train_step(monkeypatch)
-    first = _timer(tmp_path)
-    _matrix(first)
-    rows = first.part.data["train"]
-    everything = list(calls)
-    assert len(everything) == len(train.planned_runs(SMOKE_PLAN)) == len(rows)
-    assert all(r["flags"] is not None and resume.run_key(r) for r in rows)
-
-    def resumed(earlier_rows, **kw):
-        calls.clear()
-        timer = _timer(tmp_path, name="q.json", **kw)
-        timer.reuse(earlier_rows, "campaign-earlier.json")
-        _matrix(timer)
-        return list(calls), timer
-
-    again, timer = resumed(rows)
-    assert again == [] and timer.part.data.get("train") is None  # all held: nothing timed, no row
-    assert timer.part.data["_reused"] == len(rows)
-    names = [lever.name for lever in SMOKE_PLAN.train_levers]
-    assert [row["lever"] for row in timer.part.data["levers"]] == names
-    assert {row["off_from"] for row in timer.part.data["levers"]} == {"campaign-earlier.json"}
-    assert resumed(rows, layers=4)[0] == [(p, s, f, 4) for p, s, f, _ in everything]  # other layers: all
-    assert len(resumed(rows, compiled=True)[0]) == len(everything)  # TorchDynamo on: all again
-    broken = [{**r, "error": "OOM", "tokens_per_s": None} if r["impl"] == "reference" else r for r in rows]
-    assert resumed(broken)[0] == [("diff-tiny", 64, ("--diff-attn-backend", "reference"), 2)]
-    unprofiled = [{**r, "profiled": False} if r["impl"] == "baseline" else r for r in rows]
-    assert resumed(unprofiled)[0] == [("transformer-tiny", 64, (), 2)]
-    other_flags = [{**r, "flags": [*r["flags"], "--norm-impl", "torch"]} if r["impl"] == "sdpa" else r
-                   for r in rows]  # fmt: skip
-    sdpa = ("--diff-attn-backend", "sdpa")
-    assert resumed(other_flags)[0] == [("diff-tiny", 64, sdpa, 2)]  # once: the levers' twin reuses it
-    legacy = [{k: v for k, v in r.items() if k != "flags"} for r in rows]  # a file from before `flags`
-    assert len(resumed(legacy)[0]) == len(everything)
+from tests.benchmarks.campaign.fakes import FakeWorkers
 
 
 def test_merged_rows_keep_the_earlier_file_and_replace_what_was_measured_again():
@@ -130,12 +49,13 @@ def test_merged_rows_keep_the_earlier_file_and_replace_what_was_measured_again()
     assert set(merge.RESUMABLE_PHASES) == {"train"}
 
 
-def _command(tmp_path, monkeypatch, name, argv):
-    """One campaign command, its phases in this process: the env phase's results given, the train phase's
-    child run in-process with its command line (what `run_child` passes, `--continue` included)."""
+def _command(tmp_path, monkeypatch, name, argv, workers):
+    """One smoke campaign command, its phases in this process: the env phase's results given, the train
+    phase's child run in-process with its command line (what `run_child` passes, `--continue` included),
+    its workers `workers`' fakes."""
     seen: list[list[str]] = []
 
-    def run_phase_process(cmd, budget, env, log, part_file):
+    def run_phase_process(cmd, budget, env, log, part_file, on_update=None):
         seen.append(cmd)
         a = runner.parse_args(cmd[3:])
         if a.child == "env":
@@ -145,70 +65,51 @@ def _command(tmp_path, monkeypatch, name, argv):
         return json.loads(part_file.read_text()), 1.0
 
     monkeypatch.setattr(runner, "run_phase_process", run_phase_process)
+    monkeypatch.setattr(train, "Worker", lambda env: workers.spawn())
     out = tmp_path / name
     rc = runner.main(["--smoke", "--device", "cpu", "--phase", "train", "--out", str(out), *argv])
     (path,) = out.glob("campaign-*.json")
     return rc, schema.read(path), path, seen
 
 
-def test_a_continued_train_phase_times_only_the_missing_and_failed_runs(monkeypatch, tmp_path):
-    """Command 1 is cut by its budget (and one run fails); command 2 continues its file: it times only
-    what command 1 skipped or failed, and its file holds every run once, the gains across the two."""
+def test_a_continued_train_phase_times_only_what_failed_or_is_missing(monkeypatch, tmp_path):
+    """Command 1 cannot build DIFF V1's fast path (its two comparisons fail); command 2 continues its file:
+    it times only those two, and its file holds every comparison once, each variant's row once."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(runner, "source_revision", lambda repo, carried: ("ab" * 20, False, "git"))
-    chunked = ("--diff-attn-backend", "sdpa", "--cross-entropy-chunk-size", "16")
-    calls = _fake_train_step(monkeypatch, fail=lambda preset, flags: flags == chunked)
-    rc, first, first_path, _ = _command(tmp_path, monkeypatch, "one", ["--phase-budget", "train=150"])
-    assert rc == 1  # a smoke row failed (the chunked loss)
-    # 130 s to start runs (150 less the child's 20 s margin), 23 s a run: six timed, the rest skipped
-    assert len(calls) == 6 and first["phases"]["train"]["status"] == "partial"
-    planned = [(r["model"], r["seq"], tuple(r["flags"]), r["layers"]) for r in train.planned_runs(SMOKE_PLAN)]
-    assert calls == planned[:6]
-    fused = next(lever for lever in SMOKE_PLAN.train_levers if lever.name == "fused optimizer")
-    assert calls[-1] == ("diff-tiny", 64, fused.off, 2)  # its on run: skipped for the budget
+    fast_diff = lambda spec: spec["preset"] == "diff-tiny" and spec["flags"]  # noqa: E731
+    first = FakeWorkers(fail=lambda spec, op, n: "OOM" if op == "build" and fast_diff(spec) else None)
+    rc, one, one_path, _ = _command(tmp_path, monkeypatch, "one", [], first)
+    assert rc == 1  # a smoke row failed
+    assert [row["error"] for row in one["levers"]] == [None, "on twin failed: OOM", "on twin failed: OOM"]
+    assert all(len(row["off_windows"]) >= 2 for row in one["levers"][:1])
 
-    done_before = list(calls)
-    calls_second = _fake_train_step(monkeypatch)  # the chunked loss works this time
-    argv = ["--phase-budget", "train=600", "--continue", str(first_path)]
-    rc, second, _, seen = _command(tmp_path, monkeypatch, "two", argv)
+    second = FakeWorkers()
+    rc, two, _, seen = _command(tmp_path, monkeypatch, "two", ["--continue", str(one_path)], second)
     assert rc == 0
-    assert ["--continue", str(first_path)] == seen[-1][-2:]  # the train child got the file
-    missing = [run for run in planned if run not in done_before or run[2] == chunked]
-    assert calls_second == missing  # the skipped runs and the failed one, nothing measured before
-    assert second["phases"]["train"] == {**second["phases"]["train"], "status": "ok", "reused": 5}
-    assert second["continues"] == [first_path.name]
-    rows = second["train"]
-    keys = [resume.run_key(r) for r in rows]
-    assert len(keys) == len(set(keys))  # each run once: the skipped rows replaced by their measurement
-    assert len(rows) == len(planned) and not any(r["error"] for r in rows)
-    assert sum(r.get("from") == first_path.name for r in rows) == 5  # command 1's five good rows
-    levers = {row["lever"]: row for row in second["levers"]}
-    assert list(levers) == [lever.name for lever in SMOKE_PLAN.train_levers]  # one row each, derived again
-    assert all(row["gain"] and not row["error"] for row in levers.values())
-    across = levers["fused optimizer"]
-    assert (across["off_from"], across["on_from"]) == (first_path.name, None)
-    assert across["gain"] == pytest.approx((100.0 + len(fused.on)) / (100.0 + len(fused.off)))
-    assert Path(first_path).is_file()
+    assert ["--continue", str(one_path)] == seen[-1][-2:]  # the train child got the file
+    ratio = one["levers"][1]
+    assert second.built == [
+        ("transformer-tiny", tuple(ratio["off"])),
+        ("diff-tiny", tuple(ratio["on"])),
+        ("diff-tiny", ()),
+    ]
+    assert two["phases"]["train"]["reused"] == 1 and two["continues"] == [one_path.name]
+    levers = {row["lever"]: row for row in two["levers"]}
+    assert len(levers) == len(two["levers"]) == 3 and all(row["gain"] for row in levers.values())
+    assert levers["fast path vs defaults (transformer) s64"]["from"] == one_path.name
+    keys = [resume.run_key(r) for r in two["train"]]
+    assert len(keys) == len(set(keys)) == 4  # the Transformer's fast path measured again: one row
+    assert [r.get("from") for r in two["train"]] == [one_path.name, None, None, None]
+    assert not any(r["error"] for r in two["train"])
+    assert two["diff_vs_transformer_ratio_4k"] is None  # the smoke runs at 64 tokens: no 4K figure
 
 
-def test_the_full_depth_fit_is_derived_from_cuts_of_the_continued_file(monkeypatch, tmp_path):
-    """Cuts timed by the earlier command still give the straight-line fit; nothing is timed again, and no
-    row of this command takes another run's amortized figures."""
-    from benchmarks.campaign.plan import GPU_PLAN
-
-    calls = _fake_train_step(monkeypatch)
-    monkeypatch.setattr(train, "_fits", lambda plan, preset, full, layers, device: False)
-    full = GPU_PLAN.train_full_depth
-    a = argparse.Namespace(peak=None, roof=None)
-    later = time.monotonic() + 1e6
-    first = train._Timer(a, Part(tmp_path / "p.json"), later, GPU_PLAN, "cuda", 8, True)
-    train.full_depth(first, full)
-    assert len(calls) == 2 * len(full.fallback_layers)
-    earlier = first.part.data["train"]
-    fits = [r for r in earlier if r["impl"] == "fit"]
-    assert len(fits) == 2 and all(r["step_s"] for r in earlier if r["impl"] != "fit")
-    calls.clear()
-    again = train._Timer(a, Part(tmp_path / "q.json"), later, GPU_PLAN, "cuda", 8, True)
-    again.reuse(earlier, "campaign-earlier.json")
-    train.full_depth(again, full)
-    assert calls == [] and again.part.data["train"] == fits  # only the fits, derived again, the same
+def test_the_measured_comparisons_of_an_earlier_file():
+    rows = [
+        {"lever": "a", "gain": 1.1, "error": None, "off_windows": [1.0, 1.0]},
+        {"lever": "b", "gain": None, "error": "skipped: time budget", "off_windows": []},
+        {"lever": "c", "gain": 1.2, "error": None},  # a file before the windows: measured again
+    ]
+    assert resume.measured_comparisons(rows) == {"a"}
+    assert set(merge.RESUMABLE_PHASES) == {"train"}
