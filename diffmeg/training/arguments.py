@@ -10,8 +10,10 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from diffmeg import registry
 from diffmeg.data.tokenizers import resolve_tokenizer_args
@@ -126,8 +128,18 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+"""What a flag's value that starts with "-" may be: argparse's own pattern takes `-1` and `-.5` but not
+`-1e-3` or `-inf`, which it reads as an unknown flag ("expected one argument")."""
+
+
 class _Parser(argparse.ArgumentParser):
-    """A bad flag answers with a one-line usage before the error, not the 65 lines listing every flag."""
+    """A bad flag answers with a one-line usage before the error, not the 65 lines listing every flag;
+    a negative number in any notation is a value (so its range check names the flag)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER  # argparse reads it while parsing
 
     def error(self, message: str):
         self.exit(
@@ -471,10 +483,13 @@ def _explicit(argv: Sequence[str] | None) -> dict[str, object]:
     return {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
 
 
-def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+def resolve_args(
+    argv: Sequence[str] | None = None, world_size: int | None = None, placeholders: bool = False
+) -> argparse.Namespace:
     """Parse, apply the preset, fill defaults, derive sizes, and validate (without distributed state).
 
-    `world_size` defaults to the launcher's (WORLD_SIZE, else SLURM_NTASKS, else 1).
+    `world_size` defaults to the launcher's (WORLD_SIZE, else SLURM_NTASKS, else 1). `placeholders`: the
+    arguments a checkpoint records rather than a run to start (an import), where `PLACEHOLDERS` may be 0.
     """
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -493,7 +508,7 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
         values["train_iters"] = None  # a token budget typed by the user beats the preset's iteration count
     args = argparse.Namespace(**values)
     args.explicit_flags = sorted(k for k in explicit if k != "model")
-    _derive(args)
+    _derive(args, placeholders)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     validate_args(args, world_size=world_size)
@@ -504,40 +519,100 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
     return args
 
 
-POSITIVE_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "seq_length",
-    "max_position_embeddings",
-    "vocab_size",
-    "micro_batch_size",
-    "global_batch_size",
-)
-"""Sizes that must be >= 1 when given (0 or a negative one would fail deep inside model building)."""
-NON_NEGATIVE_ARGS = ("train_iters", "train_tokens", "lr", "min_lr", "lr_warmup_iters", "weight_decay")
-"""Counts and rates that may be 0 (the placeholders of weights-only imports) but never negative."""
+class Range(NamedTuple):
+    """Where a numeric flag's value must lie, as its error line says it: `rule` (">= 1", "> 0", ">= 0",
+    "in [0, 1)"), the `unit` it counts and a `hint` after the value."""
+
+    rule: str
+    unit: str = ""
+    hint: str = ""
 
 
-def _check_ranges(args: argparse.Namespace) -> None:
-    """One line for a size below 1 or a negative count or rate, naming the flag."""
-    for names, low in ((POSITIVE_ARGS, 1), (NON_NEGATIVE_ARGS, 0)):
-        for name in names:
-            value = getattr(args, name, None)
-            if value is None or isinstance(value, bool):
-                continue
-            if not math.isfinite(value) or value < low:
-                raise DiffmegError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+_RULES = {
+    ">= 1": lambda v: v >= 1,
+    ">= 0": lambda v: v >= 0,
+    "> 0": lambda v: v > 0,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+}
+
+RANGES: dict[str, Range] = {
+    **dict.fromkeys(
+        (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "seq_length",
+            "max_position_embeddings",
+            "vocab_size",
+            "micro_batch_size",
+            "global_batch_size",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "num_layers_per_virtual_pipeline_stage",
+            "distributed_timeout_minutes",
+            "lr_decay_iters",
+            "recompute_num_layers",
+            "exit_interval",
+            "save_interval",
+            "ckpt_step",
+            "log_interval",
+            "eval_interval",
+        ),
+        Range(">= 1"),
+    ),
+    "train_iters": Range(">= 1", hint="a run of no iterations trains nothing"),
+    "train_tokens": Range(">= 1", hint="a run of no tokens trains nothing"),
+    "cross_entropy_chunk_size": Range(">= 1", "token", "leave it out for the unchunked loss"),
+    "ddp_bucket_size": Range(">= 1", "parameter"),
+    **dict.fromkeys(
+        (
+            "lr",
+            "min_lr",
+            "lr_warmup_iters",
+            "weight_decay",
+            "init_method_std",
+            "lambda_std",
+            "adam_eps",
+            "clip_grad",
+            "seed",
+            "num_workers",
+            "eval_iters",
+        ),
+        Range(">= 0"),
+    ),
+    **dict.fromkeys(("rotary_base", "norm_epsilon", "gpu_memory_gib"), Range("> 0")),
+    **dict.fromkeys(("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"), Range("in [0, 1)")),
+}
+"""Every numeric flag's range (a test holds every int/float flag of the parser to a row here): a value out
+of it fails here in one line naming the flag, not deep inside model building or as a silent no-op."""
+
+PLACEHOLDERS = ("train_iters", "train_tokens")
+"""Flags an import records as 0 (`resolve_args(..., placeholders=True)`): the continuing run gives its own."""
 
 
-def _derive(args: argparse.Namespace) -> None:
+def _check_ranges(args: argparse.Namespace, placeholders: bool = False) -> None:
+    """One line for the first numeric flag out of its `RANGES` row, naming the flag, its range and the
+    value (NaN and infinities are in none)."""
+    for name, (rule, unit, hint) in RANGES.items():
+        value = getattr(args, name, None)
+        if value is None or isinstance(value, bool) or (placeholders and name in PLACEHOLDERS and value == 0):
+            continue
+        if not math.isfinite(value) or not _RULES[rule](value):
+            flag = "--" + name.replace("_", "-")
+            raise DiffmegError(
+                f"{flag} must be {rule}{' ' + unit if unit else ''}, got {value}{'; ' + hint if hint else ''}"
+            )
+
+
+def _derive(args: argparse.Namespace, placeholders: bool = False) -> None:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(args, name) is None:
             raise DiffmegError(f"--{name.replace('_', '-')} is required (or pick a preset with --model)")
-    _check_ranges(args)
+    _check_ranges(args, placeholders)
     if args.kv_channels is None:
         # V1: 2h sub-heads of d share the hidden size; V2 and the baseline: h heads of d.
         v1 = args.diff_attention and args.diff_version == 1
@@ -593,9 +668,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.pipeline_model_parallel_size,
         args.context_parallel_size,
     )
-    for name, value in (("tensor", tp), ("pipeline", pp), ("context", cp)):
-        if value < 1:
-            raise DiffmegError(f"--{name}-model-parallel-size must be >= 1, got {value}")
     if world_size % (tp * pp * cp):
         raise DiffmegError(
             f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}; "
@@ -664,11 +736,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.min_lr > args.lr:
         raise DiffmegError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
-    chunk = getattr(args, "cross_entropy_chunk_size", None)
-    if chunk is not None and chunk < 1:
-        raise DiffmegError(
-            f"--cross-entropy-chunk-size must be >= 1 token, got {chunk}; leave it out for the unchunked loss"
-        )
     if args.recompute_granularity == "full" and args.recompute_method is None:
         args.recompute_method = "uniform"
     if args.recompute_method is not None and args.recompute_num_layers is None:
@@ -779,9 +846,6 @@ def _validate_overlap(args: argparse.Namespace) -> None:
             )
         if not args.overlap_grad_reduce:
             raise DiffmegError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
-    bucket = getattr(args, "ddp_bucket_size", None)
-    if bucket is not None and bucket < 1:
-        raise DiffmegError(f"--ddp-bucket-size must be >= 1 parameter, got {bucket}")
 
 
 def args_to_json(args: argparse.Namespace) -> str:
