@@ -447,7 +447,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--override-opt-param-scheduler",
         action="store_true",
-        help="take the LR schedule from these flags, not the checkpoint",
+        help="resuming: the learning-rate schedule of these flags (--lr, --min-lr, --lr-warmup-iters, "
+        "--lr-decay-iters, --lr-decay-style, --weight-decay) from the checkpoint's iteration on, where they "
+        "differ from the checkpoint's (without it or the next flag such a difference is refused)",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
+        help="resuming: keep the checkpoint's learning-rate schedule, whatever these flags say",
     )
 
     g = p.add_argument_group("logging and evaluation")
@@ -726,6 +733,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             "--tie-embeddings-and-output-weights and --untie-embeddings-and-output-weights contradict each "
             "other; keep one (untied is the default)"
         )
+    if getattr(args, "override_opt_param_scheduler", False) and getattr(
+        args, "use_checkpoint_opt_param_scheduler", False
+    ):
+        raise DiffmegError(
+            "--override-opt-param-scheduler (this run's learning-rate schedule) and "
+            "--use-checkpoint-opt-param-scheduler (the checkpoint's) contradict each other; keep one"
+        )
     _validate_overlap(args)
     _validate_fp8(args)
     _validate_graphs(args)
@@ -898,6 +912,9 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
             f"--cross-entropy-chunk-size {chunk} saves no memory: a rank's micro-batch has only {tokens} "
             "tokens, so the loss runs in one chunk (and recomputes it)"
         )
+    for name in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        if explicit.get(name) and args.load is None:
+            notes.append(f"--{name.replace('_', '-')} has no effect without --load (no schedule to resume)")
     if explicit.get("async_save") and args.save is None:
         notes.append("--async-save has no effect without --save")
     if explicit.get("compile_layers") and (reason := graphs.compile_no_effect_reason()) is not None:

@@ -174,6 +174,9 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     override_opt_param_scheduler: bool = False
+    """Resuming: this run's schedule where it differs from the checkpoint's (Megatron-LM's flag)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """Resuming: the checkpoint's schedule, whatever this run's flags say (Megatron-LM's flag)."""
     optimizer_impl: str = "auto"
     """The optimizer step: "megatron" (megatron-core's, as built), "fused" (torch's fused AdamW on CUDA,
     foreach elsewhere; grad norm, clip and copies without host syncs: diffmeg.fusions.optimizer_step) or

@@ -144,6 +144,7 @@ class Trainer:
         self.checkpoints.resolve()  # every bad --load / --ckpt-step fails here, before anything is built
         self.checkpoints.check_save_target()
         self.checkpoints.check_output_layer()
+        self.checkpoints.check_schedule()
         tokenizer = self._tokenizer()
 
         self._rss_before_model = _rss_bytes("VmRSS")

@@ -31,6 +31,7 @@ TIE_AND_UNTIE = ["--model", "diff-tiny", "--tie-embeddings-and-output-weights"] 
     "--untie-embeddings-and-output-weights"
 ]
 VP1 = ["--num-layers-per-virtual-pipeline-stage", "1"]
+BOTH_SCHEDULES = ["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"]
 
 
 @pytest.mark.parametrize(
@@ -67,6 +68,7 @@ VP1 = ["--num-layers-per-virtual-pipeline-stage", "1"]
             r"^--train-iters must be >= 1, got 0; a run of no iterations trains nothing$",
         ),
         (["--model", "diff-tiny", "--train-tokens", "0"], 1, r"^--train-tokens must be >= 1, got 0; a run "),
+        (["--model", "diff-tiny", *BOTH_SCHEDULES], 1, r"contradict each other; keep one$"),
         (["--model", "diff-tiny", "--finetune"], 1, "--finetune needs --load"),
         (["--model", "diff-tiny", "--overlap-param-gather"], 2, "add --use-distributed-optimizer"),
         (
