@@ -379,6 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
         "GEMM (no bf16 weight gradient, no separate add): apex's extension where installed, else torch's "
         "fp32-output addmm (diffmeg.fusions.grad_accum). CUDA only; not with torchao's FP8. Default: off",
     )
+    g.add_argument(
+        "--no-memory-guard",
+        action="store_true",
+        help="start even when the memory plan (--dry-run shows it) does not fit the device: the GPU's free "
+        "memory, or on a CPU the memory available to the process and its cgroup (diffmeg's guard refuses "
+        "such a run before building the model)",
+    )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(
         "--deterministic-mode",

@@ -149,6 +149,8 @@ class TrainingConfig:
     """Each transformer layer wrapped in `torch.compile` once built (`diffmeg.training.graphs`; GPU)."""
     cuda_graph_impl: str = "none"
     """megatron-core's CUDA graphs: "none", or "local" (its per-layer graphs, captured after warmup)."""
+    no_memory_guard: bool = False
+    """Start even when the memory plan does not fit the device (`diffmeg.training.memory_guard`)."""
 
     @property
     def params_dtype(self) -> torch.dtype:

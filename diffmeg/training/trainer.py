@@ -48,6 +48,7 @@ from diffmeg.training.flops import train_flops_per_iteration
 from diffmeg.training.hardware import model_flops_utilization, peak_tflops
 from diffmeg.training.logger import run_summary
 from diffmeg.training.memory import estimate_memory
+from diffmeg.training.memory_guard import check_memory_plan
 from diffmeg.training.run_config import RunConfig
 
 
@@ -147,6 +148,7 @@ class Trainer:
         self.checkpoints.check_schedule()
         tokenizer = self._tokenizer()
 
+        check_memory_plan(run)  # a plan the device cannot hold stops here, before the first allocation
         self._rss_before_model = _rss_bytes("VmRSS")
         # `model`: the DDP-wrapped chunks, one per virtual pipeline stage (one without interleaving)
         self.model_config, self.model, self.optimizer, self.scheduler = build_training_objects(run)
