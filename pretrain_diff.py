@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return dry_run(args)
     from diffmeg import runtime
-    from diffmeg.training.run_config import RunConfig
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.trainer import Trainer
 
     runtime.setup()

@@ -64,8 +64,8 @@ def main() -> int:
 
     from benchmarks import model_flags
     from diffmeg import runtime
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.arguments import resolve_args
-    from diffmeg.training.run_config import RunConfig
     from diffmeg.training.trainer import Trainer
 
     flags, _ = model_flags(flags, CPU_FLAGS)

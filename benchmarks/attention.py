@@ -2,7 +2,6 @@
 
     python benchmarks/attention.py                                  # GPU: bf16, d=128, seq 2K..16K
     python benchmarks/attention.py --device cpu --seqs 256 512      # CPU smoke run (fp32)
-    python benchmarks/attention.py --sweep                          # GPU: also try Triton tile configs
 
 Every row is one causal attention core at equal FLOPs accounting (diffmeg.training.flops, model FLOPs):
   DIFF (h heads, V of 2d):        QK^T of 2h sub-heads of d + A1 V and A2 V at width 2d = 1.5x baseline
@@ -12,21 +11,21 @@ Every row is one causal attention core at equal FLOPs accounting (diffmeg.traini
 `vs base` = TFLOP/s of the row / TFLOP/s of the baseline: 1.00 means DIFF spends its 1.5x FLOPs at the
 baseline's efficiency; the time ratio is then exactly 1.5.
 
-A backend that fails (out of memory, a Triton tile that does not compile or exceeds shared memory, a
-wrong result) gets a row with its error and the sweep goes on. The campaign (benchmarks/campaign/kernels.py)
-calls `run_rows` and `check_backend` as a library. Prints a table; it is never run as a timed test.
+A backend that fails (out of memory, a kernel that does not compile, a wrong result) gets a row with its
+error and the sweep goes on. The campaign (benchmarks/campaign/kernels.py) calls `run_rows` and
+`check_backend` as a library. Prints a table; it is never run as a timed test.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import platform
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,12 +39,6 @@ from diffmeg.kernels.reference import (  # noqa: E402
     lambda_grad_scale,
 )
 from diffmeg.kernels.sdpa import diff_attention_sdpa  # noqa: E402
-from diffmeg.kernels.triton_diff import (  # noqa: E402
-    TritonDiffConfig,
-    default_config,
-    diff_attention_triton,
-    triton_available,
-)
 from diffmeg.training.flops import forward_flops_per_token  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -53,9 +46,6 @@ BASELINE = "baseline sdpa"
 REFERENCE = "diff reference"
 SDPA_TWO_CALL = "diff sdpa two-call"
 SDPA_SPLIT_V = "diff sdpa split-v"
-TRITON = "diff triton"
-UNFUSED = (SDPA_TWO_CALL, SDPA_SPLIT_V)
-"""The unfused DIFF paths the fused kernel is measured against (issue 12: at least 1.3x the best)."""
 
 
 def core_flops(b: int, h: int, g: int, s: int, d: int, diff: bool) -> float:
@@ -112,54 +102,6 @@ def time_it(
     return times[len(times) // 2]
 
 
-def config_label(cfg: TritonDiffConfig) -> str:
-    """A short name for a tile configuration: forward BMxBN, V splits, warps; dK/dV BMxBN with "s" for
-    dV | dK passes and "s3" for dV | dK1 | dK2; dQ BMxBN; backward warps."""
-    passes = "s3" if (cfg.split_dkdv and cfg.split_dk) else "s" if cfg.split_dkdv else ""
-    return (
-        f"f{cfg.block_m}x{cfg.block_n}s{cfg.v_splits}w{cfg.num_warps} "
-        f"kv{cfg.dkdv_block_m}x{cfg.dkdv_block_n}{passes} "
-        f"q{cfg.dq_block_m}x{cfg.dq_block_n} w{cfg.bwd_num_warps}"
-    )
-
-
-def _tiles(
-    fbm: int, fbn: int, splits: int, fw: int, kbm: int, kbn: int, passes: int, qbm: int, qbn: int, bw: int
-) -> tuple[str, TritonDiffConfig]:
-    cfg = TritonDiffConfig(fbm, fbn, splits, fw, 2, kbm, kbn, qbm, qbn, bw, 2, passes > 1, passes > 2)
-    return config_label(cfg), cfg
-
-
-# Candidates from the sm_90 ptxas sweeps (docs/benchmarks.md; `python -m diffmeg.kernels.triton_aot
-# --sweep`): forward BM, BN, V splits, warps; dK/dV BM, BN, launches (1: dV+dK, 2: dV | dK, 3: dV | dK1 |
-# dK2); dQ BM, BN; backward warps. The f64x32s1w8 one spills least but its score tiles have fewer rows than
-# its warps cover. The head dim's default (`default_config`) is added first by `triton_candidates`;
-# configurations whose V split does not divide 2d are left out there.
-SWEEP_CONFIGS = dict(
-    _tiles(*c)
-    for c in [
-        (64, 16, 2, 4, 16, 128, 1, 128, 16, 8),
-        (64, 16, 2, 4, 16, 128, 3, 128, 16, 8),
-        (64, 16, 1, 4, 16, 128, 2, 128, 32, 8),
-        (128, 32, 2, 8, 16, 128, 1, 128, 16, 8),
-        (128, 32, 2, 8, 16, 128, 2, 128, 32, 8),
-        (128, 64, 2, 8, 32, 128, 1, 128, 32, 8),
-        (64, 32, 1, 8, 16, 32, 1, 32, 16, 8),
-        (128, 16, 3, 8, 16, 128, 3, 128, 16, 8),
-    ]
-)
-
-
-def triton_candidates(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, TritonDiffConfig]:
-    """Tile configurations worth timing at this head dim: the default first, then the sweep's list."""
-    default = default_config(head_dim, interpreted=False, dtype=dtype)
-    out = {config_label(default): default}
-    for label, cfg in SWEEP_CONFIGS.items():
-        if (2 * head_dim) % cfg.v_splits == 0:
-            out.setdefault(label, cfg)
-    return out
-
-
 def v2_attention_fn() -> Callable | None:
     """DIFF V2's attention core (DESIGN.md, 'DIFF V2'), or None where diffmeg has no V2.
 
@@ -184,24 +126,13 @@ def v2_attention_fn() -> Callable | None:
     return diff2_attention
 
 
-def make_backends(sweep: bool, device: str, head_dim: int = 128) -> dict[str, Callable]:
-    """DIFF V1 backends by row name; with `sweep` one fused-Triton entry per candidate tile config."""
-    backends: dict[str, Callable] = {
+def make_backends() -> dict[str, Callable]:
+    """DIFF V1 backends by row name."""
+    return {
         REFERENCE: diff_attention_reference,
         SDPA_TWO_CALL: lambda *a, **k: diff_attention_sdpa(*a, split_v=False, **k),
         SDPA_SPLIT_V: lambda *a, **k: diff_attention_sdpa(*a, split_v=True, **k),
     }
-    if device == "cuda" and triton_available():
-        backends[TRITON] = diff_attention_triton
-        if sweep:
-            for label, cfg in triton_candidates(head_dim).items():
-                backends[f"{TRITON} {label}"] = triton_with(cfg)
-    return backends
-
-
-def triton_with(cfg: TritonDiffConfig) -> Callable:
-    """The fused kernel with fixed tiles."""
-    return lambda *a, **k: diff_attention_triton(*a, config=cfg, **k)
 
 
 def describe_error(exc: BaseException) -> str:
@@ -222,7 +153,7 @@ class Timing:
 
 
 def bench_one(fn: Callable, inputs: list[torch.Tensor], device: str, warmup: int, iters: int, **kw) -> Timing:
-    """Time one backend; any failure (OOM, Triton OutOfResources or compile errors, ...) becomes its row's
+    """Time one backend; any failure (OOM, a kernel's resource or compile errors, ...) becomes its row's
     error so one bad candidate does not end the sweep."""
     leaves = [t.detach().requires_grad_(True) for t in inputs]
 
@@ -270,7 +201,7 @@ def check_backend(
     Correct = within twice the error of torch's own unfused path in the same dtype, plus 1e-3 (the
     FlashAttention test rule, as tests/kernels use). Errors are max|x - ref| / max|ref| per tensor, except
     dlambda's, which is |x - ref| / sum(|dO| |A2 V|) (`lambda_grad_scale`: a cancelling sum's error
-    relative to the sum itself is noise; the first H100 run failed every fused tile on it). Returns
+    relative to the sum itself is noise). Returns
     {correct, max_rel_err, torch_rel_err, rel_errs, torch_rel_errs, failed, error}: per tensor errors by
     CHECKED_TENSORS name, and the names over the bound.
     """
@@ -290,7 +221,7 @@ def check_backend(
 
     try:
         ref = run(diff_attention_reference, [t.double() for t in (*ts, lam)], dout.double())
-        torch_path = diff_attention_sdpa if device == "cuda" else make_backends(False, "cpu")[SDPA_TWO_CALL]
+        torch_path = diff_attention_sdpa if device == "cuda" else partial(diff_attention_sdpa, split_v=False)
         theirs = run(torch_path, [*ts, lam], dout)
         mine = run(fn, [*ts, lam], dout)
     except Exception as exc:  # noqa: BLE001
@@ -330,12 +261,9 @@ def run_rows(
     reference_max_seq: int = 4096,
     deadline: float | None = None,
     log: Callable[[str], None] | None = None,
-    baselines: bool = True,
-    baseline_tflops: float | None = None,
 ) -> list[dict]:
     """One row per (seq, backend), the baseline first. batch = max(1, tokens // seq), 1 when tokens is
-    None. Rows past `deadline` (time.monotonic()) are recorded as skipped, not timed. With `baselines`
-    False only `backends` are timed (no baseline or DIFF V2 row), `vs_baseline` against `baseline_tflops`."""
+    None. Rows past `deadline` (time.monotonic()) are recorded as skipped, not timed."""
     h, g, d = heads, kv_heads, head_dim
     rows = []
     for s in seqs:
@@ -353,19 +281,19 @@ def run_rows(
                 q, k, vv, is_causal=True, scale=d**-0.5, enable_gqa=k.shape[1] != q.shape[1]
             )
 
-        jobs: list[tuple[str, Callable, list[torch.Tensor], float, dict]] = (
-            [(BASELINE, baseline, [bq, bk, bv], base_f, {})] if baselines else []
-        )
+        jobs: list[tuple[str, Callable, list[torch.Tensor], float, dict]] = [
+            (BASELINE, baseline, [bq, bk, bv], base_f, {})
+        ]
         for name, fn in backends.items():
             if name == REFERENCE and s > reference_max_seq:
                 continue
             jobs.append((name, fn, [q1, q2, k1, k2, v, lam], diff_f, {"scale": d**-0.5}))
-        v2 = v2_attention_fn() if baselines else None
+        v2 = v2_attention_fn()
         if v2 is not None:  # DIFF V2: 2H query heads over the baseline's KV groups, one gate per head pair
             gate = torch.rand(b, 2 * h, s, device=device, dtype=dtype)
             v2_in = [torch.randn(b, 4 * h, s, d, device=device, dtype=dtype), bk, bv, gate]
             jobs.append(("diff2", v2, v2_in, 2 * base_f, {"scale": d**-0.5}))
-        base_fb = baseline_tflops
+        base_fb = None
         for name, fn, inputs, flops, kw in jobs:
             if deadline is not None and time.monotonic() > deadline:
                 timing = Timing(None, None, "skipped: time budget")
@@ -454,7 +382,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--skip", nargs="*", default=[], help="row names to leave out (e.g. 'diff reference')")
-    p.add_argument("--sweep", action="store_true", help="also time candidate Triton tile configs (GPU)")
     a = p.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[a.dtype or ("bf16" if device == "cuda" else "fp32")]
@@ -468,13 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         f"device: {name}; torch {torch.__version__}; dtype {str(dtype).replace('torch.', '')}; "
         f"threads {torch.get_num_threads()}"
     )
-    tri = "triton " + __import__("triton").__version__ if triton_available() else "triton n/a"
-    print(f"{tri}; DIFF heads {h} (KV {g}), d={d}, V width {2 * d}; baseline heads {2 * h} of d={d}")
-    if device != "cuda":
-        print(
-            "note: no GPU -> the fused Triton kernel is not timed (TRITON_INTERPRET timings are meaningless)"
-        )
-    backends = {k: v for k, v in make_backends(a.sweep, device, d).items() if k not in a.skip}
+    print(f"DIFF heads {h} (KV {g}), d={d}, V width {2 * d}; baseline heads {2 * h} of d={d}")
+    backends = {k: v for k, v in make_backends().items() if k not in a.skip}
     print(format_header(device))
     print("-" * len(format_header(device)))
     run_rows(
@@ -490,8 +412,6 @@ def main(argv: list[str] | None = None) -> None:
         iters=iters,
         log=print,
     )
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("note: TRITON_INTERPRET=1 is set")
 
 
 if __name__ == "__main__":

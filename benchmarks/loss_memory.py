@@ -96,8 +96,8 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def planned_mib(args: argparse.Namespace, chunk_size: int | None) -> float:
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.memory import loss_peak_bytes
-    from diffmeg.training.run_config import RunConfig
 
     shape = argparse.Namespace(
         micro_batch_size=1,

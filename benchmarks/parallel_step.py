@@ -147,8 +147,8 @@ def _virtual_stages(chunks: int | None) -> None:
 
 
 def _build(variant: Variant):
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.arguments import resolve_args
-    from diffmeg.training.run_config import RunConfig
     from diffmeg.training.trainer import Trainer
 
     _virtual_stages(variant.chunks)

@@ -15,12 +15,12 @@ import re
 from collections.abc import Callable
 
 KINDS = ("matmul", "attention", "loss", "optimizer", "communication", "other")
-"""The kinds of a step's work. `attention` is the fused attention kernels (SDPA's, flash, diffmeg's
-Triton kernel); an unfused path's score and value products count as `matmul`, its softmax as `other`."""
+"""The kinds of a step's work. `attention` is the fused attention kernels (SDPA's, flash, cuDNN's,
+FlexAttention's); an unfused path's score and value products count as `matmul`, its softmax as `other`."""
 
 _PATTERNS = {
     "communication": r"nccl|all_?reduce|reduce_?scatter|all_?gather|c10d|gloo|broadcast",
-    "attention": r"flash|fmha|attention|sdpa|diff_(fwd|bwd)|cudnn.*(sdp|mha)",
+    "attention": r"flash|fmha|attention|sdpa|cudnn.*(sdp|mha)",
     "loss": r"cross_?entropy|log_softmax|nll_loss|vocab_?parallel",
     "optimizer": r"multi_tensor|adam|_foreach|l2norm",
     "matmul": r"gemm|nvjet|xmma|cutlass|cublas|aten::(mm|addmm|bmm|matmul|linear|_scaled_mm)\b",

@@ -141,7 +141,7 @@ def attention_impl(model: torch.nn.Module) -> str:
 def build_trainer(args: argparse.Namespace):
     """pretrain_diff.py's Trainer for the run `args` describes, in training mode and without callbacks (the
     benchmark steps it itself); its start-up lines are not printed, they would break the table."""
-    from diffmeg.training.run_config import RunConfig
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.trainer import Trainer
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -210,9 +210,9 @@ def time_optimizer_step(optimizer, device: str, warmup: int = 1, iters: int = 5)
 def run_one(preset: str, seq: int, opts: StepOptions, device: str) -> dict:
     """Build, warm up, time `opts.iters` optimizer steps. Failures (OOM, a backend that cannot run) are
     returned in `error` with the timing figures None, so a sweep goes on."""
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.flops import train_flops_per_iteration
     from diffmeg.training.memory import estimate_memory
-    from diffmeg.training.run_config import RunConfig
 
     args = resolve_run_args(preset, seq, opts, device)
     run = RunConfig.from_args(args)
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--vocab-size", type=int, default=None, help="default: the preset's (100288)")
-    p.add_argument("--diff-attn-backend", default=None, help="e.g. sdpa, flash, triton (default: auto)")
+    p.add_argument("--diff-attn-backend", default=None, help="e.g. sdpa, flash, flex (default: auto)")
     p.add_argument("--fp8", action="store_true", help="FP8 hybrid linears via Transformer Engine (GPU)")
     p.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
     p.add_argument("--recompute", choices=["selective", "full"], default=None, help="not counted in MFU")

@@ -37,6 +37,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from diffmeg.config import DiffTransformerConfig
 from diffmeg.core_attention import CoreAttention, SDPACoreAttention, SDPAFn
 from diffmeg.errors import DiffmegError
+from diffmeg.fusions.diff_combine import diff_epilogue
 from diffmeg.fusions.rms_norm import HeadRMSNorm
 from diffmeg.kernels import DiffAttentionFn
 from diffmeg.kernels.reference import diff_attention_reference
@@ -109,8 +110,6 @@ class DiffCoreAttention(CoreAttention):
             self.register_parameter(name, p)
         norm_fn = select("norm", config.norm_impl, spec="local").load().norm_fn
         self.head_norm = HeadRMSNorm(2 * self.head_dim, config.head_norm_eps, norm_fn=norm_fn)
-        # head norm, x (1 - lambda_init), seq-first: plain ops or one compiled region
-        self.epilogue = select("diff_epilogue", config.diff_epilogue_impl).load()
         setattr(self.head_norm.weight, SUM_GRAD_OVER_TP_ATTR, True)
         self.head_norm.to(device)
         self.cp_maps = None
@@ -183,7 +182,7 @@ class DiffCoreAttention(CoreAttention):
             )  # fmt: skip
         # out: [b, h, sq, 2d] -> [sq, b, h, 2d], normed and scaled
         norm = self.head_norm
-        out = self.epilogue(out, norm.weight, norm.eps, 1.0 - self.lambda_init, norm=norm.norm_fn)
+        out = diff_epilogue(out, norm.weight, norm.eps, 1.0 - self.lambda_init, norm=norm.norm_fn)
         if cp_group is not None:
             out = head_to_sequence_shards(out, cp_group)  # [sq/cp, b, h*cp, 2d]
         # [sq', b, h', 2d] -> [sq', b, h' * 2d]

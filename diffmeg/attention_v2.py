@@ -30,7 +30,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions.diff_combine import combine_head_pairs
-from diffmeg.fusions.rope import FusedRopeMixin
 
 
 @dataclass
@@ -119,7 +118,3 @@ class DiffV2SelfAttention(SelfAttention):
                 f"cover different tokens (packed sequences are not supported)"
             )
         return (combine_head_pairs(attn, self._lambda), *args[1:])
-
-
-class FusedRopeDiffV2SelfAttention(FusedRopeMixin, DiffV2SelfAttention):
-    """`DiffV2SelfAttention` with the chosen RoPE function (`--rope-impl`, `diffmeg.fusions.rope`)."""

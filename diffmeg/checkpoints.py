@@ -3,10 +3,12 @@
 Layout (Megatron-LM's): `{root}/iter_{N:07d}/` holds one megatron-core distributed checkpoint plus the
 resolved arguments as `args.json`; `{root}/latest_checkpointed_iteration.txt` names the newest complete
 one. `begin_checkpoint` is the one writer (`diffmeg.compat.checkpoint_writer.run_now` runs its request at
-once, training's --async-save in the background): the tracker is replaced atomically and only after
-every rank finished, so a run killed mid-save resumes from the previous checkpoint. Model weights are
-layout-free (one global key per tensor, layers stacked), so any TP/PP layout reads what any other
-wrote; the offline readers here build the single-rank (TP=PP=1) model a checkpoint's arguments describe.
+once, training's --async-save in the background): each save writes into a folder of its own, renamed to
+`iter_N` once complete, and the tracker is replaced atomically and only after every rank finished, so a
+run killed mid-save resumes from the previous checkpoint, and a failed save removes only what it wrote.
+Model weights are layout-free (one global key per tensor, layers stacked), so any TP/PP layout reads what
+any other wrote; the offline readers here build the single-rank (TP=PP=1) model a checkpoint's arguments
+describe.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import io
 import json
 import os
 import pickle
+import secrets
 import shutil
+import socket
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +36,8 @@ if TYPE_CHECKING:
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 ARGS_FILE = "args.json"
+HF_CONFIG_FILE = "config.json"
+"""What makes a folder a Hugging Face model (`diffmeg.model_source.is_hf_folder`), never a checkpoint."""
 WEIGHTS_ONLY_KEY = "weights_only"
 """Set in the common state of checkpoints that hold model weights and nothing else (HF imports)."""
 TOKENIZER_DIR = "tokenizer"
@@ -62,14 +69,20 @@ def read_tracker(root: str) -> int | None:
 
 def write_tracker(root: str, iteration: int) -> None:
     """Point `root`'s tracker at `iteration`, atomically (a reader sees the old or the new number)."""
-    tmp = os.path.join(root, f"{TRACKER_FILE}.tmp-{os.getpid()}")
+    tmp = _own_name(os.path.join(root, f"{TRACKER_FILE}.tmp"))
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "x") as f:
             f.write(str(iteration))
         os.replace(tmp, os.path.join(root, TRACKER_FILE))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _own_name(prefix: str) -> str:
+    """`prefix-HOST-PID-XXXXXX`: a name no other process, on any node, picks (for files made with "x" or
+    mkdir, which fail if it exists, so that what a writer removes on failure is what it made)."""
+    return f"{prefix}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def iteration_dirs(root: str) -> list[int]:
@@ -82,6 +95,60 @@ def iteration_dirs(root: str) -> list[int]:
         and name[5:].isdigit()
         and os.path.isfile(os.path.join(root, name, ARGS_FILE))
     )
+
+
+def holds_saves(root: str) -> bool:
+    """`root` has a tracker or an iter_* directory: a checkpoint directory, complete or not."""
+    return read_tracker(root) is not None or any(name.startswith("iter_") for name in os.listdir(root))
+
+
+def resolve_iteration(root: str, iteration: int | None = None, pick_flag: str = "--iteration") -> int:
+    """The complete iteration of checkpoint directory `root` a reader loads: `iteration`, else the one the
+    tracker names. Every reader resolves through here (the tools' `--iteration`, training's `--ckpt-step`),
+    so one asked for that is missing or unfinished, a tracker naming one, a folder with no checkpoint at all
+    or a Hugging Face folder is one line: what was asked, what is there, the complete iterations and the fix.
+    """
+    if not holds_saves(root):
+        raise DiffmegError(not_a_checkpoint_message(root))
+    complete = iteration_dirs(root)
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise DiffmegError(
+                f"{root} has no {TRACKER_FILE}: its last save did not finish; "
+                f"{complete_iterations(root, complete, pick_flag)}"
+            )
+        asked = f"{TRACKER_FILE} in {root} names iteration {iteration}, but"
+    else:
+        asked = f"{pick_flag} {iteration}:"
+    if iteration in complete:
+        return iteration
+    path = checkpoint_path(root, iteration)
+    state = "is missing" if not os.path.isdir(path) else f"is incomplete (no {ARGS_FILE}: an unfinished save)"
+    raise DiffmegError(f"{asked} {path} {state}; {complete_iterations(root, complete, pick_flag)}")
+
+
+def complete_iterations(root: str, iterations: list[int], pick_flag: str, other: bool = False) -> str:
+    """The clause that lists the complete `iterations` of `root` (the last 8) and how to pick one."""
+    other_ = "other " if other else ""
+    if not iterations:
+        return f"no {other_}complete iteration in {root}; point the run at another checkpoint"
+    listed = ", ".join(map(str, iterations[-8:]))
+    if len(iterations) > 8:
+        listed += f" (and {len(iterations) - 8} earlier)"
+    return f"{other_}complete iterations in {root}: {listed}; start from one with {pick_flag} N"
+
+
+def not_a_checkpoint_message(root: str, fix: str = "point --load at a checkpoint directory") -> str:
+    """Why --load `root`, a directory holding no tracker and no iter_* directories, is no checkpoint, and
+    `fix`; a Hugging Face model folder is named as one, with the command that converts it instead."""
+    if os.path.isfile(os.path.join(root, HF_CONFIG_FILE)):
+        return (
+            f"--load {root} is a Hugging Face model folder ({HF_CONFIG_FILE}), not a pretrain_diff.py "
+            f"checkpoint; convert it with: python tools/convert_checkpoint.py hf-to-mcore --load {root} "
+            f"--save CKPT_DIR"
+        )
+    return f"--load {root} is not a checkpoint directory (no {TRACKER_FILE}, no iter_* directories); {fix}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -105,9 +172,9 @@ def carry_tokenizer(root: str, args: dict) -> dict:
                     f"folder (a checkpoint folder carries one tokenizer)"
                 )
         else:
-            tmp = f"{own}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = _own_name(f"{own}.tmp")
             try:
+                os.makedirs(tmp)  # fails if it exists: the folder removed below is the one made here
                 copy_tokenizer_files(model, tmp)
                 os.replace(tmp, own)
             finally:
@@ -152,72 +219,137 @@ def begin_checkpoint(
     args: argparse.Namespace | dict,
     expected_bytes: int | None = None,
 ) -> AsyncRequest:
-    """The first part of saving `state` as `{root}/iter_N`, on every rank: rank 0 clears an unfinished
-    earlier save of the same iteration, rank 0 writes the common state, all ranks plan their tensors' files.
+    """The first part of saving `state` as `{root}/iter_N`, on every rank: rank 0 makes this save's own
+    folder `iter_N.saving-...` beside it, writes the common state there, all ranks plan their tensors' files.
 
     Returns megatron-core's `AsyncRequest`: its `async_fn` writes this rank's files (now, or in the background
     with --async-save), then its one finalize function, called on all ranks once every rank's files are
-    written, writes the index (`.metadata`), `metadata.json`, `args.json` and, last, the tracker. So the
-    tracker names an iteration only when every rank's part of it is on disk.
+    written, writes the index (`.metadata`), `metadata.json` and `args.json`, renames the folder to `iter_N`
+    and, last, moves the tracker. So `iter_N` only ever names a complete checkpoint, and the tracker names an
+    iteration only when every rank's part of it is on disk. An `iter_N` already there (a run that went back
+    with --ckpt-step, or started over in this folder) is kept as `iter_N.replaced-...`, never deleted.
 
     A save that fails (a full disk above all), here or at the finalize, raises one `DiffmegError` line naming
     the directory, the free space and the checkpoint's size (`expected_bytes`, the caller's estimate, else
-    what was written); rank 0 removes the partial `iter_N` and the tracker keeps naming the previous one.
+    what was written); rank 0 removes what this save wrote, and nothing else: the tracker keeps naming the
+    previous checkpoint, which is untouched, whoever wrote it.
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+    from diffmeg import collectives
     from diffmeg.compat.checkpoint_writer import use_in_process_results_queue
 
     path = checkpoint_path(root, iteration)
     rank = torch.distributed.get_rank()
     use_in_process_results_queue()  # no helper process for the writer's results
+    staging = None
     try:
+        staging = collectives.on_rank0(lambda: _saving_dir(root, iteration))  # every rank writes there
         if rank == 0:
-            os.makedirs(root, exist_ok=True)
-            if os.path.exists(path):  # an earlier, unfinished save of this iteration (never marked latest)
-                shutil.rmtree(path)
-            os.makedirs(path)
-        torch.distributed.barrier()
-        request = dist_checkpointing.save(state, path, async_sharded_save=True)
+            _SAVING[path] = staging
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True)
     except (Exception, CheckpointException) as exc:  # no collective here: the other ranks may be elsewhere
-        raise _failed_save(root, path, iteration, exc, expected_bytes, rank == 0) from exc
+        raise _failed_save(root, iteration, exc, expected_bytes, staging, rank == 0) from exc
     steps = list(request.finalize_fns)  # megatron-core's: the index and metadata.json, then a barrier
 
     def finalize() -> None:
+        placed, aside = False, None
         try:
             for step in steps:
                 step()
             if rank == 0:
-                with open(os.path.join(path, ARGS_FILE), "w") as f:
+                with open(os.path.join(staging, ARGS_FILE), "w") as f:
                     json.dump(carry_tokenizer(root, _json_args(args)), f, indent=2, default=str)
+                aside = _move_aside(path)
+                os.rename(staging, path)
+                placed = True
+                _SAVING.pop(path, None)
                 write_tracker(root, iteration)
         except (Exception, CheckpointException) as exc:
-            raise _failed_save(root, path, iteration, exc, expected_bytes, rank == 0) from exc
+            ours = path if placed else staging
+            raise _failed_save(root, iteration, exc, expected_bytes, ours, rank == 0, aside) from exc
+        if aside is not None:
+            print(
+                f" {path} was there already (an earlier save of iteration {iteration}): kept as "
+                f"{os.path.basename(aside)}; delete it when it is no longer needed",
+                flush=True,
+            )
         torch.distributed.barrier()
 
     return request._replace(finalize_fns=[finalize])
 
 
+_SAVING: dict[str, str] = {}
+"""This process's saves not finished yet (rank 0's): `iter_N` -> the folder it is being written in."""
+SAVING = ".saving"
+"""`iter_N.saving-HOST-PID-XXXXXX`: a save being written (the folder it is renamed from to `iter_N`)."""
+REPLACED = ".replaced"
+"""`iter_N.replaced-TIME`: a checkpoint of iteration N that a later save of N replaced, kept."""
+
+
+def _saving_dir(root: str, iteration: int) -> str:
+    """A new folder of this save's own beside `iter_N` (rank 0): only this process writes or removes it."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        staging = _own_name(f"{checkpoint_path(root, iteration)}{SAVING}")
+        os.mkdir(staging)
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise DiffmegError(f"cannot make a folder for iteration {iteration} in {root}: {why}") from exc
+    return staging
+
+
+def _move_aside(path: str) -> str | None:
+    """Rename an existing `path` (an earlier checkpoint of this iteration) out of the way; its new name."""
+    if not os.path.lexists(path):
+        return None
+    aside = f"{path}{REPLACED}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+    if os.path.lexists(aside):
+        aside += f"-{os.getpid()}"
+    os.rename(path, aside)
+    return aside
+
+
+def abandon_save(root: str, iteration: int) -> None:
+    """Remove the folder of this process's unfinished save of iteration N: an --async-save checkpoint that
+    will never be finalized (training stopped on an error while it was written). Nothing on other ranks."""
+    staging = _SAVING.pop(checkpoint_path(root, iteration), None)
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def leftovers(root: str) -> list[str]:
+    """What earlier saves left in `root`: unfinished ones (`iter_N.saving-...`: their run died while writing
+    them) and replaced ones (`iter_N.replaced-...`). No run removes another's; the names, sorted."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(n for n in names if n.startswith("iter_") and (f"{SAVING}-" in n or f"{REPLACED}-" in n))
+
+
 def _failed_save(
-    root: str, path: str, iteration: int, exc: BaseException, expected_bytes: int | None, clean: bool
+    root: str,
+    iteration: int,
+    exc: BaseException,
+    expected_bytes: int | None,
+    ours: str | None,
+    clean: bool,
+    aside: str | None = None,
 ) -> DiffmegError:
-    """The one-line error of a failed save; with `clean`, the partial directory is removed first."""
-    written = directory_bytes(path)
+    """The one-line error of a failed save. With `clean` (rank 0) this save's folder `ours` is removed first
+    and an earlier checkpoint of the iteration it moved `aside` goes back to its name: nothing else is
+    touched, so the tracker still names what it named, as complete as it was."""
+    name = os.path.basename(checkpoint_path(root, iteration))
+    written = directory_bytes(ours) if ours else 0
     full = is_disk_full(exc) or (expected_bytes is not None and free_bytes(root) < expected_bytes - written)
     if clean:
-        shutil.rmtree(path, ignore_errors=True)
+        _SAVING.pop(checkpoint_path(root, iteration), None)
+        if ours:
+            shutil.rmtree(ours, ignore_errors=True)
+        if aside is not None:
+            os.replace(aside, checkpoint_path(root, iteration))
     size = expected_bytes if expected_bytes is not None else written
-    try:
-        latest = read_tracker(root)
-    except DiffmegError:
-        latest = None
-    kept = (
-        f"the latest checkpoint is still iteration {latest}"
-        if latest is not None
-        else "no earlier checkpoint"
-    )
-    removed = f"removed the partial {os.path.basename(path)}" if clean else f"rank 0 removes {path}"
+    removed = f"removed this save's partial {name}" if clean else "rank 0 removes this save's partial files"
+    kept = _latest_kept(root)
     if full:
         return DiffmegError(
             f"disk full while saving iteration {iteration} to {root}: {format_bytes(free_bytes(root))} free, "
@@ -229,21 +361,29 @@ def _failed_save(
     )
 
 
+def _latest_kept(root: str) -> str:
+    """What the tracker names after a failed save, checked: a complete checkpoint, or what is wrong."""
+    try:
+        latest = read_tracker(root)
+    except DiffmegError:
+        return "an unreadable tracker"
+    if latest is None:
+        return "no earlier checkpoint"
+    if latest in iteration_dirs(root):
+        return f"the latest checkpoint is still iteration {latest}"
+    return f"no complete checkpoint of iteration {latest}, which the tracker names"
+
+
 # ----------------------------------------------------------------------------------------------------
 # Reading
 
 
 def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argparse.Namespace, str]:
     """The resolved arguments a checkpoint was trained with, and its directory (no weights are read)."""
-    if iteration is None:
-        iteration = read_tracker(root)
-        if iteration is None:
-            raise DiffmegError(f"{root} holds no complete checkpoint ({TRACKER_FILE} is missing)")
-    path = checkpoint_path(root, iteration)
-    args_file = os.path.join(path, ARGS_FILE)
-    if not os.path.isfile(args_file):
-        raise DiffmegError(f"{path} is not a complete pretrain_diff.py checkpoint ({ARGS_FILE} is missing)")
-    with open(args_file) as f:
+    if not os.path.isdir(root):
+        raise DiffmegError(f"--load {root} is not a directory")
+    path = checkpoint_path(root, resolve_iteration(root, iteration))
+    with open(os.path.join(path, ARGS_FILE)) as f:
         return argparse.Namespace(**locate_tokenizer(root, json.load(f))), path
 
 
@@ -281,13 +421,7 @@ def damaged_checkpoint_message(path: str, exc: BaseException, pick_flag: str = "
     damage = damaged_file(path, deep=rank == 0)
     what = f"{damage[0]} {damage[1]}" if damage else first_line(exc)
     others = [i for i in iteration_dirs(root) if i != iteration]
-    if others:
-        listed = ", ".join(map(str, others[-8:])) + (
-            f" (and {len(others) - 8} earlier)" if len(others) > 8 else ""
-        )
-        choice = f"other complete iterations in {root}: {listed}; start from one with {pick_flag} N"
-    else:
-        choice = f"no other complete iteration in {root}; point the run at another checkpoint"
+    choice = complete_iterations(root, others, pick_flag, other=True)
     return f"cannot load checkpoint {where}: {what}; {choice}"
 
 
@@ -367,21 +501,24 @@ SAVED_ARGS_DEFAULTS: dict[str, object] = {
     "cross_entropy_chunk_size": None,  # the whole logits
     "cross_entropy_loss_fusion": False,  # megatron-core's unfused loss
     "norm_impl": "auto",  # the spec's own norm
-    "diff_epilogue_impl": "auto",  # the eager epilogue
-    "rope_impl": "auto",  # megatron-core's RoPE
     "sdpa_backend": "auto",  # torch's own SDPA kernel order
     "compile_layers": False,  # eager layers
     "cuda_graph_impl": "none",  # no CUDA graphs
     "gradient_accumulation_fusion": False,  # DDP's hook added each weight gradient to main_grad
 }
 """What a flag added after a checkpoint was written meant for the runs that did not have it yet."""
+RETIRED_SAVED_ARGS = ("rope_impl", "diff_epilogue_impl")
+"""Flags that left (their compiled variants gave way to `--compile-layers`): older args.json files hold
+them; upgraded arguments do not, whatever they said (the eager path is what remains)."""
 
 
 def upgrade_saved_args(args: argparse.Namespace | dict) -> argparse.Namespace:
     """A copy of a checkpoint's saved arguments with the flags it predates set to what those runs did
-    (`SAVED_ARGS_DEFAULTS`), so readers of older args.json files need no defaults of their own."""
+    (`SAVED_ARGS_DEFAULTS`) and the flags that left dropped (`RETIRED_SAVED_ARGS`), so readers of older
+    args.json files need no defaults of their own."""
     values = dict(args) if isinstance(args, dict) else vars(args)
-    return argparse.Namespace(**{**SAVED_ARGS_DEFAULTS, **values})
+    kept = {name: value for name, value in values.items() if name not in RETIRED_SAVED_ARGS}
+    return argparse.Namespace(**{**SAVED_ARGS_DEFAULTS, **kept})
 
 
 def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -402,12 +539,13 @@ def single_rank_args(args: argparse.Namespace) -> argparse.Namespace:
 def build_single_rank_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The TP=PP=1 GPTModel `pretrain_diff.py` builds for these arguments, its weights in `dtype` (built in
     that dtype: no fp32 copy of a bf16 model). Needs `diffmeg.runtime.single_process()`."""
-    from diffmeg.model import build_model, config_from_args
+    from diffmeg.model import build_model, transformer_config
+    from diffmeg.run_config import RunConfig
 
     args = single_rank_args(args)
     args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
     model = build_model(
-        config_from_args(args),
+        transformer_config(RunConfig.from_args(args, partial=True)),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         rotary_base=args.rotary_base,

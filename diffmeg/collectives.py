@@ -10,6 +10,7 @@ and fails if another module reduces a freshly made tensor directly.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -17,6 +18,7 @@ from diffmeg.errors import DiffmegError
 
 SUM = torch.distributed.ReduceOp.SUM
 MAX = torch.distributed.ReduceOp.MAX
+T = TypeVar("T")
 
 
 def backend_name(group=None) -> str:
@@ -70,16 +72,17 @@ def any_rank(flag: bool, group=None) -> bool:
     return bool(all_reduce([1.0 if flag else 0.0], op=MAX, group=group).item() > 0)
 
 
-def on_rank0(check: Callable[[], None]) -> None:
-    """Run `check` on rank 0 only; if it raises `DiffmegError`, every rank raises the same one-line error
-    (so no rank waits in a collective for a rank that stopped)."""
-    message = None
+def on_rank0(check: Callable[[], T]) -> T:
+    """Run `check` on rank 0 only and return its result on every rank; if it raises `DiffmegError`, every
+    rank raises the same one-line error (so no rank waits in a collective for a rank that stopped)."""
+    message = result = None
     if torch.distributed.get_rank() == 0:
         try:
-            check()
+            result = check()
         except DiffmegError as exc:
             message = str(exc)
-    box = [message]
+    box = [message, result]
     torch.distributed.broadcast_object_list(box, src=0)
     if box[0] is not None:
         raise DiffmegError(box[0])
+    return box[1]

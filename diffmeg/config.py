@@ -65,20 +65,12 @@ class DiffTransformerConfig(TransformerConfig):
 
     attention_backend_diff: str = "auto"
     """Differential attention backend, a name of `diffmeg.registry`'s `diff_attention` slot:
-    reference (plain math), sdpa (torch), flash / triton on GPU, or auto (the measured fastest)."""
+    reference (plain math), sdpa (torch), flash / flex on GPU, or auto (the measured fastest)."""
 
     norm_impl: str = "auto"
     """RMSNorm implementation, a name of `diffmeg.registry`'s `norm` slot of the local family
-    (local, torch, compiled): the local spec's block and final norms and DIFF V1's head norm. auto: the
+    (local, torch): the local spec's block and final norms and DIFF V1's head norm. auto: the
     spec's own (the Transformer Engine spec keeps TE's norms whatever this says, bar the head norm)."""
-
-    rope_impl: str = "auto"
-    """RoPE implementation, a name of the registry's `rope` slot: megatron (megatron-core's eager RoPE
-    inside its attention), compiled (`diffmeg.fusions.rope`), or auto (megatron until measured)."""
-
-    diff_epilogue_impl: str = "auto"
-    """DIFF V1's epilogue after the attention backend (head RMSNorm, x (1 - lambda_init), seq-first), a
-    name of the registry's `diff_epilogue` slot: eager, compiled, or auto (eager until measured)."""
 
     sdpa_backend: str = "auto"
     """Which kernel torch's SDPA tries first in every core attention (`diffmeg.kernels.sdpa_backends`):
@@ -127,8 +119,6 @@ class DiffTransformerConfig(TransformerConfig):
 
     def _validate_impls(self) -> None:
         registry.check_name("norm", self.norm_impl)
-        registry.check_name("diff_epilogue", self.diff_epilogue_impl)
-        registry.check_name("rope", self.rope_impl)
         sdpa_backends.check_name(self.sdpa_backend)
         named = self.norm_impl != registry.AUTO
         if named and registry.implementation("norm", self.norm_impl).spec != "local":

@@ -17,22 +17,16 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.tensor_parallel import ColumnParallelLinear
-from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from diffmeg.attention import DiffCoreAttention, DiffCoreAttentionSubmodules
-from diffmeg.attention_v2 import (
-    DiffV2SelfAttention,
-    DiffV2SelfAttentionSubmodules,
-    FusedRopeDiffV2SelfAttention,
-)
+from diffmeg.attention_v2 import DiffV2SelfAttention, DiffV2SelfAttentionSubmodules
 from diffmeg.config import DiffTransformerConfig
 from diffmeg.errors import DiffmegError
-from diffmeg.fusions.rope import FusedRopeSelfAttention
 from diffmeg.parallel import UlyssesAttention, UlyssesAttentionSubmodules
-from diffmeg.registry import resolve, select
+from diffmeg.registry import select
 from diffmeg.runtime import transformer_engine_available
 
 
@@ -67,23 +61,6 @@ def diff_v2_attention_spec(
     )
 
 
-def with_rope(config: DiffTransformerConfig, spec: ModuleSpec) -> ModuleSpec:
-    """The layer spec with its self-attention applying `config.rope_impl`'s RoPE: unchanged for
-    megatron-core's own (`megatron`, auto), else the attention class with `FusedRopeMixin` in front."""
-    name = resolve("rope", config.rope_impl)
-    if name == "megatron":
-        return spec
-    fused = {SelfAttention: FusedRopeSelfAttention, DiffV2SelfAttention: FusedRopeDiffV2SelfAttention}
-    attention = spec.submodules.self_attention
-    if attention.module not in fused:
-        raise DiffmegError(
-            f"--rope-impl {name} cannot hook {attention.module.__name__}; use --rope-impl auto"
-        )
-    attention.module = fused[attention.module]
-    attention.params = {**attention.params, "rope_fn": select("rope", name).load()}
-    return spec
-
-
 def is_diff_v2(config: DiffTransformerConfig) -> bool:
     return config.diff_attention and config.diff_version == 2
 
@@ -101,7 +78,7 @@ def get_diff_layer_local_spec(config: DiffTransformerConfig, cp_attention: type 
         spec.submodules.self_attention = diff_v2_attention_spec(config, spec.submodules.self_attention)
     elif config.diff_attention:
         spec.submodules.self_attention.submodules.core_attention = diff_core_attention_spec(cp_attention)
-    return with_rope(config, spec)
+    return spec
 
 
 def get_diff_layer_te_spec(config: DiffTransformerConfig) -> ModuleSpec:
@@ -130,20 +107,20 @@ def get_diff_layer_te_spec(config: DiffTransformerConfig) -> ModuleSpec:
         )
     elif config.diff_attention:
         spec.submodules.self_attention.submodules.core_attention = diff_core_attention_spec()
-    return with_rope(config, spec)
+    return spec
 
 
 def get_diff_block_spec(config: DiffTransformerConfig, use_te: bool, vp_stage: int | None = None):
-    """Block spec for this pipeline stage: its layers plus the final norm; with `config.fp8` set, the layer
-    spec goes through the FP8 linear converter (`diffmeg.fusions.fp8`) before anything is built."""
+    """Block spec for this pipeline stage: its layers plus the final norm. With `config.fp8` set, the local
+    layer spec goes through the FP8 linear converter (`diffmeg.fusions.torchao_fp8`) before anything is
+    built; the Transformer Engine spec's linears are TE's, which megatron-core runs in FP8 from the config."""
     if use_te:
         layer = get_diff_layer_te_spec(config)
         final_norm = select("norm", spec="transformer_engine").load()
     else:
         layer = get_diff_layer_local_spec(config)
         final_norm = select("norm", config.norm_impl, spec="local").load()
-    if config.fp8:
-        family = "transformer_engine" if use_te else "local"
-        layer = select("fp8_linear", spec=family).load()(config).convert(layer)
+        if config.fp8:
+            layer = select("fp8_linear", spec="local").load()(config).convert(layer)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)

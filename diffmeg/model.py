@@ -1,9 +1,9 @@
 """megatron-core's `GPTModel` built from our specs: RMSNorm, SwiGLU, no biases, RoPE; the output layer is
 its own matrix, or tied to the word embedding (`config.share_embeddings_and_output_weights`).
 
-`transformer_config` is the one mapping of a run's fields to the model config: training passes its typed
-groups (`RunConfig.model`, `.parallel`, `.training`); `config_from_args` passes flat arguments (resolved
-ones, a checkpoint's upgraded args.json) for the offline checkpoint readers and conversion.
+`transformer_config` is the one mapping of a run's fields to the model config, from a `RunConfig`: the
+training run's, or one the offline readers (single-rank models of checkpoints, conversion) build from
+flat arguments (a checkpoint's upgraded args.json: `RunConfig.from_args(args, partial=True)`).
 
 `DiffGPTModel` is megatron-core's GPTModel with one more way to compute the training loss: with
 `config.cross_entropy_chunk_size` set, the output projection and cross entropy run in chunks of tokens
@@ -13,9 +13,7 @@ checkpoints, logits when no labels are given) is megatron-core's.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +29,7 @@ from diffmeg.fusions import grad_accum
 from diffmeg.init import initialize_parameters
 from diffmeg.layer_specs import get_diff_block_spec
 from diffmeg.registry import select
+from diffmeg.run_config import RunConfig
 
 # megatron-core's FusedScaleMaskSoftmax imports these CUDA extensions (Megatron-LM's / apex's fused kernels)
 # when the fusion is on and the shapes qualify (bf16/fp16, 16 < sk <= 4096): without them every local-spec
@@ -49,68 +48,14 @@ def fused_softmax_available() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in FUSED_SOFTMAX_MODULES)
 
 
-class ModelFields(Protocol):
-    """The network's fields a model config reads: a run's `RunConfig.model`, or saved flat arguments."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    norm_epsilon: float
-    hidden_dropout: float
-    attention_dropout: float
-    init_method_std: float
-    tie_embeddings_and_output_weights: bool
-    diff_attention: bool
-    diff_version: int
-    lambda_init: str
-    lambda_std: float
-    diff_attn_backend: str
-    norm_impl: str
-    rope_impl: str
-    diff_epilogue_impl: str
-    sdpa_backend: str
-
-
-class ParallelFields(Protocol):
-    """The layout's fields a model config reads: a run's `RunConfig.parallel`, or saved flat arguments."""
-
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    virtual_pipeline_model_parallel_size: int | None
-    context_parallel_size: int
-    cp_comm_type: str | None
-    sequence_parallel: bool
-
-
-class TrainingFields(Protocol):
-    """Precision, recomputation, loss, determinism: `RunConfig.training`, or saved flat arguments."""
-
-    bf16: bool
-    fp16: bool
-    fp8_format: str | None
-    fp8_recipe: str
-    recompute_granularity: str | None
-    recompute_method: str | None
-    recompute_num_layers: int | None
-    cross_entropy_chunk_size: int | None
-    cross_entropy_loss_fusion: bool
-    gradient_accumulation_fusion: bool
-    deterministic_mode: bool
-    cuda_graph_impl: str
-
-
-def transformer_config(
-    model: ModelFields, parallel: ParallelFields, training: TrainingFields
-) -> DiffTransformerConfig:
+def transformer_config(run: RunConfig) -> DiffTransformerConfig:
     """The LLaMA macro layout (pre-RMSNorm, SwiGLU, no biases) with the run's sizes and parallelism."""
+    model, parallel, training = run.model, run.parallel, run.training
     on_gpu = torch.cuda.is_available()
     heads, groups = megatron_head_counts(
         model.num_attention_heads, model.num_query_groups, model.diff_attention, model.diff_version
     )
-    dtype = params_dtype(training)
+    dtype = training.params_dtype
     vp = parallel.virtual_pipeline_model_parallel_size
     return DiffTransformerConfig(
         num_layers=model.num_layers,
@@ -165,25 +110,12 @@ def transformer_config(
         cross_entropy_fusion_impl="native",
         gradient_accumulation_fusion=training.gradient_accumulation_fusion,
         norm_impl=model.norm_impl,
-        rope_impl=model.rope_impl,
-        diff_epilogue_impl=model.diff_epilogue_impl,
         sdpa_backend=model.sdpa_backend,
         # megatron-core's local CUDA graphs: each layer whole (scope "full"), the RNG tracker graph-safe
         # (diffmeg.compat seeds it so for such runs; TE's tracker where TE is installed, as Megatron-LM)
         cuda_graph_impl=training.cuda_graph_impl,
         use_te_rng_tracker=training.cuda_graph_impl != "none" and graph_safe_rng_is_te(),
     )
-
-
-def config_from_args(args: argparse.Namespace) -> DiffTransformerConfig:
-    """`transformer_config` of flat arguments that hold every field: resolved ones, or a checkpoint's
-    args.json after `diffmeg.checkpoints.upgrade_saved_args` (the offline readers and conversion)."""
-    return transformer_config(args, args, args)
-
-
-def params_dtype(training: TrainingFields) -> torch.dtype:
-    """The parameter dtype of --bf16/--fp16 (flat arguments; a RunConfig has `training.params_dtype`)."""
-    return torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else torch.float32
 
 
 class DiffGPTModel(GPTModel):

@@ -16,7 +16,6 @@ A new implementation (a fused norm, a fused loss, another FP8 GEMM) is one entry
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -74,19 +73,6 @@ def _flash_missing(device_type: str | None) -> str | None:
     return None
 
 
-def _triton_missing(device_type: str | None) -> str | None:
-    from diffmeg.kernels.triton_diff import triton_usable  # lazy: loads when this entry is checked
-
-    if device_type is None and importlib.util.find_spec("triton") is None:
-        return "attention backend 'triton' needs the triton package (pip install triton)"
-    if device_type is not None and not triton_usable(device_type):
-        return (
-            "attention backend 'triton' needs the triton package and a CUDA GPU "
-            "(TRITON_INTERPRET=1 runs it on CPU tensors, slowly); use 'sdpa'"
-        )
-    return None
-
-
 def _te_missing(what: str, fix: str) -> Callable[[str | None], str | None]:
     def missing(device_type: str | None) -> str | None:
         if transformer_engine_available() and device_type in (None, "cuda"):
@@ -141,12 +127,6 @@ def _diff_flex() -> Callable:
     return diff_attention_flex
 
 
-def _diff_triton() -> Callable:
-    from diffmeg.kernels.triton_diff import diff_attention_triton  # lazy: loads when this entry is chosen
-
-    return diff_attention_triton
-
-
 def _sdpa_core() -> type:
     from diffmeg.core_attention import SDPACoreAttention  # lazy: loads when this entry is chosen
 
@@ -171,23 +151,6 @@ def _torch_norm() -> type:
     return TorchRMSNorm
 
 
-def _compiled_norm() -> type:
-    from diffmeg.fusions.rms_norm import CompiledRMSNorm
-
-    return CompiledRMSNorm
-
-
-def _compile_missing(what: str) -> Callable[[str | None], str | None]:
-    def missing(device_type: str | None) -> str | None:
-        import torch
-
-        if getattr(torch, "compile", None) is None:
-            return f"{what} needs torch.compile (torch >= 2.0); use 'auto'"
-        return None
-
-    return missing
-
-
 def _te_norm() -> type:
     from megatron.core.extensions.transformer_engine import TENorm  # optional GPU dependency
 
@@ -207,34 +170,21 @@ def _fused_loss() -> Callable:
     return fused_vocab_parallel_cross_entropy
 
 
-def _eager_epilogue() -> Callable:
-    from diffmeg.fusions.diff_combine import diff_epilogue
-
-    return diff_epilogue
-
-
-def _compiled_epilogue() -> Callable:
-    from diffmeg.fusions.diff_combine import diff_epilogue_compiled
-
-    return diff_epilogue_compiled
-
-
-def _megatron_rope() -> Callable:
-    from diffmeg.fusions.rope import rope_eager
-
-    return rope_eager
-
-
-def _compiled_rope() -> Callable:
-    from diffmeg.fusions.rope import rope_compiled
-
-    return rope_compiled
-
-
 def _megatron_optimizer_step() -> Callable:
     from diffmeg.fusions.optimizer_step import keep_megatron_step  # lazy: loads when this entry is chosen
 
     return keep_megatron_step
+
+
+def _fused_optimizer_missing(device_type: str | None) -> str | None:
+    from diffmeg.fusions.optimizer_step import megatron_has_fused_adam  # lazy: loads when checked
+
+    if megatron_has_fused_adam():
+        return (
+            "--optimizer-impl fused steps torch's AdamW, but megatron-core steps Transformer Engine's or "
+            "apex's fused Adam here; use --optimizer-impl megatron"
+        )
+    return None
 
 
 def _fused_optimizer_step() -> Callable:
@@ -250,25 +200,18 @@ def _chunked_loss() -> Callable:
 
 
 def _torchao_fp8_missing(device_type: str | None) -> str | None:
-    from diffmeg.fusions.torchao_fp8 import fp8_unsupported_reason, torchao_available
+    from diffmeg.fusions.torchao_fp8 import fp8_unsupported_reason
 
-    if device_type is None:
-        return None if torchao_available() else fp8_unsupported_reason(emulate=False)
-    if device_type != "cuda":
+    if device_type not in (None, "cuda"):
         return "FP8 linears need a CUDA GPU (Ada/Hopper or newer) outside emulation; leave out --fp8-format"
-    return fp8_unsupported_reason(emulate=False)
+    # at build: installed (emulation needs no more); for CUDA tensors, the GPU too (all rules: check_fp8)
+    return fp8_unsupported_reason(emulate=device_type is None)
 
 
 def _torchao_fp8() -> type:
     from diffmeg.fusions.torchao_fp8 import TorchaoFp8
 
     return TorchaoFp8
-
-
-def _te_fp8() -> type:
-    from diffmeg.fusions.fp8 import TransformerEngineFp8  # lazy: loads when this entry is chosen
-
-    return TransformerEngineFp8
 
 
 SLOTS = (
@@ -289,16 +232,11 @@ SLOTS = (
         "training loss",
         "`--cross-entropy-chunk-size` (set: chunked), `--cross-entropy-loss-fusion` (set: fused)",
     ),
-    Slot("rope", "RoPE", "`--rope-impl`: the rotation of q and k in every self-attention"),
-    Slot(
-        "diff_epilogue",
-        "DIFF epilogue",
-        "`--diff-epilogue-impl` (DIFF V1): head RMSNorm, x (1 - lambda_init), the permute to seq-first",
-    ),
     Slot(
         "fp8_linear",
         "FP8 linear converter",
-        "`--fp8-format` (set: the spec is converted) and the spec (`--transformer-impl`)",
+        "`--fp8-format` on the local spec (the Transformer Engine spec's linears are TE's: megatron-core "
+        "runs them in FP8 from the config)",
     ),
     Slot(
         "optimizer",
@@ -355,13 +293,6 @@ IMPLEMENTATIONS = (
         _flex_missing,
     ),
     Implementation(
-        "diff_attention",
-        "triton",
-        "diffmeg's fused Triton kernel: both softmaxes in one pass over K/V (GPU; TRITON_INTERPRET=1 on CPU)",
-        _diff_triton,
-        _triton_missing,
-    ),
-    Implementation(
         "core_attention",
         "sdpa",
         "diffmeg's `SDPACoreAttention`: torch SDPA without the score matrix (the local spec)",
@@ -389,14 +320,6 @@ IMPLEMENTATIONS = (
         "the same RMSNorm through torch's `F.rms_norm`: one fused kernel each way on CUDA, no fp32 copy of "
         "the input (a GPU candidate, not yet measured)",
         _torch_norm,
-        spec="local",
-    ),
-    Implementation(
-        "norm",
-        "compiled",
-        "the fp32 RMSNorm's math as one `torch.compile`d region (a GPU candidate, not yet measured)",
-        _compiled_norm,
-        _compile_missing("norm 'compiled'"),
         spec="local",
     ),
     Implementation(
@@ -429,43 +352,6 @@ IMPLEMENTATIONS = (
         _chunked_loss,
     ),
     Implementation(
-        "rope",
-        "megatron",
-        "megatron-core's eager `_apply_rotary_pos_emb_bshd`, inside its attention (its fused RoPE needs TE)",
-        _megatron_rope,
-    ),
-    Implementation(
-        "rope",
-        "compiled",
-        "the same function as one `torch.compile`d region, applied by `fusions/rope.py`'s attention mixin "
-        "(training-shaped calls; a GPU candidate, not yet measured)",
-        _compiled_rope,
-        _compile_missing("RoPE 'compiled'"),
-    ),
-    Implementation(
-        "diff_epilogue",
-        "eager",
-        "plain ops: the head norm (`--norm-impl`'s), the scale, a contiguous permute "
-        "(`fusions/diff_combine.py`)",
-        _eager_epilogue,
-    ),
-    Implementation(
-        "diff_epilogue",
-        "compiled",
-        "the eager epilogue with the fp32 norm math as one `torch.compile`d region, forward and backward "
-        "(a GPU candidate, not yet measured)",
-        _compiled_epilogue,
-        _compile_missing("DIFF epilogue 'compiled'"),
-    ),
-    Implementation(
-        "fp8_linear",
-        "transformer_engine",
-        "Transformer Engine's FP8 linears (`fusions/fp8.py`: the spec's linears become TE's)",
-        _te_fp8,
-        _te_missing("the FP8 linear converter", "leave out --fp8-format"),
-        spec="transformer_engine",
-    ),
-    Implementation(
         "fp8_linear",
         "torchao",
         "torchao's float8 training on megatron-core's parallel linears (`fusions/torchao_fp8.py`): "
@@ -485,28 +371,25 @@ IMPLEMENTATIONS = (
         "optimizer",
         "fused",
         "the same optimizer with the grad norm and clip on the device, one `_foreach_copy_` to the model's "
-        "weights, torch's fused AdamW on CUDA (foreach elsewhere): `fusions/optimizer_step.py`",
+        "weights, torch's fused AdamW (CUDA and CPU): no host read in a step, `fusions/optimizer_step.py`; "
+        "not where megatron-core has a fused Adam of its own (Transformer Engine or apex)",
         _fused_optimizer_step,
+        _fused_optimizer_missing,
     ),
 )
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    # Measured on an H100 (bf16, 12 heads of d=128, forward+backward; the kernels phase of
-    # benchmarks/results/campaign-nvidia-h100-80gb-hbm3-20261124T064253Z.json): the fused Triton kernel with
-    # its best tiles takes 1.26-1.35x the time of torch's SDPA paths at every length from 2K to 16K, so
-    # `auto` is SDPA (flash kernels) until a kernel beats it; 'triton' stays available by name.
+    # SDPA picks its path per key length from measured crossovers (kernels/sdpa_paths.py); the other
+    # backends are candidates by name.
     "diff_attention": ("sdpa",),
     "core_attention": ("transformer_engine", "sdpa"),
     "norm": ("transformer_engine", "local"),
-    # The fused candidates ('torch'/'compiled' norms, the 'fused' loss, 'compiled' RoPE and epilogue) are
-    # chosen by name only until the lever matrix has timed them on a GPU (docs/gpu.md).
+    # The fused candidates (the 'torch' norm, the 'fused' loss) are chosen by name only until the lever
+    # matrix has timed them on a GPU (docs/gpu.md).
     "loss": ("megatron",),
-    "rope": ("megatron",),
-    "diff_epilogue": ("eager",),
-    "fp8_linear": ("transformer_engine", "torchao"),
-    # The fused step until the lever matrix's "fused optimizer" lever measures it faster on a GPU; where
-    # megatron-core has a fused Adam of its own (TE or apex), and on a CPU, `auto` keeps megatron-core's
-    # step whatever this order says (diffmeg.training.optim.optimizer_impl).
+    "fp8_linear": ("torchao",),
+    # megatron-core's step until the lever matrix's "fused optimizer" lever measures the fused one faster
+    # on a GPU; 'fused' cannot run where megatron-core steps a fused Adam of its own (TE or apex).
     "optimizer": ("megatron",),
 }
 """Per slot, what `auto` tries, first choice first: the first that can run (at build time) is taken."""

@@ -63,7 +63,7 @@ def single_process(seed: int = 1234) -> None:
 def make_deterministic() -> None:
     """--deterministic-mode: cuBLAS's fixed-size workspace (set before its first handle; the variable
     wins if already set) and torch's deterministic kernels, warning where an op has none. The model's
-    config carries `deterministic_mode` for megatron-core's own choices (config_from_args)."""
+    config carries `deterministic_mode` for megatron-core's own choices (transformer_config)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
 

@@ -4,7 +4,8 @@ Each writer turns a full disk or quota into one line naming the directory and it
 removes what it left half-written; these helpers answer the questions that line needs. `check_output`
 is the one check of an output path before work starts (every tool's --save, --output-prefix,
 --tensorboard-dir, --metrics-file): a read-only file system, a path without permission, a file where a
-folder should be (or the reverse) and too little space, each named as what it is.
+folder should be (or the reverse) and too little space, each named as what it is. `default_cache_dir` is
+where diffmeg keeps what it can rebuild.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from collections.abc import Iterator
 from diffmeg.errors import DiffmegError
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+CACHE_DIR_ENV = "DIFFMEG_CACHE_DIR"
+
+
+def default_cache_dir() -> str:
+    """Where diffmeg caches what it can rebuild (the builtin corpus, token-id ranges of read-only data):
+    ``$DIFFMEG_CACHE_DIR``, else ``~/.cache/diffmeg``."""
+    return os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "diffmeg")
 
 
 def format_bytes(n: float) -> str:

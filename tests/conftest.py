@@ -72,3 +72,43 @@ def tokenizer_file() -> str:
     if not Path(path).is_file():
         pytest.skip(f"cl100k_base BPE file not found at {path}; set DIFFMEG_TOKENIZER_FILE")
     return path
+
+
+HOLD_FOLDER = """
+import sys
+from diffmeg.folder_lock import FolderLock
+
+lock = FolderLock(sys.argv[1])
+print(lock.acquire(), flush=True)
+sys.stdin.read()  # until the test closes stdin (or kills this process)
+lock.release()
+"""
+
+
+@pytest.fixture
+def folder_holder():
+    """Start a plain process holding a folder's `diffmeg.folder_lock` until its stdin closes (returned once
+    it holds it; `env` adds variables, e.g. SLURM_JOB_ID). Every one left running is killed at teardown."""
+    import subprocess
+
+    started: list[subprocess.Popen] = []
+
+    def start(folder, **env: str) -> subprocess.Popen:
+        environ = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+        environ.update(PYTHONPATH=str(REPO_ROOT), **env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLD_FOLDER, str(folder)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=environ,
+        )
+        started.append(proc)
+        assert proc.stdout.readline() == "None\n"
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

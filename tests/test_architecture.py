@@ -70,13 +70,14 @@ FLOORS = [
                 "diffmeg.kernels",
                 "diffmeg.parallel",
                 "diffmeg.config",
+                "diffmeg.run_config",
             ),
             "data": ("diffmeg.data",),
         },
         independent=True,
     ),
     Floor("process", {"runtime": ("diffmeg.runtime", "diffmeg.compat", "diffmeg.collectives")}),
-    Floor("ground", {"ground": ("diffmeg.errors", "diffmeg.storage")}),
+    Floor("ground", {"ground": ("diffmeg.errors", "diffmeg.storage", "diffmeg.folder_lock")}),
 ]
 
 NEVER = [

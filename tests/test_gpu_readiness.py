@@ -2,18 +2,17 @@
 
 - initialisation is device-independent: a model built on the GPU has the weights of the CPU-built one;
 - the attention backend is resolved from the tensors at call time: a core built on the CPU and moved to
-  the GPU runs the fused Triton kernel;
+  the GPU runs SDPA's GPU path;
 - seeded sampling draws on the logits' device;
 - the Transformer baseline's local spec runs in bf16 on a GPU without the fused-softmax extension, and
   DIFF with each backend gives the same loss;
-- training steps as the campaign's train phase takes them (issue 24): bf16, the fused kernel, megatron-core's
+- training steps as the campaign's train phase takes them (issue 24): bf16, SDPA, megatron-core's
   fused SwiGLU compiled by TorchDynamo, the distributed optimizer with overlapped gradient reduction, on
   an NCCL process group, for the Transformer and DIFF: the loss falls.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -50,24 +49,22 @@ def test_gpu_built_model_has_the_cpu_built_weights(single_rank_parallel_state):
     assert checked >= 10
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-def test_core_built_on_cpu_runs_triton_on_gpu(single_rank_parallel_state, monkeypatch):
+def test_core_built_on_cpu_runs_sdpa_on_gpu(single_rank_parallel_state):
     from megatron.core.transformer.enums import AttnMaskType
 
     from diffmeg.attention import DiffCoreAttention
     from tests.builders import make_config
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cores = {}
-    for backend in ("reference", "triton"):
+    for backend in ("reference", "sdpa"):
         cfg = make_config(2, 1, 16, attention_backend_diff=backend)  # use_cpu_initialization=True
         torch.manual_seed(0)
         cores[backend] = DiffCoreAttention(cfg, 3, AttnMaskType.causal, "self").float().cuda()
-    cores["triton"].load_state_dict(cores["reference"].state_dict())
+    cores["sdpa"].load_state_dict(cores["reference"].state_dict())
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(37, 2, n, 16, generator=gen).cuda() for n in (4, 2, 2))  # [s, b, heads, d]
     out = {name: core(q, k, v, None) for name, core in cores.items()}
-    torch.testing.assert_close(out["triton"], out["reference"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out["sdpa"], out["reference"], rtol=1e-4, atol=1e-5)
 
 
 def test_seeded_sampling_on_gpu_logits(single_rank_parallel_state):
@@ -83,19 +80,19 @@ def test_seeded_sampling_on_gpu_logits(single_rank_parallel_state):
 @pytest.mark.parametrize("preset", ["transformer-tiny", "diff-tiny"])
 def test_bf16_local_spec_trains_on_gpu(single_rank_parallel_state, monkeypatch, preset):
     """The baseline's core attention in bf16 at 512 tokens (the fused-softmax path without its extension
-    was a ModuleNotFoundError); DIFF's sdpa and triton backends agree on the loss."""
-    from diffmeg.model import build_model, config_from_args
+    was a ModuleNotFoundError); DIFF's sdpa and reference backends agree on the loss."""
+    from diffmeg.model import build_model, transformer_config
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.arguments import resolve_args
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    triton = importlib.util.find_spec("triton") is not None
-    backends = ["sdpa", "triton"] if preset.startswith("diff") and triton else [None]
+    backends = ["sdpa", "reference"] if preset.startswith("diff") else [None]
     losses = {}
     for backend in backends:
         argv = ["--model", preset, "--mock-data", "--bf16", "--seq-length", "512", "--vocab-size", "1024"]
         argv += ["--diff-attn-backend", backend] if backend else []
         args = resolve_args(argv, world_size=1)
-        model = build_model(config_from_args(args), vocab_size=1024, max_sequence_length=512, seed=3)
+        config = transformer_config(RunConfig.from_args(args))
+        model = build_model(config, vocab_size=1024, max_sequence_length=512, seed=3)
         tokens = torch.randint(0, 1024, (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
         positions = torch.arange(512, device="cuda").expand(2, 512)
         per_token = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=tokens)
@@ -105,7 +102,7 @@ def test_bf16_local_spec_trains_on_gpu(single_rank_parallel_state, monkeypatch, 
         assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
         losses[backend] = loss.item()
     if len(losses) == 2:
-        assert abs(losses["sdpa"] - losses["triton"]) < 2e-2 * abs(losses["sdpa"]), losses
+        assert abs(losses["sdpa"] - losses["reference"]) < 2e-2 * abs(losses["sdpa"]), losses
 
 
 # One fresh process (its own NCCL group, TorchDynamo on as in the train phase), both models in turn, each
@@ -139,12 +136,12 @@ for preset, backend in (("transformer-tiny", None), ("diff-tiny", sys.argv[1])):
 
 
 def test_training_steps_as_the_train_phase_takes_them():
-    """bf16 steps of the Trainer as benchmarks/train_step.py times them: NCCL, the fused Triton kernel for
-    DIFF (SDPA without triton), the compiled fused SwiGLU, the distributed optimizer with overlapped
-    gradient reduction; both models' losses fall on repeated batches."""
+    """bf16 steps of the Trainer as benchmarks/train_step.py times them: NCCL, SDPA for DIFF, the compiled
+    fused SwiGLU, the distributed optimizer with overlapped gradient reduction; both models' losses fall on
+    repeated batches."""
     repo = Path(__file__).resolve().parents[1]
-    backend = "triton" if importlib.util.find_spec("triton") else "sdpa"
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
+    backend = "sdpa"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.update(TORCHDYNAMO_DISABLE="0", PYTHONPATH=str(repo))
     proc = subprocess.run(
         [sys.executable, "-c", _TRAIN_STEPS, backend], cwd=repo, env=env, capture_output=True, text=True,
@@ -203,7 +200,7 @@ def test_graph_options_train_a_tiny_model(flags, evidence):
     """Each GPU lever of diffmeg.training.graphs and --sdpa-backend runs pretrain_diff.py's Trainer for a few
     steps on both models: the option took effect and the loss falls on repeated batches."""
     repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.update(TORCHDYNAMO_DISABLE="0", PYTHONPATH=str(repo))
     proc = subprocess.run(
         [sys.executable, "-c", _GRAPH_STEPS, json.dumps(flags)], cwd=repo, env=env, capture_output=True,

@@ -7,12 +7,14 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 
+from diffmeg.folder_lock import LOCK_FILE
 from tests.conftest import REPO_ROOT
 from tests.distributed.runner import TINY, job_env, launch_cmd, read_losses, run_pretrain, run_training
 
@@ -72,15 +74,19 @@ def test_corrupt_checkpoint_names_the_file_and_ckpt_step_resumes_an_earlier_one(
     run_training(tmp_path, "a", ["--train-iters", "2", *decay, "--save-interval", "1", "--save", str(ckpt)])
     for f in (ckpt / "iter_0000002").glob("*.distcp"):
         f.write_bytes(b"garbage")
-    proc = run_training(tmp_path, "b", ["--train-iters", "4", *decay, "--load", str(ckpt)], check=False)
+    arguments = (ckpt / "arguments.json").read_text()
+    proc = run_training(
+        tmp_path, "b", ["--train-iters", "4", *decay, "--load", str(ckpt), "--save", str(ckpt)], check=False
+    )
     assert proc.returncode == 2
     line = _error_line(proc.stderr)
     assert re.match(
         rf"error: cannot load checkpoint iteration 2 of {ckpt}: iter_0000002/__0_\d\.distcp is 7 bytes", line
     )
     assert line.endswith(f"other complete iterations in {ckpt}: 1; start from one with --ckpt-step N")
-    # nothing already written was touched
+    # nothing already written was touched: a run refused before training writes nothing
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (ckpt / "arguments.json").read_text() == arguments and not (ckpt / LOCK_FILE).exists()
     # Megatron-LM's --ckpt-step: resume from the intact iteration 1, exactly where the first run was then.
     proc = run_training(
         tmp_path,
@@ -113,9 +119,13 @@ def test_unfinished_save_is_not_marked_latest(tmp_path):
 
 def test_a_typo_in_load_or_an_unusable_save_stops_before_training(tmp_path):
     proc = run_training(
-        tmp_path, "typo", ["--train-iters", "2", "--load", str(tmp_path / "ckpt_typo")], check=False
+        tmp_path,
+        "typo",
+        ["--train-iters", "2", "--load", str(tmp_path / "ckpt_typo"), "--save", str(tmp_path / "new" / "c")],
+        check=False,
     )
     assert proc.returncode == 2 and "does not exist" in _error_line(proc.stderr)
+    assert not (tmp_path / "new").exists()  # made for the run's lock, then found empty: removed
     proc = run_training(tmp_path, "nosave", ["--train-iters", "2", "--save", "/proc/nope"], check=False)
     assert proc.returncode == 2 and "iteration " not in proc.stdout
     assert _error_line(proc.stderr).startswith("error: --save /proc/nope cannot be created: ")
@@ -212,6 +222,36 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
     assert "error: second Ctrl-C: exiting at once, without saving" in out
     assert "Traceback" not in out and "exiting at iteration" not in out, out[-3000:]
     assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_a_second_run_on_a_save_folder_is_refused_and_the_first_keeps_its_files(tmp_path):
+    """2026-11-27: two runs on one --save folder (a requeued job overlapping its predecessor, a script
+    started twice) wrote into each other. The second is refused in one line naming the first, before it
+    writes anything; the first's arguments and checkpoint stay its own."""
+    from diffmeg.checkpoints import read_checkpoint_args
+
+    ckpt, host, job = tmp_path / "ckpt", socket.gethostname(), os.environ.get("SLURM_JOB_ID")
+    first = _start(tmp_path, ["--train-iters", "1000", "--save", str(ckpt), "--seed", "1"])
+    seen: list[str] = []
+    _read_until(first, r"iteration +1/", seen)
+    arguments = (ckpt / "arguments.json").read_text()
+    second = run_training(
+        tmp_path, "second", ["--train-iters", "2", "--save", str(ckpt), "--seed", "2"], check=False
+    )
+    first.send_signal(signal.SIGTERM)  # saves and exits
+    seen += first.stdout.readlines()
+    assert first.wait(timeout=300) == 0, "".join(seen)[-3000:]
+    assert second.returncode == 2
+    line = _error_line(second.stderr)
+    owner = f"pid {first.pid} on {host}" + (f" (Slurm job {job})" if job else "")
+    assert line.startswith(f"error: --save {ckpt} is in use by another run: {owner}, started "), line
+    stop = f"scancel {job}" if job else f"kill {first.pid} on {host}"
+    assert line.endswith(f"; wait for it to end, stop it ({stop}), or choose another --save"), line
+    assert (ckpt / "arguments.json").read_text() == arguments
+    stopped = int(re.search(r"exiting at iteration (\d+)", "".join(seen)).group(1))
+    names = ["arguments.json", f"iter_{stopped:07d}", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ckpt)) == names  # the lock is gone with its run
+    assert read_checkpoint_args(str(ckpt))[0].seed == 1
 
 
 def test_recompute_and_bf16_match_the_plain_run(tmp_path):

@@ -18,7 +18,9 @@ weights-only checkpoint (iteration 0, in the source's dtype unless --dtype) that
 `pretrain_diff.py --load ckpt/ --finetune` continues from, at any TP/PP; flags after `--` are recorded
 in its args.json as a pretrain_diff.py run would resolve them. upcycle turns a Transformer (a Hugging Face
 Llama / Mistral folder or a transformer-* checkpoint) into a weights-only DIFF V2 checkpoint with the same
-logits, keeping its tokenizer. See docs/conversion.md.
+logits, keeping its tokenizer. --overwrite replaces only what a conversion writes: in an export folder its
+files (config, weights and index, tokenizer, generation config, remote code), keeping every other file;
+a checkpoint folder holding anything but a converted checkpoint is refused. See docs/conversion.md.
 """
 
 from __future__ import annotations
@@ -41,8 +43,6 @@ import torch  # noqa: E402
 
 from diffmeg.conversion.checkpoint_io import (  # noqa: E402
     McoreCheckpointReader,
-    atomic_output_dir,
-    check_output_path,
     release_freed_memory,
     save_hf_tokenizer,
     save_remote_code,
@@ -58,6 +58,13 @@ from diffmeg.conversion.hf_import import open_hf_folder, resolved_pretrain_args 
 from diffmeg.conversion.layout import GLOBALS  # noqa: E402
 from diffmeg.conversion.mapping import HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf  # noqa: E402
 from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of  # noqa: E402
+from diffmeg.conversion.output_dir import (  # noqa: E402
+    CONVERTED_CHECKPOINT,
+    HF_EXPORT,
+    atomic_output_dir,
+    check_output_path,
+    some_names,
+)
 from diffmeg.conversion.progress import Progress, clock  # noqa: E402
 from diffmeg.conversion.safetensors_io import SafetensorsShardWriter  # noqa: E402
 from diffmeg.conversion.tokenizer_io import export_tokenizer, folder_tokenizer  # noqa: E402
@@ -100,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer (else recorded)")
     e.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     e.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="per safetensors file (5GB)")
-    e.add_argument("--overwrite", action="store_true", help="replace an existing --save folder")
+    e.add_argument(
+        "--overwrite", action="store_true", help="replace the export's files in --save (other files stay)"
+    )
     i = sub.add_parser(
         "hf-to-mcore", help="Hugging Face DiffLlama / Llama folder -> pretrain_diff.py checkpoint"
     )
@@ -116,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="recorded in args.json")
         q.add_argument("--seq-length", type=int, default=None, help="default: max_position_embeddings")
         q.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the source's")
-        q.add_argument("--overwrite", action="store_true", help="replace an existing --save directory")
+        q.add_argument(
+            "--overwrite", action="store_true", help="replace a converted checkpoint in --save (nothing else)"
+        )
     return p
 
 
@@ -146,7 +157,7 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
     import transformers  # only this direction needs it (its config and generation-config classes)
 
     start = time.perf_counter()
-    check_output_path(args.save, args.overwrite, args.load)
+    kept = check_output_path(args.save, args.overwrite, args.load, HF_EXPORT)
     reader = McoreCheckpointReader(args.load, args.iteration)  # plain file reads: no process group needed
     layout = layout_from_args(reader.args)
     reader.check(layout)
@@ -174,7 +185,7 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
     shapes = hf_model_shapes(layout)
     plan = [(name, shape, dtype) for name, shape in shapes.items()]
     needed = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
-    with atomic_output_dir(args.save, needed_bytes=needed) as out:
+    with atomic_output_dir(args.save, HF_EXPORT, needed_bytes=needed) as out:
         writer = SafetensorsShardWriter(out, args.max_shard_size, plan)
         for key in layout.mcore_global_shapes():  # one at a time: the embedding alone is several layers
             (tensor,) = reader.read_globals(layout, [key]).values()
@@ -202,12 +213,14 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
         f"{', tokenizer' if wrote_tokenizer else ''} (from {reader.path}) in "
         f"{clock(time.perf_counter() - start)}"
     )
+    if kept:  # the folder's own files and folders
+        print(f"note: kept {some_names(kept)} in {args.save} (not an export's files)", file=sys.stderr)
 
 
 def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
     """A DiffLlama / Llama folder -> weights-only megatron-core checkpoint at iteration 0, streamed."""
     start = time.perf_counter()
-    check_output_path(args.save, args.overwrite, args.load)
+    check_output_path(args.save, args.overwrite, args.load, CONVERTED_CHECKPOINT)
     folder = open_hf_folder(args.load)
     layout = folder.layout
     tokenizer = folder_tokenizer(args.load)  # the model keeps its tokenizer (copied into the checkpoint)
@@ -222,7 +235,8 @@ def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
     tokenizer.record(resolved)
     dtype = _torch_dtype(args.dtype) if args.dtype else folder.dtype
     single_process()
-    with atomic_output_dir(args.save, needed_bytes=layout.mcore_parameters() * dtype.itemsize) as out:
+    needed = layout.mcore_parameters() * dtype.itemsize
+    with atomic_output_dir(args.save, CONVERTED_CHECKPOINT, needed_bytes=needed) as out:
         writer = StreamingCheckpointWriter(out, resolved, dtype)
         progress = Progress("hf-to-mcore", layout.num_layers)
         for block in folder.mcore_blocks(dtype):  # each tensor outside the layers, then layer by layer
@@ -247,7 +261,7 @@ def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
 def upcycle(args: argparse.Namespace, extra: list[str]) -> None:
     """A Transformer (HF Llama-family folder or transformer-* checkpoint) -> weights-only DIFF V2."""
     start = time.perf_counter()
-    check_output_path(args.save, args.overwrite, args.load)
+    check_output_path(args.save, args.overwrite, args.load, CONVERTED_CHECKPOINT)
     source = open_upcycle_source(args.load)
     layout, resolved = upcycled_args(
         source,

@@ -1,8 +1,10 @@
-r"""Generate text from a pretrain_diff.py checkpoint (any TP/PP it was saved at), with a KV cache.
+r"""Generate text from a pretrain_diff.py checkpoint (any TP/PP it was saved at) or a Hugging Face DiffLlama /
+Llama / DIFF V2 folder (mapped into our model in memory, as the evaluation tools read it), with a KV cache.
 
     python tools/generate.py --load ckpt/ --prompt "The capital of France is" --max-new-tokens 32 --greedy
     python tools/generate.py --load ckpt/ --prompt "Once" --max-new-tokens 64 --temperature 0.8 --top-p 0.95 \
         --seed 0 --json
+    python tools/generate.py --load hf/ --prompt "The capital of France is" --max-new-tokens 32 --greedy
 
 Stops at <|endoftext|> (100257), or at its own tokenizer's end of sequence for a model imported or upcycled
 from Hugging Face. --json prints one object: prompt, prompt_ids, output_ids, output_text, stop_reason
@@ -28,8 +30,10 @@ from diffmeg.errors import DiffmegError, cli_errors  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True, help="checkpoint directory")
-    p.add_argument("--iteration", type=int, default=None, help="default: the latest complete one")
+    p.add_argument("--load", required=True, help="checkpoint directory or Hugging Face model folder")
+    p.add_argument(
+        "--iteration", type=int, default=None, help="checkpoint iteration (default: the latest complete one)"
+    )
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, required=True, help="tokens to generate at most")
     mode = p.add_mutually_exclusive_group()
@@ -58,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.max_new_tokens < 0:
         raise DiffmegError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    from diffmeg.checkpoints import read_checkpoint_args
     from diffmeg.data.tiktoken_cl100k import EOD_ID, load_tokenizer
-    from diffmeg.generation import SamplingConfig, check_length, decode, generate, load_model
+    from diffmeg.generation import SamplingConfig, check_length, decode, generate
+    from diffmeg.model_source import load_checkpoint_model, read_checkpoint_info
+    from diffmeg.runtime import single_process
 
     sampling = SamplingConfig(
         greedy=args.greedy,
@@ -68,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         top_p=1.0 if args.top_p is None else args.top_p,
         seed=args.seed,
     )
-    ckpt_args, _ = read_checkpoint_args(args.load, args.iteration)  # fails fast on a wrong --load
+    info = read_checkpoint_info(args.load, args.iteration)  # fails fast on a wrong --load
+    ckpt_args = argparse.Namespace(**info.args)
     eod = EOD_ID
     if getattr(ckpt_args, "tokenizer_type", None) == "HuggingFaceTokenizer" or args.tokenizer_model:
         from diffmeg.data.tokenizers import text_tokenizer  # an imported / upcycled model's own tokenizer
@@ -79,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.tokenizer_file or getattr(ckpt_args, "tokenizer_file", None))
         prompt_ids = tokenizer.tokenize(args.prompt)
     check_length(ckpt_args, len(prompt_ids), args.max_new_tokens)
-    model, _ = load_model(args.load, args.iteration)
+    single_process()
+    model = load_checkpoint_model(info)
     result = generate(
         model, prompt_ids, args.max_new_tokens, sampling, eod_id=eod, use_cache=not args.no_cache
     )

@@ -10,7 +10,8 @@ writes data/corpus_text_document.bin/.idx (one per --json-keys key) and .tokeniz
 pretrain_diff.py refuses data of another vocabulary); pass
 ``--data-path data/corpus_text_document`` to pretrain_diff.py. Under ``mpirun``/``srun`` every
 rank tokenizes its slice of the input into ``{prefix}-rankRRRRR-of-NNNNN_{key}_document``; merge
-those with tools/merge_datasets.py. See diffmeg/data/preprocess.py for formats and ordering.
+those with tools/merge_datasets.py. --overwrite replaces only the files of those datasets. See
+diffmeg/data/preprocess.py for formats and ordering.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer or model folder")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed lines")
-    p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace this prefix's datasets ({prefix}_{key}_document.*); other files stay",
+    )
     return cli.parse(p, argv)
 
 

@@ -13,7 +13,7 @@ Phases (docs/gpu.md says what each measures and how to read it), one module each
   env      (env.py) GPU, memory, versions, measured bf16 matmul TFLOP/s (the roof for MFU); always runs
   tests    (gpu_tests.py) `pytest -m gpu` on GPU_TEST_PATHS; failures are recorded, not fatal
   kernels  (kernels.py) forward+backward time of every DIFF V1 attention backend and the baseline's flash
-           attention (3B head layout), each Triton tile candidate checked against float64; best tiles kept
+           attention (3B head layout), each DIFF path checked against float64
   train    (train.py) tokens/s and MFU of a 3B-wide model cut to what fits, DIFF per backend vs the
            FLOP-matched Transformer on the same model code, at 4096 and 2048
   memory   (memory.py, runs.py) the memory plan against torch.cuda.max_memory_allocated (recompute

@@ -35,7 +35,6 @@ def phase_env(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) ->
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "fused_softmax_kernels": all(importlib.util.find_spec(m) is not None for m in softmax),
-        "triton_importable": importlib.util.find_spec("triton") is not None,
     }
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)

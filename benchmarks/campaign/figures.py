@@ -2,48 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from pathlib import Path
-
-
-def fused_speedup(rows: list[dict], seq: int, head_dim: int) -> float | None:
-    """Best unfused DIFF fwd+bwd time / best correct fused Triton fwd+bwd time at this length."""
-    from benchmarks.attention import TRITON, UNFUSED
-
-    def best(pred: Callable[[dict], bool]) -> float | None:
-        times = [
-            r["fwd_bwd_ms"]
-            for r in rows
-            if r["seq"] == seq
-            and r["head_dim"] == head_dim
-            and pred(r)
-            and r.get("fwd_bwd_ms")
-            and not r["error"]
-        ]
-        return min(times) if times else None
-
-    unfused = best(lambda r: r["impl"] in UNFUSED)
-    fused = best(lambda r: r["impl"].startswith(TRITON) and r.get("correct") is not False)
-    return unfused / fused if unfused and fused else None
-
-
-def best_triton(rows: list[dict], seq: int, head_dim: int) -> dict | None:
-    """The fastest correct fused-Triton row at this length and head dim."""
-    from benchmarks.attention import TRITON
-
-    ok = [
-        r
-        for r in rows
-        if r["impl"].startswith(TRITON)
-        and r["seq"] == seq
-        and r["head_dim"] == head_dim
-        and not r["error"]
-        and r.get("correct") is not False
-        and r.get("fwd_bwd_ms")
-    ]
-    return min(ok, key=lambda r: r["fwd_bwd_ms"]) if ok else None
-
 
 def throughput_ratio(rows: list[dict], seq: int) -> tuple[float | None, float | None]:
     """(best DIFF V1 tokens/s / Transformer tokens/s, FLOP bound of the measured models) at this length;
@@ -85,34 +43,11 @@ def flop_bound(diff_preset: str, seq: int) -> float:
     return per_token(baseline_of(diff_preset)) / per_token(diff_preset)
 
 
-def kept_triton_best(results_dir: Path, device: str) -> dict | None:
-    """triton_best of the newest results file from this GPU model (a kernels phase of an earlier command)."""
-    found = []
-    for path in results_dir.glob("*.json"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and data.get("device") == device and data.get("triton_best"):
-            found.append((data.get("date", ""), data["triton_best"]))
-    return max(found, key=lambda x: x[0])[1] if found else None
-
-
-def headlines(result: dict, head_dim: int) -> dict:
+def headlines(result: dict) -> dict:
     """The top-level figures of a results object, from the rows it holds: computed by the parent after
     every phase, so a phase killed at its budget keeps the figures of the rows it wrote."""
-    from benchmarks.attention import TRITON
-
     out: dict = {}
-    attention, train = result.get("attention") or [], result.get("train") or []
-    if attention:
-        out["fused_speedup_vs_best_unfused_4k"] = fused_speedup(attention, 4096, head_dim)
-        best = best_triton(attention, 4096, head_dim)
-        configs = {c["label"]: c.get("config") for c in result.get("triton_candidates") or []}
-        label = best["impl"][len(TRITON) + 1 :] if best else None
-        out["triton_best"] = (
-            {"label": label, "head_dim": head_dim, "config": configs[label]} if label in configs else None
-        )
+    train = result.get("train") or []
     if train:
         for key, seq in (("4k", 4096), ("2k", 2048)):
             ratio, bound = throughput_ratio(train, seq)

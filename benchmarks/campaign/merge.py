@@ -20,7 +20,7 @@ from benchmarks.campaign.resume import combined
 
 # Keys every command writes itself (the env phase always runs): never taken from the earlier file.
 OWN_KEYS = ("date", "machine", "versions", "device", "device_type", "bf16_matmul_tflops", "peak_bf16_tflops",
-            "git_revision", "git_dirty", "git_source", "wheels", "triton_cache", "smoke")  # fmt: skip
+            "git_revision", "git_dirty", "git_source", "wheels", "smoke")  # fmt: skip
 
 
 class ContinueError(Exception):
@@ -69,17 +69,10 @@ def merged(earlier: dict, earlier_name: str, current: dict, ran: list[str]) -> d
     return out
 
 
-def continued_tiles(earlier: dict | None, device: str) -> dict | None:
-    """The fastest tiles of the continued file's kernels phase, for this command's train phase (same GPU)."""
-    if earlier is None or earlier["device"] != device:
-        return None
-    return earlier["triton_best"]
-
-
 PHASE_KEYS: dict[str, tuple[str, ...]] = {
     "env": (),  # its keys are OWN_KEYS
     "tests": ("tests",),
-    "kernels": ("attention", "triton_candidates", "triton_best"),
+    "kernels": ("attention",),
     "train": ("train", "levers"),
     "memory": ("memory", "gpu_train_run"),
 }
@@ -87,5 +80,5 @@ PHASE_KEYS: dict[str, tuple[str, ...]] = {
 RESUMABLE_PHASES = ("train",)
 """Phases that continue the earlier file's rows (`benchmarks.campaign.resume`) instead of replacing them:
 the train phase's runs are independent measurements, and its matrix needs more than one command. A
-re-run tests, kernels or memory phase replaces its rows: its figures (a pass count, the best tiles, one
-memory plan) belong to one run of the phase."""
+re-run tests, kernels or memory phase replaces its rows: its figures (a pass count, the attention
+timings, one memory plan) belong to one run of the phase."""

@@ -51,12 +51,9 @@ OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
 
 FUSED_OPS = (
     ("torch norm", ("--norm-impl", "torch")),
-    ("compiled norm", ("--norm-impl", "compiled")),
-    ("compiled RoPE", ("--rope-impl", "compiled")),
     ("fused loss", ("--cross-entropy-loss-fusion",)),
 )
 """The fused-op candidates of the registry (docs/implementations.md) that both models take: name, flags."""
-DIFF_ONLY_OPS = (("compiled DIFF epilogue", ("--diff-epilogue-impl", "compiled")),)
 GRAPH_OPS = (
     ("compiled layers", ("--compile-layers",)),
     ("local CUDA graphs", ("--cuda-graph-impl", "local")),
@@ -90,15 +87,13 @@ def levers(backends: tuple[str, ...], loss_chunk: int, fused_ops: bool = True) -
     ]  # fmt: skip
     if not fused_ops:
         return (*out, Lever("torch norm", "diff", (*base, *FUSED_OPS[0][1]), base))  # the mechanism, cheaply
-    # one norm of the two candidates: torch's (a fused kernel each way on CUDA)
-    every = tuple(flag for name, flags in FUSED_OPS if name != "compiled norm" for flag in flags)
-    every += ("--optimizer-impl", "fused")
+    every = (*(flag for _, flags in FUSED_OPS for flag in flags), "--optimizer-impl", "fused")
     for arch, extra in (("diff", base), ("transformer", ())):
-        ops = (*FUSED_OPS, GRAD_ACCUM, *(DIFF_ONLY_OPS if arch == "diff" else ()))
-        out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra) for name, flags in ops]
+        out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra)
+                for name, flags in (*FUSED_OPS, GRAD_ACCUM)]  # fmt: skip
         out += [Lever(f"{name} ({arch})", arch, (*extra, *flags), extra, "GPU graph option, measured alone")
                 for name, flags in GRAPH_OPS]  # fmt: skip
-        fast = (*extra, *every, *(DIFF_ONLY_OPS[0][1] if arch == "diff" else ()))
+        fast = (*extra, *every)
         every_op = (*fast, *GRAD_ACCUM[1])
         out.append(Lever(f"every fused op ({arch})", arch, every_op, extra, "the fast path against today's"))
         fp8_note = "torchao, tensorwise; without the grad-accum fusion, which torchao's FP8 refuses"
@@ -147,7 +142,7 @@ class Plan:
     attn_iters: int
     check_seq: int
     attn_extra: tuple[tuple[int, int, int, tuple[int, ...]], ...]
-    """(heads, kv heads, head dim, seqs) of other layouts: the fused kernel's default tiles there."""
+    """(heads, kv heads, head dim, seqs) of other layouts: SDPA's split-V path against the baseline there."""
     train_diff: str
     train_layers: tuple[int, ...]
     """Layer counts to try, largest first: the first whose memory plan fits is used."""
@@ -196,8 +191,8 @@ GPU_PLAN = Plan(
     train_diff="diff-3b",
     train_layers=(8, 6, 4, 2),
     train_seqs=(4096, 2048),
-    train_backends=("sdpa", "triton"),
-    train_levers=levers(("sdpa", "sdpa_split_v_batched", "triton"), loss_chunk=1024),
+    train_backends=("sdpa",),
+    train_levers=levers(("sdpa", "sdpa_split_v_batched"), loss_chunk=1024),
     train_full_depth=FullDepth(
         models=("transformer-3b", "diff-3b"),
         seq=4096,

@@ -36,7 +36,6 @@ def child_env(a: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
     env["PYTHONUNBUFFERED"] = "1"
-    env.pop("TRITON_INTERPRET", None)
     for key in (
         "RANK",
         "WORLD_SIZE",

@@ -2,14 +2,13 @@
 
 The lever matrix has outgrown one device command (docs/gpu.md, "The commands"), so a second command with
 `--phase train --continue FILE` measures only what FILE lacks. A row is reused only for the same run: the
-model, sequence length, pretrain_diff.py flags, layers, micro-batches, TorchDynamo on or off and the tuned
-tiles (`run_key`); labels (impl, variant) are not identity, so the lever matrix's off twin can be the base
+model, sequence length, pretrain_diff.py flags, layers, micro-batches and TorchDynamo on or off
+(`run_key`); labels (impl, variant) are not identity, so the lever matrix's off twin can be the base
 row of the earlier command. A row with an error (a failure, or `skipped: time budget`) is measured again.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 FROM = "from"
@@ -21,7 +20,6 @@ def run_key(row: dict) -> tuple | None:
     a file written before rows carried them): such a row is never reused."""
     if not isinstance(row.get("flags"), list):
         return None
-    tiles = row.get("tiles")
     return (
         row["model"],
         row["seq"],
@@ -29,7 +27,6 @@ def run_key(row: dict) -> tuple | None:
         row.get("layers"),
         row.get("microbatches"),
         bool(row.get("torch_compile")),
-        None if tiles is None else json.dumps(tiles, sort_keys=True),
     )
 
 

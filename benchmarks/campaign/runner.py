@@ -20,22 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.campaign import schema
-from benchmarks.campaign.cache import ARCHIVE_NAME, cache_dir
-from benchmarks.campaign.cache import restore as restore_cache
-from benchmarks.campaign.cache import save as save_cache
 from benchmarks.campaign.env import phase_env
-from benchmarks.campaign.figures import headlines, kept_triton_best
+from benchmarks.campaign.figures import headlines
 from benchmarks.campaign.gpu_tests import phase_tests
 from benchmarks.campaign.install import install_wheels, missing_requirement
 from benchmarks.campaign.kernels import phase_kernels
 from benchmarks.campaign.memory import phase_memory
-from benchmarks.campaign.merge import (
-    RESUMABLE_PHASES,
-    ContinueError,
-    continued_tiles,
-    load_earlier,
-    merged,
-)
+from benchmarks.campaign.merge import RESUMABLE_PHASES, ContinueError, load_earlier, merged
 from benchmarks.campaign.part import Part, clean
 from benchmarks.campaign.plan import (
     CHILD_MARGIN_S,
@@ -89,7 +80,6 @@ def run_child(
     a: argparse.Namespace,
     device_type: str,
     figures: dict,
-    tiles: Path | None,
     log: Callable[[str], None],
     reuse: Path | None = None,
 ) -> tuple[dict, float]:
@@ -106,8 +96,6 @@ def run_child(
     for flag, key in (("--roof", "bf16_matmul_tflops"), ("--peak", "peak_bf16_tflops")):
         if figures.get(key):
             cmd += [flag, str(figures[key])]
-    if tiles is not None:
-        cmd += ["--triton-tiles", str(tiles)]
     if reuse is not None and phase in RESUMABLE_PHASES:
         cmd += ["--continue", str(reuse)]
     log(f"=== phase {phase} (budget {budget:.0f}s)")
@@ -139,19 +127,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=None,
         help=f"seconds for the whole command (default {DEFAULT_TOTAL_S}, smoke {SMOKE_TOTAL_S})",
-    )
-    p.add_argument(
-        "--triton-tiles",
-        default="auto",
-        help="(train) tuned fused-kernel tiles: a JSON file, 'auto' (this command's kernels phase, else the "
-        "--continue file's, else the newest results file of this GPU under benchmarks/results/ that has "
-        "them) or 'none'",
-    )
-    p.add_argument(
-        "--triton-cache",
-        default=None,
-        help="Triton cache archive to restore first (default: triton-cache.tar.gz in the --wheels folder, "
-        "where present); the cache is saved as triton-cache.tar.gz in --out after the phases",
     )
     p.add_argument(
         "--prepare",
@@ -198,8 +173,6 @@ def prepare(folder: Path) -> int:
     print(f"campaign: wheels in {folder}: {', '.join(wheels) or 'none'}")
     if not any(w.startswith("megatron_core-") for w in wheels):
         print("campaign: no megatron_core wheel: the GPU machine lacks it (docs/gpu.md, 'Wheels to bring')")
-    if (folder / ARCHIVE_NAME).is_file():
-        print(f"campaign: {folder / ARCHIVE_NAME} will be restored as the Triton cache")
     return 0
 
 
@@ -283,16 +256,7 @@ def _run(
         git_source=source,
         smoke=bool(a.smoke),
     )
-    cache = cache_dir()
-    os.environ["TRITON_CACHE_DIR"] = str(cache)  # one fixed place: Triton's cache records absolute paths
-    archive = Path(a.triton_cache) if a.triton_cache else (carried / ARCHIVE_NAME if carried else None)
-    cache_info = {"dir": str(cache), "restored": None, "saved": None}
-    if archive is not None and archive.is_file():
-        restored = cache_info["restored"] = restore_cache(archive, cache)
-        log(f"triton cache: {restored['entries']} entries restored from {archive} {restored['error'] or ''}")
     total = a.budget if a.budget is not None else (SMOKE_TOTAL_S if a.smoke else DEFAULT_TOTAL_S)
-    plan = plan_for(a.smoke)
-    tiles_file = Path(a.triton_tiles) if a.triton_tiles not in ("auto", "none") else None
     failed = False
     for i, phase in enumerate(phases):
         left = total - (time.monotonic() - started)
@@ -308,7 +272,7 @@ def _run(
         reuse = None
         if earlier is not None and earlier["device"] == result["device"]:  # another GPU's rows: never
             reuse = Path(a.continue_from)
-        part, seconds = run_child(phase, budget, a, device_type, result, tiles_file, log, reuse=reuse)
+        part, seconds = run_child(phase, budget, a, device_type, result, log, reuse=reuse)
         status, error = part.pop("_status", "failed"), part.pop("_error", None)
         result["phases"][phase] = {"status": status, "seconds": round(seconds, 1), "error": error}
         if reuse is not None and phase in RESUMABLE_PHASES:  # runs the earlier command measured
@@ -319,7 +283,7 @@ def _run(
         for key, value in part.items():
             if key in result:
                 result[key] = value
-        result.update(headlines(result, plan.attn_head_dim))  # from the rows kept, finished or not
+        result.update(headlines(result))  # from the rows kept, finished or not
         if phase == "env" and result["device_type"] not in ("cuda", "cpu"):  # env failed: what we know
             import torch
 
@@ -328,25 +292,10 @@ def _run(
         if phase == "env" and result["device_type"] == "cpu" and not a.smoke:
             log("campaign: no CUDA GPU here; a CPU run is a smoke test: add --smoke (and --device cpu)")
             break
-        best = result["triton_best"] if phase == "kernels" else None
-        if phase == "env" and a.triton_tiles == "auto" and "kernels" not in phases:
-            best = continued_tiles(earlier, result["device"]) or kept_triton_best(
-                REPO / "benchmarks" / "results", result["device"]
-            )
-        if best and a.triton_tiles == "auto":
-            tiles_file = out / f"triton-tiles-{stamp}.json"  # for the train phase of this command
-            tiles_file.write_text(json.dumps(best))
-    cache_info["saved"] = save_cache(cache, out)
-    if cache_info["saved"]:
-        saved = cache_info["saved"]
-        left_out = f", the {saved['dropped']} oldest left out" if saved["dropped"] else ""
-        size = f"{saved['bytes'] / 2**20:.1f} MiB"
-        log(f"triton cache: {saved['entries']} entries, {size}: {saved['saved']}{left_out}")
-    result["triton_cache"] = cache_info
     if earlier is not None:
         try:
             result = merged(earlier, Path(a.continue_from).name, result, phases)
-            result.update(headlines(result, plan.attn_head_dim))
+            result.update(headlines(result))
         except ContinueError as exc:  # another GPU: this command's results stand alone
             log(f"campaign: {exc}")
             failed = True

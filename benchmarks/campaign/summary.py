@@ -35,10 +35,6 @@ def summary_lines(result: dict) -> list[str]:
             f"attention 4K {r['impl']:44s} fwd+bwd {fmt(r.get('fwd_bwd_ms'), '{:.2f}')} ms "
             f"{fmt(r['tflops'], '{:.0f}')} TF/s {r['error'] or ''}"
         )
-    out.append(
-        f"fused speedup vs best unfused at 4K: {fmt(result['fused_speedup_vs_best_unfused_4k'])} "
-        "(goal >= 1.3)"
-    )
     for r in result["train"]:
         impl = f"{r['impl']} {r['variant']}" if r.get("variant") else r["impl"]
         out.append(
@@ -67,7 +63,4 @@ def summary_lines(result: dict) -> list[str]:
             f" resume exact {r['resume_exact']} (all equal {r.get('resume_all_equal')}),"
             f" generation ok {r['generation_ok']} {r['error'] or ''}"
         )
-    cache = (result.get("triton_cache") or {}).get("saved")
-    if cache:
-        out.append(f"triton cache: {cache['entries']} entries saved in {cache['saved']}")
     return out

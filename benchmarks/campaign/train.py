@@ -16,7 +16,6 @@ so overlap can only show its overhead, never its gain.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,32 +41,30 @@ def phase_train(a: argparse.Namespace, part: Part, deadline: float, plan: Plan) 
     device = device_of(a)
     train_step.init_process()
     layers = fit_layers(plan, device)
-    tiles = a.triton_tiles if a.triton_tiles not in (None, "auto", "none") else None
-    tuned = device == "cuda" and "triton" in plan.train_backends and tiles and not _is_default_tiles(tiles)
     compiled = not torch._dynamo.config.disable
     print(f"TorchDynamo (megatron-core's fusions compiled): {compiled}", flush=True)
     print(train_step.format_header(), flush=True)
-    timer = _Timer(a, part, deadline, plan, device, layers, tiles, compiled)
+    timer = _Timer(a, part, deadline, plan, device, layers, compiled)
     if getattr(a, "continue_from", None):  # the runner passes it on only for the same GPU
         from benchmarks.campaign import schema
 
         earlier = Path(a.continue_from)
         timer.reuse(schema.read(earlier)["train"], earlier.name)
     fits = _fits if device == "cuda" else None  # the full-depth rows: GPU only
-    run_matrix(timer, plan, train_runs(plan, bool(tuned)), full_depth_fits=fits)
+    run_matrix(timer, plan, train_runs(plan), full_depth_fits=fits)
     train_step.close_process()
 
 
-def train_runs(plan: Plan, tuned: bool) -> list[tuple[str, str | None]]:
-    """(preset, DIFF backend) of the rows at each length: the Transformer, DIFF per backend (and the tuned
-    tiles where they differ from the defaults), DIFF V2 where it has a preset."""
+def train_runs(plan: Plan) -> list[tuple[str, str | None]]:
+    """(preset, DIFF backend) of the rows at each length: the Transformer, DIFF per backend, DIFF V2 where
+    it has a preset."""
     from benchmarks import train_step
     from diffmeg.presets import PRESETS
 
     base = train_step.baseline_of(plan.train_diff)
     v2 = plan.train_diff.replace("diff-", "diff2-", 1)
     runs: list[tuple[str, str | None]] = [(base, None)]
-    runs += [(plan.train_diff, b) for b in (*plan.train_backends, *(("triton-tuned",) if tuned else ()))]
+    runs += [(plan.train_diff, b) for b in plan.train_backends]
     if v2 in PRESETS:  # DIFF V2 (attention by megatron-core's own core): its presets are diff2-*
         runs.append((v2, None))
     return runs
@@ -89,10 +86,8 @@ def run_matrix(
         for preset, backend in runs:
             impl = backend or ("baseline" if preset == base else "auto")
             row = {"model": preset, "impl": impl, "seq": seq, "variant": None}
-            flags = ("--diff-attn-backend", backend) if backend and backend != "triton-tuned" else ()
-            timer.run(
-                row, preset, flags, profile=plan.train_profile and i == 0, tuned=backend == "triton-tuned"
-            )
+            flags = ("--diff-attn-backend", backend) if backend else ()
+            timer.run(row, preset, flags, profile=plan.train_profile and i == 0)
         if i == 0:  # the headline figures before the second length: a short budget skips that one
             lever_matrix(timer, plan, seq)
             if plan.train_full_depth and full_depth_fits is not None:
@@ -101,12 +96,12 @@ def run_matrix(
 
 class _Timer:
     """Runs one model for the train phase, writes its row, and remembers its result by run (`run_key`:
-    model, seq, flags, layers, micro-batches, TorchDynamo, tuned tiles) so the lever matrix reuses a twin
+    model, seq, flags, layers, micro-batches, TorchDynamo) so the lever matrix reuses a twin
     the rows above already timed, and a continued phase (`reuse`) one the earlier command timed."""
 
-    def __init__(self, a, part: Part, deadline: float, plan: Plan, device: str, layers: int, tiles, compiled):
+    def __init__(self, a, part: Part, deadline: float, plan: Plan, device: str, layers: int, compiled):
         self.a, self.part, self.deadline, self.plan, self.device = a, part, deadline, plan, device
-        self.layers, self.tiles, self.compiled = layers, tiles, compiled
+        self.layers, self.compiled = layers, compiled
         self.done: dict[tuple, dict] = {}
         self.reused: set[tuple] = set()
 
@@ -123,7 +118,6 @@ class _Timer:
         flags: tuple[str, ...],
         *,
         profile: bool = False,
-        tuned: bool = False,
         layers: int | None = None,
         microbatches: int | None = None,
         seq: int | None = None,
@@ -140,7 +134,6 @@ class _Timer:
             "flags": list(flags),
             "layers": layers or self.layers,
             "microbatches": microbatches or self.plan.train_microbatches,
-            "tiles": _tiles_config(self.tiles) if tuned else None,
             "profiled": profile,
         }
         key = run_key(row)
@@ -158,7 +151,7 @@ class _Timer:
             )
             self.part.set(_status="partial", _error="some runs skipped: time budget")
             return {"tokens_per_s": None, "error": "skipped: time budget", "step_s": None, FROM: None}
-        r = self.measure(preset, seq, flags, row, tuned=tuned, amortize=amortize_dp is not None)
+        r = self.measure(preset, seq, flags, row, amortize=amortize_dp is not None)
         row.update(train_row(r, self.device, self.a.peak, self.a.roof))
         if amortize_dp and r.get("step_s") and r.get("optimizer_s") is not None:
             tokens, opt_s = r["tokens_per_s"] * r["step_s"], r["optimizer_s"]
@@ -172,9 +165,7 @@ class _Timer:
         }  # fmt: skip
         return self.done[key]
 
-    def measure(
-        self, preset: str, seq: int, flags: tuple[str, ...], row: dict, *, tuned: bool, amortize: bool
-    ) -> dict:
+    def measure(self, preset: str, seq: int, flags: tuple[str, ...], row: dict, *, amortize: bool) -> dict:
         """Time one run (benchmarks/train_step.py) as `row` describes it; its train_step result."""
         import torch
 
@@ -186,14 +177,12 @@ class _Timer:
             warmup=self.plan.train_warmup,
             iters=self.plan.train_iters,
             vocab_size=self.plan.vocab_size,
-            diff_attn_backend="triton" if tuned else None,
             num_layers=row["layers"],
             extra_args=list(flags),
             profile=row["profiled"],
             time_optimizer=amortize,
         )
-        with tuned_triton_tiles(self.tiles if tuned else None):
-            r = train_step.run_one(preset, seq, opts, self.device)
+        r = train_step.run_one(preset, seq, opts, self.device)
         print(train_step.format_row(r, self.a.peak if self.device == "cuda" else None), flush=True)
         if r["profile"]:
             print(f"  one step: {step_profile.format_share(r['profile'])}", flush=True)
@@ -207,12 +196,10 @@ class _Rehearsal(_Timer):
 
     def __init__(self, plan: Plan, layers: int) -> None:
         a = argparse.Namespace(peak=None, roof=None)
-        super().__init__(a, Part(None), float("inf"), plan, "cuda", layers, None, True)
+        super().__init__(a, Part(None), float("inf"), plan, "cuda", layers, True)
         self.runs: list[dict] = []
 
-    def measure(
-        self, preset: str, seq: int, flags: tuple[str, ...], row: dict, *, tuned: bool, amortize: bool
-    ) -> dict:
+    def measure(self, preset: str, seq: int, flags: tuple[str, ...], row: dict, *, amortize: bool) -> dict:
         self.runs.append(row)
         sizes = {"layers": row["layers"], "microbatches": row["microbatches"]}
         return {**dict.fromkeys(TRAIN_STEP_FIELDS), **sizes, "tokens_per_s": 1.0, "step_s": 1.0}
@@ -225,12 +212,11 @@ TRAIN_STEP_FIELDS = ("backend", "layers", "mbs", "microbatches", "tokens_per_s",
 
 
 def planned_runs(plan: Plan, full_depth_fits: bool = True) -> list[dict]:
-    """The rows the train phase times on a GPU, in order, each twin once: the plan's first layer count,
-    no tuned-tiles row (one more a length where the kernels phase's fastest tiles are not the defaults), the
+    """The rows the train phase times on a GPU, in order, each twin once: the plan's first layer count, the
     full-depth model where `full_depth_fits` (else its cuts). What `--plan` prints and docs/gpu.md cites."""
     timer = _Rehearsal(plan, plan.train_layers[0])
     fits = lambda *_: full_depth_fits  # noqa: E731
-    run_matrix(timer, plan, train_runs(plan, tuned=False), full_depth_fits=fits)
+    run_matrix(timer, plan, train_runs(plan), full_depth_fits=fits)
     return timer.runs
 
 
@@ -276,7 +262,7 @@ def plan_lines(plan: Plan, results: Path) -> list[str]:
         return [*out, total]
     out.append(
         f"{total}, {len(full)} full-depth runs ({cut - len(runs) + len(full)} where the full model does not "
-        "fit: its cuts); one more run a length where tuned tiles differ from the defaults"
+        "fit: its cuts)"
     )
     measured = measured_seconds_a_run(results)
     if measured is not None:
@@ -360,8 +346,8 @@ def _fits(plan: Plan, preset: str, full: FullDepth, layers: int, device: str) ->
     import torch
 
     from benchmarks import train_step
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.memory import estimate_memory
-    from diffmeg.training.run_config import RunConfig
 
     opts = train_step.StepOptions(
         tokens_per_microbatch=plan.train_tokens_per_microbatch,
@@ -399,19 +385,6 @@ def train_row(r: dict, device: str, peak: float | None, roof: float | None) -> d
     }
 
 
-def _is_default_tiles(path: str) -> bool:
-    """Whether a tuned-tiles file holds its head dim's default configuration (no extra run needed)."""
-    from diffmeg.kernels.triton_diff import TritonDiffConfig, default_config
-
-    info = json.loads(Path(path).read_text())
-    return TritonDiffConfig(**info["config"]) == default_config(info["head_dim"], interpreted=False)
-
-
-def _tiles_config(path: str | None) -> dict | None:
-    """The tuned tiles a row ran with (part of its identity: other tiles are another measurement)."""
-    return json.loads(Path(path).read_text())["config"] if path else None
-
-
 def _arch(preset: str) -> str:
     return (
         "transformer"
@@ -429,8 +402,8 @@ def fit_layers(plan: Plan, device: str) -> int:
     import torch
 
     from benchmarks import train_step
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.memory import estimate_memory
-    from diffmeg.training.run_config import RunConfig
 
     free = 0.85 * torch.cuda.get_device_properties(0).total_memory
     for layers in plan.train_layers:
@@ -449,24 +422,3 @@ def fit_layers(plan: Plan, device: str) -> int:
         if need <= free:
             return layers
     return plan.train_layers[-1]
-
-
-class tuned_triton_tiles:
-    """Within the block, the fused kernel uses the tiles the kernels phase found fastest (a JSON file)."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-
-    def __enter__(self):
-        if self.path:
-            from diffmeg.kernels import triton_diff
-
-            info = json.loads(Path(self.path).read_text())
-            triton_diff.set_tuned_config(info["head_dim"], triton_diff.TritonDiffConfig(**info["config"]))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.path:
-            from diffmeg.kernels import triton_diff
-
-            triton_diff.set_tuned_config(None, None)

@@ -1,5 +1,5 @@
-"""Reading and writing the two checkpoint formats, streaming (with mcore_writer.py and safetensors_io.py,
-the only modules here that do I/O).
+"""Reading and writing the two checkpoint formats, streaming (with mcore_writer.py, safetensors_io.py and
+output_dir.py, the only modules here that do I/O).
 
 - megatron-core dist checkpoints are layout-free: every tensor is stored under one global key with its
   full shape (layers stacked on a leading axis), whatever TP/PP wrote it. `McoreCheckpointReader`
@@ -8,9 +8,8 @@ the only modules here that do I/O).
 - Hugging Face folders (DiffLlama or Llama): read tensor by tensor with plain file reads
   (`HFCheckpointReader`, safetensors_io.py); written shard by shard as tensors arrive
   (safetensors_io.SafetensorsShardWriter).
-- Outputs are built in a temporary sibling directory and renamed into place at the end
-  (`atomic_output_dir`): a failed conversion never leaves a half-written output behind, a full disk is
-  named as such, and the output follows the umask like any directory the user creates.
+- Outputs are written through `output_dir.atomic_output_dir` (a failed conversion never leaves a
+  half-written output behind, and `--overwrite` replaces only what a conversion writes).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import functools
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterable, Iterator
 
@@ -31,7 +29,6 @@ from diffmeg.checkpoints import damaged_checkpoint_message, damaged_file, first_
 from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.conversion.safetensors_io import INDEX_FILE, SafetensorsFile
 from diffmeg.errors import DiffmegError
-from diffmeg.storage import check_output, is_disk_full
 
 # megatron-core stores the local spec's layer norms under the names of Transformer Engine's fused
 # layers (so checkpoints move between the local and TE specs); every other key is the state-dict key.
@@ -277,19 +274,6 @@ class HFCheckpointReader:
         return {n: self._file(self.weight_map[n]).read(n) for n in names if n in self.weight_map}
 
 
-def check_output_path(output: str, overwrite: bool, source: str) -> None:
-    """Refuse an existing output without --overwrite, and any output overlapping the source."""
-    out, src = os.path.realpath(output), os.path.realpath(source)
-    if out == src or out.startswith(src + os.sep) or src.startswith(out + os.sep):
-        raise DiffmegError(f"--save {output} overlaps --load {source}; write the conversion elsewhere")
-    if os.path.lexists(output):
-        if not overwrite:
-            raise DiffmegError(f"{output} already exists; pass --overwrite to replace it")
-        if not os.path.isdir(output):
-            raise DiffmegError(f"{output} exists and is not a directory; remove it first")
-    check_output(output, "--save", folder=True)  # read-only, no permission, a file in the way
-
-
 @functools.cache
 def _malloc_trim():
     try:
@@ -309,71 +293,6 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.1f} MB"
-
-
-def _disk_full(exc: BaseException, free: int) -> bool:
-    """The failure is (or was caused by) a full disk or quota.
-
-    DCP wraps its writers' errors (CheckpointException.failures) and torch.save reports a failed write
-    as "unexpected pos"; so besides ENOSPC / EDQUOT anywhere in the chain, a write failure with less
-    than 16 MB left on the filesystem counts as a full disk.
-    """
-    if is_disk_full(exc):
-        return True
-    interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit))
-    return not interrupted and free < 16 * 2**20
-
-
-@contextlib.contextmanager
-def atomic_output_dir(output: str, needed_bytes: int | None = None) -> Iterator[str]:
-    """A fresh directory beside `output` that replaces `output` when the block succeeds.
-
-    `needed_bytes` (what the conversion will write) is checked against the free space first. On any
-    failure the temporary directory is removed and an existing `output` is left untouched; a full disk
-    is reported in one line naming the directory and its free space. The finished directory gets the
-    mode a plain `mkdir` would give it (the umask applies), like every file written into it.
-    """
-    parent = os.path.dirname(os.path.abspath(output)) or "."
-    os.makedirs(parent, exist_ok=True)
-    if needed_bytes is not None:
-        free = shutil.disk_usage(parent).free
-        if free < needed_bytes:
-            raise DiffmegError(
-                f"{parent} has {_gb(free)} free but the conversion writes about {_gb(needed_bytes)}; "
-                f"free space there or choose another --save"
-            )
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output))}.tmp-", dir=parent)
-    try:
-        yield tmp
-    except BaseException as exc:
-        free_at_failure = shutil.disk_usage(parent).free
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(exc, DiffmegError) and _disk_full(exc, free_at_failure):
-            needed = f" (the conversion writes about {_gb(needed_bytes)})" if needed_bytes else ""
-            free = _gb(shutil.disk_usage(parent).free)
-            raise DiffmegError(
-                f"disk full writing {output}: partial output removed, {parent} has {free} free{needed}; "
-                f"free space there or choose another --save"
-            ) from exc
-        raise
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private
-    old = None
-    if os.path.lexists(output):
-        old = tmp + ".old"
-        os.replace(output, old)
-    os.replace(tmp, output)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_hf_tokenizer(tokenizer, directory: str) -> None:

@@ -2,8 +2,9 @@
 
 A DIFF checkpoint maps to transformers' DiffLlama, the Transformer baseline (`--no-diff-attention`) to
 transformers' Llama, DIFF V2 (`--diff-version 2`) to diffmeg's `Diff2ForCausalLM` (`modeling_diff2.py`,
-shipped in the folder and named in config.json's `auto_map`). What they can express, checked before
-anything is written:
+shipped in the folder and named in config.json's `auto_map` and `architectures`) over transformers'
+LlamaConfig (`model_type` "llama": config.json and the tokenizer load without remote code; the model class
+needs `trust_remote_code=True`). What they can express, checked before anything is written:
 - RMSNorm with one epsilon (`rms_norm_eps`), SwiGLU (silu), no biases, non-interleaved RoPE without
   scaling; a tied or untied output layer (`tie_word_embeddings` <-> `--tie-embeddings-and-output-weights`).
 - DiffLlama: lambda_init only as the paper's depth schedule `0.8 - 0.6 exp(-0.3 l)` with the 0-based
@@ -25,27 +26,23 @@ from diffmeg.errors import DiffmegError
 
 ARCHITECTURE = DiffLayout.architecture
 MODEL_TYPE = DiffLayout.model_type
-LAYOUTS = {layout.model_type: layout for layout in (DiffLayout, LlamaLayout, Diff2Layout)}
-"""The Hugging Face model types we convert, by `model_type`."""
+LAYOUTS = {layout.model_type: layout for layout in (DiffLayout, LlamaLayout)}
+"""The Hugging Face model types we convert, by `model_type` (DIFF V2 is a Llama config: `is_diff2_config`)."""
+OLD_DIFF2_MODEL_TYPE = "diffmeg_diff2"
+"""DIFF V2's `model_type` in exports written up to 2026-11-27, whose config class was remote code too."""
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 REMOTE_CODE_FILE = "modeling_diff2.py"
 """DIFF V2's modeling file (diffmeg/conversion/modeling_diff2.py), copied into every V2 export."""
-AUTO_MAP = {
-    "AutoConfig": "modeling_diff2.Diff2Config",
-    "AutoModelForCausalLM": "modeling_diff2.Diff2ForCausalLM",
-}
+AUTO_MAP = {"AutoModelForCausalLM": "modeling_diff2.Diff2ForCausalLM"}
+"""The one class of a DIFF V2 export that is remote code (its config is transformers' LlamaConfig)."""
 
 
 def transformers_config_class(layout: ModelLayout | type[ModelLayout]) -> type:
-    """The config class of this layout (`DiffLlamaConfig` / `LlamaConfig` from transformers, DIFF V2's from
-    modeling_diff2.py; imports transformers)."""
-    if layout is Diff2Layout or isinstance(layout, Diff2Layout):
-        from diffmeg.conversion.modeling_diff2 import Diff2Config
+    """transformers' config class of this layout's `model_type` (`DiffLlamaConfig`, or `LlamaConfig` for
+    Llama and DIFF V2; imports transformers)."""
+    from transformers import CONFIG_MAPPING
 
-        return Diff2Config
-    import transformers
-
-    return getattr(transformers, layout.architecture.replace("ForCausalLM", "Config"))
+    return CONFIG_MAPPING[layout.model_type]
 
 
 def default_head_norm_eps() -> float:
@@ -163,12 +160,24 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
     return float(theta)
 
 
+def is_diff2_config(config: Mapping[str, Any]) -> bool:
+    """A DIFF V2 config.json: Llama's config naming diffmeg's model class (or an older export's own type)."""
+    architectures = config.get("architectures") or []
+    return Diff2Layout.architecture in architectures or config.get("model_type") == OLD_DIFF2_MODEL_TYPE
+
+
 def check_model_type(config: Mapping[str, Any], where: str = "config.json") -> type[ModelLayout]:
-    """The layout class of a config.json's `model_type`, or a one-line refusal."""
+    """The layout class of a config.json (its `model_type`; DIFF V2 by its architecture), or a one-line
+    refusal."""
+    if is_diff2_config(config):
+        return Diff2Layout
     model_type = config.get("model_type")
     if model_type not in LAYOUTS:
         known = " or ".join(f"{t!r} ({c.architecture})" for t, c in LAYOUTS.items())
-        raise DiffmegError(f"{where} has model_type {model_type!r}; only {known} models are supported")
+        raise DiffmegError(
+            f"{where} has model_type {model_type!r}; only {known} models are supported, and DIFF V2 "
+            f"({Diff2Layout.architecture})"
+        )
     return LAYOUTS[model_type]
 
 

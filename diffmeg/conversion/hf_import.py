@@ -113,7 +113,8 @@ def resolved_pretrain_args(
     Training-only values not given (`--lr`, `--train-iters`) are recorded as 0: a continuing run gives
     its own. `seq_length` defaults to max_position_embeddings.
     """
-    from diffmeg.model import config_from_args
+    from diffmeg.model import transformer_config
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.arguments import resolve_args
 
     seq = seq_length or layout.max_position_embeddings
@@ -144,7 +145,7 @@ def resolved_pretrain_args(
         )
     except SystemExit as exc:  # argparse already printed what was wrong with the extra flags
         raise DiffmegError(f"invalid pretrain_diff.py flags after `--`: {shlex.join(extra)}") from exc
-    config_from_args(resolved)  # the TP/PP split of heads, as pretrain_diff.py would check it
+    transformer_config(RunConfig.from_args(resolved))  # the TP/PP split of heads, as pretrain_diff.py would
     if layout_from_args(resolved) != layout:
         raise DiffmegError("the flags after `--` change the model's shape; drop them")
     return resolved

@@ -9,7 +9,8 @@ or untied output layer):
 - `LlamaLayout`: the Transformer baseline (`--no-diff-attention`) <-> transformers' Llama. n heads, g KV
   heads (query groups), head dim d, the same counts in both formats.
 - `Diff2Layout`: a DIFF V2 model <-> diffmeg's own LLaMA-layout class (`modeling_diff2.py`, loaded with
-  `trust_remote_code=True`). h output heads (2h query heads of d), g KV heads, plus `lambda_proj`.
+  `trust_remote_code=True`) over transformers' own LlamaConfig. h output heads (2h query heads of d), g KV
+  heads, plus `lambda_proj`.
 
 Expected tensor shapes are derived here once, so both directions refuse a mismatching input before
 converting anything.
@@ -215,7 +216,9 @@ class Diff2Layout(ModelLayout):
     """
 
     architecture = "Diff2ForCausalLM"
-    model_type = "diffmeg_diff2"
+    model_type = "llama"
+    """Its config is Llama's, field for field; only the model class (`architecture`) is diffmeg's. So
+    transformers reads config.json, and the tokenizer beside it, without remote code."""
     hf_name = "DIFF V2"
     _head_name = "DIFF V2 heads"
 

@@ -61,11 +61,12 @@ def build_skeleton_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.
 
     from diffmeg.checkpoints import single_rank_args
     from diffmeg.layer_specs import get_diff_block_spec
-    from diffmeg.model import config_from_args
+    from diffmeg.model import transformer_config
+    from diffmeg.run_config import RunConfig
 
     args = single_rank_args(args)
     args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
-    config = config_from_args(args)
+    config = transformer_config(RunConfig.from_args(args, partial=True))
     config.use_cpu_initialization = True  # the converter's tensors live on the CPU
     config.perform_initialization = False
     return GPTModel(

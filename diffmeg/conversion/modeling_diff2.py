@@ -4,12 +4,17 @@ transformers has no DIFF V2 class, so diffmeg's export writes this file beside t
 in config.json's `auto_map`; `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` then
 builds it. It imports nothing from diffmeg: the exported folder works without diffmeg installed.
 
+The config is transformers' own `LlamaConfig` (config.json's `model_type` is "llama", `architectures`
+names `Diff2ForCausalLM`): DIFF V2 adds no config field, and a config transformers knows loads without
+remote code, so `AutoConfig` and `AutoTokenizer` (which reads the model's config first) read the folder
+as they read any Llama's, without a `trust_remote_code` prompt.
+
 The model is LlamaForCausalLM except the attention (unilm Diff-Transformer-V2's definition):
 - `q_proj` gives 2h query heads of `head_dim` (query head j at rows j*d..(j+1)*d), `k_proj`/`v_proj`
   give g KV heads; query head j attends with KV head j // (2h/g), so heads 2i and 2i+1 share K and V;
 - head i's output is `attn[2i] - sigmoid(lambda_proj(x))_i * attn[2i+1]` (`lambda_proj`: hidden -> h,
   no bias), computed in fp32; `o_proj` maps the h heads back to the hidden size.
-`config.num_attention_heads` is h (output heads), `num_key_value_heads` g, `head_dim` d. RoPE, norms,
+`num_attention_heads` is h (output heads), `num_key_value_heads` g, `head_dim` d. RoPE, norms,
 SwiGLU and the KV cache are LLaMA's (non-interleaved RoPE), so `generate` works as for LLaMA.
 
 Why the attention runs transformers' own `LlamaAttention.forward`: that method owns the KV cache (its
@@ -52,12 +57,6 @@ def _cache_argument() -> str:
 _CACHE_ARGUMENT = _cache_argument()
 
 
-class Diff2Config(LlamaConfig):
-    """LlamaConfig for DIFF V2: `num_attention_heads` counts the h differential (output) heads."""
-
-    model_type = "diffmeg_diff2"
-
-
 class Diff2OutputProjection(nn.Linear):
     """`o_proj`: combines the 2h attention heads in pairs with this call's lambda, then projects h x d.
 
@@ -83,7 +82,7 @@ class Diff2OutputProjection(nn.Linear):
 class Diff2Attention(LlamaAttention):
     """LLaMA attention over 2h query heads, combined in pairs with a per-token sigmoid lambda."""
 
-    def __init__(self, config: Diff2Config, layer_idx: int) -> None:
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         heads, d = config.num_attention_heads, self.head_dim
         self.num_key_value_groups = 2 * heads // config.num_key_value_heads  # query heads per KV head
@@ -108,24 +107,20 @@ class Diff2Attention(LlamaAttention):
 
 
 class Diff2DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: Diff2Config, layer_idx: int) -> None:
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.self_attn = Diff2Attention(config, layer_idx)
 
 
 class Diff2Model(LlamaModel):
-    config_class = Diff2Config
-
-    def __init__(self, config: Diff2Config) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
         self.layers = nn.ModuleList(Diff2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.post_init()
 
 
 class Diff2ForCausalLM(LlamaForCausalLM):
-    config_class = Diff2Config
-
-    def __init__(self, config: Diff2Config) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
         self.model = Diff2Model(config)
         self.post_init()

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from diffmeg.conversion.hf_config import is_diff2_config
 from diffmeg.conversion.layout import Diff2Layout, LlamaLayout
 from diffmeg.conversion.tokenizer_io import FolderTokenizer, folder_tokenizer
 from diffmeg.errors import DiffmegError
@@ -63,10 +64,9 @@ def llama_family_config(raw: dict[str, Any], where: str) -> dict[str, Any]:
     import transformers
 
     model_type = raw.get("model_type")
-    if model_type in ("diffllama", "diffmeg_diff2"):
-        raise DiffmegError(
-            f"{where} is already a DIFF model ({model_type}); upcycling starts from a Transformer"
-        )
+    if model_type == "diffllama" or is_diff2_config(raw):
+        kind = "DIFF V2" if is_diff2_config(raw) else model_type
+        raise DiffmegError(f"{where} is already a DIFF model ({kind}); upcycling starts from a Transformer")
     if model_type == "qwen2":
         raise DiffmegError(
             f"{where} is a Qwen2 model: its q_proj, k_proj and v_proj have biases, which our attention (no "
@@ -177,11 +177,11 @@ def _checkpoint_source(path: str) -> UpcycleSource:
 
 def open_upcycle_source(path: str) -> UpcycleSource:
     """The Transformer at `path`: a pretrain_diff.py checkpoint or a Hugging Face folder, by what it holds."""
-    from diffmeg.checkpoints import TRACKER_FILE
+    from diffmeg.checkpoints import TRACKER_FILE, holds_saves
 
     if not os.path.isdir(path):
         raise DiffmegError(f"--load {path} is not a directory")
-    if os.path.isfile(os.path.join(path, TRACKER_FILE)):
+    if holds_saves(path):  # an unfinished one too: its reader names the complete iterations
         return _checkpoint_source(path)
     if os.path.isfile(os.path.join(path, "config.json")):
         return _hf_source(path)
@@ -227,14 +227,16 @@ def write_upcycled(
 ) -> Diff2Layout:
     """Write the upcycled checkpoint to `save` (atomically: a failure leaves nothing behind), one part at a
     time; `progress.layer_done(n)` after each layer. Needs nothing of torch.distributed."""
-    from diffmeg.conversion.checkpoint_io import atomic_output_dir, release_freed_memory
+    from diffmeg.conversion.checkpoint_io import release_freed_memory
     from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of
+    from diffmeg.conversion.output_dir import CONVERTED_CHECKPOINT, atomic_output_dir
     from diffmeg.conversion.upcycle import diff2_layout, upcycle_blocks
     from diffmeg.runtime import single_process
 
     target = diff2_layout(source.layout)
     single_process()
-    with atomic_output_dir(save, needed_bytes=target.mcore_parameters() * dtype.itemsize) as out:
+    needed = target.mcore_parameters() * dtype.itemsize
+    with atomic_output_dir(save, CONVERTED_CHECKPOINT, needed_bytes=needed) as out:
         writer = StreamingCheckpointWriter(out, args, dtype)
         for block in upcycle_blocks(source.blocks(dtype), source.layout):
             writer.write(block)

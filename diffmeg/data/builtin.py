@@ -34,20 +34,15 @@ from diffmeg.data.hf_tokenizer import HF_TOKENIZER, HFTokenizer
 from diffmeg.data.indexed import exists
 from diffmeg.data.preprocess import PreprocessConfig, output_prefix, preprocess
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import default_cache_dir
 
 GENERATOR_VERSION = 1
-CACHE_DIR_ENV = "DIFFMEG_CACHE_DIR"
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings"}
 """Tests are code, not prose; encodings/ is a hundred copies of one generated docstring."""
 _MIN_BYTES = 200_000
 BUILD_CPU_SECONDS = 5
 """About how long a first build takes on one idle core (measured: 5.0 s of CPU time with Python 3.11's
 standard library, 2.6 MB of text; the wall time grows with the machine's load)."""
-
-
-def default_cache_dir() -> str:
-    """``$DIFFMEG_CACHE_DIR``, else ``~/.cache/diffmeg``."""
-    return os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "diffmeg")
 
 
 def _topics_file() -> str | None:

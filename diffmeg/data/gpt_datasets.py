@@ -20,7 +20,7 @@ from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 from diffmeg.data.builtin import builtin_corpus
 from diffmeg.data.indexed import check_dataset
 from diffmeg.data.splits import check_splits_nonempty
-from diffmeg.data.tokenizers import check_datasets, record_of
+from diffmeg.data.tokenizers import check_datasets, check_vocabulary, record_of
 from diffmeg.errors import DiffmegError
 
 BUILTIN = "builtin"
@@ -84,6 +84,7 @@ def build_gpt_datasets(
     tokenizer,
     cache_path: str | None,
     is_built_on_rank: Callable[[], bool] | None = None,
+    vocab_size: int | None = None,
 ) -> tuple:
     """(train, valid, test) GPTDatasets, or BlendedDatasets for a weighted ``--data-path``.
 
@@ -92,6 +93,7 @@ def build_gpt_datasets(
     process group even on one rank). ``cache_path`` is ``--data-cache-path``; None keeps
     megatron-core's default, a ``cache/`` directory next to each dataset. A split whose weight is
     0 comes back as None. ``is_built_on_rank`` defaults to every rank building its own datasets.
+    ``vocab_size``: the run's embedding rows; every dataset's ids must be below it (`check_vocabulary`).
     """
     if not torch.distributed.is_initialized():
         raise RuntimeError("build_gpt_datasets needs torch.distributed initialised (gloo is fine on CPU)")
@@ -101,6 +103,8 @@ def build_gpt_datasets(
         prefixes = [builtin if p == BUILTIN else p for p in prefixes]
     if tokenizer is not None:  # ids made with another vocabulary would train silently on wrong tokens
         check_datasets(prefixes, record_of(tokenizer))
+    if vocab_size is not None:  # an id past the embedding is an index error inside the first step
+        check_vocabulary(prefixes, vocab_size)
     check_splits_nonempty(prefixes, split)
     config = GPTDatasetConfig(
         random_seed=seed,

@@ -9,7 +9,9 @@ A run killed outright (SIGKILL, a node failure) cannot remove its temporaries; t
 same output removes those whose process is gone (``remove_stale_temporaries``). The process id in the
 name is checked on this host only: never write one output prefix from two nodes at once. A full disk
 (or quota) ends a writer with one line naming the directory, the free space and what was written
-(``DiskFullError``), after its temporaries are removed.
+(``DiskFullError``), after its temporaries are removed. A committed dataset gets its token-id range
+recorded beside it (``{prefix}.ids.json``, ``diffmeg.data.token_range``), which runs check against their
+vocabulary.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megatron.core.datasets.indexed_dataset import (
     get_idx_path,
 )
 
+from diffmeg.data.token_range import TokenRange, combine, record_range, token_range
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import check_output, format_bytes, free_bytes, is_disk_full
 
@@ -75,7 +78,7 @@ def abort_writers(
     raise DiskFullError(directory, written + sum(w.discarded_bytes for w in writers), free) from None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether ``pid`` is a running (not zombie) process on this host; unknown counts as alive."""
     try:
         os.kill(pid, 0)
@@ -114,7 +117,7 @@ def remove_stale_temporaries(
                     found.setdefault(int(match.group(1)), []).append(tmp)
     removed: list[str] = []
     for pid, tmps in sorted(found.items()):
-        if _pid_alive(pid):
+        if pid_alive(pid):
             raise DiffmegError(
                 f"process {pid} is writing the same output now ({tmps[0]}); wait for it or choose another "
                 f"output (if no such run is active, delete {tmps[0]})"
@@ -204,12 +207,28 @@ def has_loss_mask(prefix: str) -> bool:
     return exists(loss_mask_prefix(prefix))
 
 
+def check_output_prefix(prefix: str, extended: bool = False) -> None:
+    """``--output-prefix`` names the start of file names, not a folder: ``data/`` would write hidden
+    ``data/.bin`` (or ``data/_text_document.bin``). ``extended``: the tool appends to the prefix (``_text_
+    document``), so an existing folder there is a folder meant (megatron-core's index cache is a folder
+    named as a dataset's own prefix: for a prefix used as is, that is no mistake)."""
+    folder = prefix.endswith(("/", os.sep)) or (extended and os.path.isdir(prefix))
+    if not os.path.basename(prefix) or folder:
+        example = os.path.join(prefix.rstrip("/" + os.sep) or ".", "corpus")
+        raise DiffmegError(
+            f"--output-prefix {prefix} names a folder, not the start of the output files' names; give a name "
+            f"inside it, e.g. --output-prefix {example}"
+        )
+
+
 def check_can_write(prefixes: Iterable[str], overwrite: bool) -> None:
-    """Fail before any work if an output exists and ``--overwrite`` was not given, or its folder cannot be
-    written (read-only, no permission, a file in the way: `diffmeg.storage.check_output`); then create
-    the missing output folders (as pretrain_diff.py and convert_checkpoint.py do)."""
+    """Fail before any work if an output prefix names a folder, an output exists and ``--overwrite`` was
+    not given, or its folder cannot be written (read-only, no permission, a file in the way:
+    `diffmeg.storage.check_output`); then create the missing output folders (as pretrain_diff.py and
+    convert_checkpoint.py do)."""
     parents = []
     for prefix in prefixes:
+        check_output_prefix(prefix)
         for path in (get_bin_path(prefix), get_idx_path(prefix)):
             if os.path.exists(path) and not overwrite:
                 raise DiffmegError(f"output {path} already exists; pass --overwrite to replace it")
@@ -237,10 +256,13 @@ class IndexedWriter:
         self._done = False
         self.discarded_bytes = 0
         """Bytes of temporary files ``abort()`` removed (what a failed run had written)."""
+        self.ids: TokenRange = None
+        """The smallest and largest token id written, recorded beside the dataset on ``commit()``."""
 
     def add_document(self, tokens: np.ndarray, lengths: Sequence[int] | None = None) -> None:
         """One document: one sequence (so document i is ``IndexedDataset[i]``), or ``lengths``."""
         self._builder.add_document(tokens, [len(tokens)] if lengths is None else list(lengths))
+        self._saw(tokens)
         self.documents += 1
         self.tokens += len(tokens)
 
@@ -255,6 +277,7 @@ class IndexedWriter:
         start = len(builder.sequence_lengths)
         builder.sequence_lengths.extend(int(n) for n in lengths)
         builder.document_indices.extend(range(start + 1, start + len(lengths) + 1))
+        self._saw(tokens)
         self.documents += len(lengths)
         self.tokens += int(np.sum(lengths, dtype=np.int64))
 
@@ -269,7 +292,12 @@ class IndexedWriter:
         self.documents += len(index.document_indices) - 1
         self.tokens += int(index.sequence_lengths.sum(dtype=np.int64))
         del index
+        self.ids = combine(self.ids, token_range(prefix))  # its record, else one scan (as a copy reads it)
         self._builder.add_index(prefix)
+
+    def _saw(self, tokens: np.ndarray) -> None:
+        if len(tokens):
+            self.ids = combine(self.ids, (int(np.min(tokens)), int(np.max(tokens))))
 
     def commit(self) -> None:
         """Write the index and move both files into place, ``.idx`` last."""
@@ -280,6 +308,8 @@ class IndexedWriter:
         os.replace(self._tmp_bin, final_bin)
         os.replace(self._tmp_idx, final_idx)
         self._done = True
+        if not is_loss_mask_prefix(self.prefix):  # mask bits are no token ids
+            record_range(self.prefix, self.ids)
 
     def abort(self) -> None:
         """Close and delete the temporary files (idempotent)."""

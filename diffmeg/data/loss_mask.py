@@ -34,6 +34,7 @@ from diffmeg.data.indexed import (
     remove_stale_temporaries,
 )
 from diffmeg.data.splits import check_splits_nonempty, split_matrix
+from diffmeg.data.tokenizers import check_vocabulary
 from diffmeg.errors import DiffmegError
 
 PAD_TOKEN = 0
@@ -177,9 +178,10 @@ def build_loss_mask_datasets(
     seq_length: int,
     seed: int,
     num_samples: tuple[int, int, int],
+    vocab_size: int | None = None,
 ) -> tuple:
     """(train, valid, test) whole-document datasets of a loss-masked ``--data-path``; None for a split
-    of weight 0."""
+    of weight 0. ``vocab_size``: the run's embedding rows, which every token id must be below."""
     unmasked = [p for p in prefixes if not has_loss_mask(p)]
     if unmasked:
         raise DiffmegError(
@@ -193,6 +195,8 @@ def build_loss_mask_datasets(
             "sample and cannot be blended; merge them into one first (tools/merge_datasets.py)"
         )
     (prefix,) = prefixes
+    if vocab_size is not None:
+        check_vocabulary([prefix], vocab_size)
     check_splits_nonempty([prefix], split)
     documents = MaskedDocuments(prefix)
     count = len(documents)

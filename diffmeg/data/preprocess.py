@@ -29,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import re
 import shutil
 import signal
 import sys
@@ -46,15 +47,26 @@ from diffmeg.data.indexed import (
     IndexedWriter,
     abort_writers,
     check_can_write,
+    check_output_prefix,
+    has_loss_mask,
+    loss_mask_prefix,
     remove_stale_temporaries,
 )
-from diffmeg.data.tokenizers import record_of, record_path, write_dataset_record
+from diffmeg.data.tokenizers import record_of, write_dataset_record
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import directory_bytes
 
 SUPPORTED = ".jsonl, .json (one object per line), .txt (one document per file), each optionally .gz/.zst"
 _KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text"}
 _COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
+_COMPRESSED = (
+    (re.compile(rb"\x1f\x8b"), "gz", "gzip"),
+    (re.compile(rb"\x28\xb5\x2f\xfd"), "zst", "zstd"),
+    (re.compile(rb"BZh[1-9]1AY&SY"), "bz2", "bzip2"),
+    (re.compile(rb"\xfd7zXZ\x00"), "xz", "xz"),
+)
+"""Each compressed format's first bytes, its suffix and its program: a compressed file whose name does not
+say so is named as such."""
 BATCH_BYTES = 1 << 20
 
 
@@ -109,8 +121,54 @@ def find_inputs(patterns: Iterable[str]) -> list[InputFile]:
             stem, ext = os.path.splitext(stem)
         if ext not in _KINDS:
             raise DiffmegError(f"--input {path}: unsupported file type; supported: {SUPPORTED}")
-        files.append(InputFile(path, _KINDS[ext], compression, os.path.getsize(path)))
+        files.append(check_format(InputFile(path, _KINDS[ext], compression, os.path.getsize(path))))
     return files
+
+
+def check_format(f: InputFile) -> InputFile:
+    """One line, before any work, for an input whose content is not what its name says, where reading it
+    as named would blame every line on its own: a compressed file without its suffix, a JSON array
+    (`[{...}, ...]`) or pretty-printed JSON where JSON Lines (one object per line) are expected."""
+    with open(f.path, "rb") as raw:
+        magic = raw.read(10)
+    found = next(((suffix, tool) for regex, suffix, tool in _COMPRESSED if regex.match(magic)), None)
+    base = f.path[: -len(f.compression) - 1] if f.compression else f.path
+    if found is not None and found[0] != f.compression:
+        suffix, tool = found
+        named = f"named .{f.compression}" if f.compression else "without a .gz or .zst suffix"
+        fix = f"rename it to {base}.{suffix}"
+        if suffix not in _COMPRESSIONS.values():
+            stem, ext = os.path.splitext(base)
+            fix = f"decompress it first, e.g. {tool} -dc {f.path} > {stem}.plain{ext}"
+        raise DiffmegError(
+            f"--input {f.path} is {tool}-compressed data {named}, so it cannot be read as named; {fix}"
+        )
+    if f.kind != "jsonl" or not f.size:
+        return f
+    with open(f.path, "rb") as raw:
+        head = _open_stream(raw, f).read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n")
+    out = os.path.splitext(base)[0] + ".jsonl"
+    out = os.path.splitext(base)[0] + ".lines.jsonl" if out == base else out  # never the input itself
+    tool = next((t for _, suffix, t in _COMPRESSED if suffix == f.compression), None)
+
+    array = "'.[]'"
+
+    def convert(program: str) -> str:  # jq reads the file, or what its decompressor writes
+        return (
+            f"{tool} -dc {f.path} | jq -c {program} > {out}" if tool else f"jq -c {program} {f.path} > {out}"
+        )
+
+    if head.startswith(b"["):
+        raise DiffmegError(
+            f"--input {f.path} is a JSON array ([{{...}}, {{...}}]), not JSON Lines (one object per line); "
+            f"convert it first, e.g. {convert(array)}"
+        )
+    if head.split(b"\n", 1)[0].strip() == b"{":
+        raise DiffmegError(
+            f"--input {f.path} holds pretty-printed JSON (an object over several lines), not JSON Lines (one "
+            f"object per line); convert it first, e.g. {convert('.')}"
+        )
+    return f
 
 
 def split_segments(segments: list[Segment], n: int) -> list[list[Segment]]:
@@ -252,6 +310,7 @@ class PreprocessConfig:
             raise DiffmegError("--workers and --partitions must be at least 1")
         if self.log_interval is not None and self.log_interval < 0:
             raise DiffmegError("--log-interval must be >= 0")
+        check_output_prefix(self.output_prefix, extended=True)
         if not self.log_seconds > 0:
             raise DiffmegError(f"--log-seconds must be > 0, got {self.log_seconds}")
 
@@ -287,6 +346,12 @@ def preprocess(
     base = cfg.output_prefix if world_size == 1 else rank_prefix(cfg.output_prefix, rank, world_size)
     prefixes = {key: output_prefix(base, key) for key in cfg.json_keys}
     check_can_write(prefixes.values(), cfg.overwrite)
+    for prefix in prefixes.values():  # a loss mask left there would be read with the new tokens
+        if has_loss_mask(prefix):
+            raise DiffmegError(
+                f"{loss_mask_prefix(prefix)}.bin/.idx is the loss mask of a dataset {prefix}, which "
+                f"preprocessing writes none of; move it away first (or choose another --output-prefix)"
+            )
     remove_stale_temporaries(prefixes.values(), log=lambda line: log(tag_for(rank, world_size) + line))
     tokenizer = text_tokenizer(cfg)  # fail fast, before any process starts
     segments = split_segments([Segment(f, 0, f.size) for f in files], world_size)[rank]
@@ -296,22 +361,13 @@ def preprocess(
     if cfg.partitions == 1:
         with _Writers(prefixes) as writers:
             skipped = _encode_part(segments, writers, cfg, tokenizer, cfg.workers, progress.update)
-            writers.commit()
+            writers.commit(cfg if world_size == 1 else None, skipped)
     else:
-        skipped = _run_partitions(segments, prefixes, cfg, tokenizer, progress)
+        skipped = _run_partitions(segments, prefixes, cfg, tokenizer, progress, world_size)
     record = record_of(tokenizer)
     for prefix in prefixes.values():  # which ids these are: training checks them against its tokenizer
         write_dataset_record(prefix, record)
     result = _result(prefixes, skipped, progress.done_bytes, time.time() - start)
-    if result.documents == 0 and world_size == 1:  # a dataset of nothing would fail training much later
-        for prefix in prefixes.values():
-            for path in (f"{prefix}.bin", f"{prefix}.idx", record_path(prefix)):
-                if os.path.exists(path):
-                    os.remove(path)
-        raise DiffmegError(
-            f"--input {' '.join(cfg.inputs)} holds no documents ({result.skipped} bad lines skipped); "
-            f"nothing written: check the input and --json-keys"
-        )
     log(
         f"{tag}done: {result.documents} documents, {result.tokens} tokens, "
         f"{result.input_bytes / 1e6:.1f} MB in {result.seconds:.1f} s "
@@ -378,7 +434,15 @@ class _Writers:
             self.abort()
             raise
 
-    def commit(self) -> None:
+    def commit(self, cfg: PreprocessConfig | None = None, skipped: int = 0) -> None:
+        """Move the outputs into place; with `cfg` (the whole output, not a rank's shard or a partition,
+        which may be empty), only if they hold a document: a dataset of nothing would fail training much
+        later, and would have replaced a previous output."""
+        if cfg is not None and next(iter(self.by_key.values())).documents == 0:
+            raise DiffmegError(
+                f"--input {' '.join(cfg.inputs)} holds no documents ({skipped} bad lines skipped); "
+                f"nothing written: check the input and --json-keys"
+            )
         for writer in self.by_key.values():
             writer.commit()
 
@@ -636,6 +700,7 @@ def _run_partitions(
     cfg: PreprocessConfig,
     tokenizer,
     progress: _Progress,
+    world_size: int = 1,
 ) -> int:
     """Encode ``cfg.partitions`` slices in parallel processes into scratch shards, then merge."""
     parts = split_segments(segments, cfg.partitions)
@@ -679,7 +744,7 @@ def _run_partitions(
             for key, writer in writers.by_key.items():
                 for part in part_prefixes:
                     writer.add_dataset(part[key])
-            writers.commit()
+            writers.commit(cfg if world_size == 1 else None, skipped)
         return skipped
     finally:
         for proc in procs:

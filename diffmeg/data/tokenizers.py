@@ -12,10 +12,11 @@ What each records, so that token ids are never read with another tokenizer's mea
 - a dataset written by tools/preprocess_data.py: `{prefix}.tokenizer.json` beside its .bin/.idx.
 
 A run refuses a checkpoint (`check_checkpoint`) or a dataset (`check_datasets`) made with another
-vocabulary, in one line naming both and the fix. Datasets without a record were written before records
-existed, by diffmeg's cl100k_base tools: they count as cl100k_base. A Hugging Face folder holding
-diffmeg's own cl100k_base export (tools/convert_checkpoint.py mcore-to-hf) has cl100k_base's ids and
-counts as cl100k_base.
+vocabulary, in one line naming both and the fix; and any dataset holding ids its embedding has no row
+for (`check_vocabulary`, against `--vocab-size`: `null` ids too). Datasets without a record were written
+before records existed, by diffmeg's cl100k_base tools: they count as cl100k_base. A Hugging Face folder
+holding diffmeg's own cl100k_base export (tools/convert_checkpoint.py mcore-to-hf) has cl100k_base's ids
+and counts as cl100k_base.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 from diffmeg.data.hf_tokenizer import HF_TOKENIZER, HFTokenizer
 from diffmeg.data.tiktoken_cl100k import Cl100kTokenizer, IdTokenizer, load_tokenizer
+from diffmeg.data.token_range import token_range
 from diffmeg.errors import DiffmegError
 
 CL100K = "cl100k_base"
@@ -264,6 +266,30 @@ def check_datasets(prefixes: Sequence[str], run: TokenizerRecord) -> None:
             raise DiffmegError(
                 f"dataset {prefix} was tokenized with {record.describe()}{unrecorded}, but this run uses "
                 f"{run.describe()}; tokenize the text again with tools/preprocess_data.py {_flags(run)}"
+            )
+
+
+def check_vocabulary(prefixes: Sequence[str], vocab_size: int) -> None:
+    """Every dataset's token ids are rows of the run's embedding (0 <= id < `vocab_size`), or one line naming
+    the first that is not, its largest id and the fix. Reads each dataset's recorded id range (one scan of
+    its `.bin` the first time for data from elsewhere: `diffmeg.data.token_range`)."""
+    for prefix in prefixes:
+        ids = token_range(prefix)
+        if ids is None:
+            continue
+        lo, hi = ids
+        if lo < 0:
+            raise DiffmegError(
+                f"dataset {prefix} holds the negative token id {lo}, which no vocabulary has; write the data "
+                f"again (tools/preprocess_data.py)"
+            )
+        if hi >= vocab_size:
+            record = read_dataset_record(prefix)
+            made = f" (it was tokenized with {record.describe()}: {_flags(record)})" if record else ""
+            raise DiffmegError(
+                f"dataset {prefix} holds token ids up to {hi}, but this run's vocabulary has {vocab_size} "
+                f"(ids 0..{vocab_size - 1}); train with the vocabulary the data was made with{made}, a "
+                f"--vocab-size above {hi}, or data tokenized for {vocab_size} ids"
             )
 
 

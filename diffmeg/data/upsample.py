@@ -36,6 +36,7 @@ from diffmeg.data.indexed import (
     IndexedWriter,
     abort_writers,
     check_can_write,
+    check_output_prefix,
     exists,
     remove_stale_temporaries,
 )
@@ -120,6 +121,7 @@ def length_upsample(
     """Split ``inputs`` into length buckets, write them, and return the weighted blend."""
     if not inputs:
         raise DiffmegError("no --input datasets given")
+    check_output_prefix(output_prefix, extended=True)  # buckets are {prefix}_short ...
     for prefix in inputs:
         if not exists(prefix):
             raise DiffmegError(f"dataset {prefix} not found: need {prefix}.bin and {prefix}.idx")

@@ -1,29 +1,22 @@
 """DIFF's combination step, the op between attention and the output projection, in one place.
 
 - V1 (`diff_combine`): `o1 - lam * o2` of the two maps' outputs (each [b, h, sq, 2d]) and the layer's
-  scalar lambda, in fp32 or wider as the reference and the fused Triton kernel compute it. The entry point
+  scalar lambda, in fp32 or wider as the reference computes it. The entry point
   runs `DiffCombine`, which saves o2 as it came; `diff_combine_eager` is its eager twin (plain autograd of
   the fp32 expression, which would save an fp32 copy of o2: twice the bytes under bf16).
 - V2 (`combine_head_pairs`): `attn[2i] - lam_i * attn[2i+1]` with a per-token, per-head lambda.
 
 - V1's epilogue (`diff_epilogue`): what follows the backend's combination, head RMSNorm,
-  `* (1 - lambda_init)` and the permute to seq-first, as plain ops; `diff_epilogue_compiled` is the same
-  function as one `torch.compile`d region (the registry's `diff_epilogue` slot, `--diff-epilogue-impl`).
-  The combination itself stays inside the attention backends (`diffmeg.kernels`: the Triton kernel fuses
-  it into its own epilogue, SDPA's runs `diff_combine`), so the compiled region starts after it.
+  `* (1 - lambda_init)` and the permute to seq-first, as plain ops (`--compile-layers` compiles it with the
+  rest of the layer). The combination itself stays inside the attention backends (`diffmeg.kernels`:
+  SDPA's runs `diff_combine`).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 
 from diffmeg.fusions.rms_norm import NormFn, rms_norm
-
-EpilogueFn = Callable[..., torch.Tensor]
-"""(out [b, h, sq, 2d], head-norm weight [2d], eps, scale, norm=NormFn) -> [sq, b, h, 2d], contiguous."""
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -81,25 +74,3 @@ def diff_epilogue(
     """DIFF V1's epilogue: `norm(out) * scale` ([b, h, sq, 2d], scale = 1 - lambda_init) laid out
     seq-first, [sq, b, h, 2d] contiguous, so the heads flatten into the output projection's input."""
     return (norm(out, weight, eps) * scale).permute(2, 0, 1, 3).contiguous()
-
-
-@functools.cache
-def _compiled_epilogue() -> EpilogueFn:
-    # Built on first use: importing this module compiles nothing.
-    return torch.compile(diff_epilogue, dynamic=False)
-
-
-@functools.cache
-def _scale_tensor(scale: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The scale as a 0-dim fp32 (or wider) tensor, made once per value and device: a Python float would
-    be a constant of the compiled graph, one recompilation per layer's lambda_init."""
-    return torch.tensor(scale, dtype=dtype, device=device)
-
-
-def diff_epilogue_compiled(
-    out: torch.Tensor, weight: torch.Tensor, eps: float, scale: float, norm: NormFn = rms_norm
-) -> torch.Tensor:
-    """`diff_epilogue` with the eager norm math as one compiled region (forward and backward); `norm` is
-    taken for the signature's sake: the region traces `rms_norm`, the reference every norm matches."""
-    del norm
-    return _compiled_epilogue()(out, weight, eps, _scale_tensor(float(scale), out.device, _wide(out.dtype)))

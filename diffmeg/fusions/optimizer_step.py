@@ -2,17 +2,19 @@
 
 Without TransformerEngine or apex, megatron-core 0.16.1 steps torch's AdamW in its default form and does
 the rest in Python fallbacks (megatron/core/optimizer/clip_grads.py, optimizer.py, core/utils.py):
-- the grad norm is one `torch.norm` per tensor, gathered through `torch.tensor(list)` and `float()`
-  (a host sync per tensor), then `.item()` after the all-reduce (one more);
+- the grad norm is one `torch.norm` per tensor, gathered through `torch.tensor(list)` (a host sync per
+  tensor), their norm read by `float()` (one more), then `.item()` after the all-reduce (one more);
 - clipping compares that Python float with 1 and scales each grad through a `src * scale` temporary;
 - the fp32 main params are copied to the bf16 model params through `dst.copy_(src * 1.0)`: a full-size
   fp32 temporary per parameter.
 Here the norm is one `_foreach_norm` and a stack, summed over the same process group on the device; the
 clip factor stays a device scalar (min(1, clip / (norm + 1e-6)), multiplied in with `_foreach_mul_`,
 exact where it is 1); the main-to-model copy is one `_foreach_copy_`; AdamW runs torch's `fused=True`
-kernel on CUDA and its `foreach` form elsewhere. The step returns the grad norm as a 0-dim device
-tensor: the Trainer reads it at log steps only. Same equations as megatron-core's, so the same weights
-to fp32 rounding (tests/fusions/test_optimizer_step.py).
+kernel (CUDA and CPU; its `foreach` form elsewhere), which keeps its step counters as tensors where the
+foreach form reads each one into Python twice per step. The step returns the grad norm as a 0-dim device
+tensor: the Trainer reads it at log steps only. So a step reads nothing back to the host (fp16: its one
+overflow flag, megatron-core's check over all grads at once; tests/fusions/test_optimizer_step.py counts
+them). Same equations as megatron-core's, so the same weights to fp32 rounding (the same tests).
 """
 
 from __future__ import annotations
@@ -70,8 +72,17 @@ def _foreach_copy_main_to_model(self) -> None:
         torch._foreach_copy_(model_data, main_data)
 
 
+FUSED_ADAM_DEVICES = ("cuda", "cpu")
+"""Where torch (>= 2.4) has its fused AdamW kernel."""
+
+
+def fused_adam_runs_on(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW kernel can step `params` (all on devices it has the kernel for)."""
+    return all(p.device.type in FUSED_ADAM_DEVICES for p in params)
+
+
 class _AdamFlags:
-    """Runs torch AdamW's step with `fused` (CUDA) or `foreach` set on every param group, and puts the
+    """Runs torch AdamW's step with `fused` (CUDA, CPU) or `foreach` set on every param group, and puts the
     groups' own flags back after it: a checkpoint this run saves stays loadable by megatron-core's step
     exactly as before, and one it loads cannot switch the fused kernel off."""
 
@@ -133,8 +144,8 @@ def apply_fused_step(optimizer) -> None:
                 f"--optimizer-impl fused steps torch's AdamW, but megatron-core built "
                 f"{type(inner).__name__}; use --optimizer-impl megatron"
             )
-        on_cuda = all(p.is_cuda for g in inner.param_groups for p in g["params"])
-        inner.step = _AdamFlags(inner, fused=on_cuda)
+        params = [p for group in inner.param_groups for p in group["params"]]
+        inner.step = _AdamFlags(inner, fused=fused_adam_runs_on(params))
         if isinstance(opt, Float16OptimizerWithFloat16Params):
             opt._copy_main_params_to_model_params = types.MethodType(_foreach_copy_main_to_model, opt)
     optimizer.step = types.MethodType(_fused_step, optimizer)

@@ -1,12 +1,10 @@
 """RMSNorm in fp32: the blocks' norm of the local (non-TE) spec, usable with sequence parallelism, and
 DIFF V1's per-head norm.
 
-`rms_norm` is today's eager math and the reference of the fused variants beside it, each an entry of
-`diffmeg.registry`'s `norm` slot (`--norm-impl`):
-- `rms_norm_torch`: torch's `F.rms_norm`, one fused kernel on CUDA (the eager ops' composite on CPU);
-- `rms_norm_compiled`: the eager math through `torch.compile`, one generated kernel forward and backward.
-The module classes differ only in the function they call, so checkpoints and the sequence-parallel weight
-tagging are the same for all three.
+`rms_norm` is today's eager math and the reference of the fused variant beside it, `rms_norm_torch`
+(torch's `F.rms_norm`, one fused kernel on CUDA, the eager ops' composite on CPU), both entries of
+`diffmeg.registry`'s `norm` slot (`--norm-impl`). The module classes differ only in the function they
+call, so checkpoints and the sequence-parallel weight tagging are the same for both.
 
 A fused residual-add + norm is not offered: megatron-core 0.16.1's `TransformerLayer` adds the residual in
 its bias-dropout-add (`self_attn_bda` / `mlp_bda`) and calls `pre_mlp_layernorm` / the next layer's
@@ -16,7 +14,6 @@ its bias-dropout-add (`self_attn_bda` / `mlp_bda`) and calls `pre_mlp_layernorm`
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -39,17 +36,6 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     """`rms_norm` through torch's `F.rms_norm`, which accumulates in fp32 (or wider) itself: on CUDA one
     kernel reads x once, with no fp32 copy of x in memory."""
     return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
-
-
-@functools.cache
-def _compiled_rms_norm() -> NormFn:
-    # Built on first use: importing this module compiles nothing.
-    return torch.compile(rms_norm, dynamic=False)
-
-
-def rms_norm_compiled(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rms_norm` as one `torch.compile`d region (forward and backward each one generated kernel)."""
-    return _compiled_rms_norm()(x, weight, eps)
 
 
 class RMSNorm(torch.nn.Module):
@@ -78,12 +64,6 @@ class TorchRMSNorm(RMSNorm):
     """`RMSNorm` through torch's `F.rms_norm` (the registry's `norm` entry `torch`)."""
 
     norm_fn = staticmethod(rms_norm_torch)
-
-
-class CompiledRMSNorm(RMSNorm):
-    """`RMSNorm` as a `torch.compile`d region (the registry's `norm` entry `compiled`)."""
-
-    norm_fn = staticmethod(rms_norm_compiled)
 
 
 class HeadRMSNorm(torch.nn.Module):

@@ -1,5 +1,9 @@
 """FP8 linears without Transformer Engine: torchao's float8 training on megatron-core's parallel linears.
 
+A converter (torchtitan's idea): the local layer spec is rewritten before the model is built, so nothing is
+swapped inside a built model and checkpoints keep their keys. The Transformer Engine spec needs none: its
+linears are TE's already, and megatron-core runs them in FP8 from the model config (`fp8`, `fp8_recipe`).
+
 torchao scales each operand per tensor from its current amax and multiplies in FP8 through
 `torch._scaled_mm` (Ada/Hopper and newer); with `emulate` the same casts run and the product is taken in
 high precision, which is how the CPU tests check the numerics. megatron-core's `ColumnParallelLinear` and
@@ -9,11 +13,14 @@ tensor-parallel region (its gradient all-reduced) by megatron-core's own mapping
 matmul; the row layer's output reduction stays in megatron-core's `forward`.
 
 Which linears convert: the layer's QKV, output projection and MLP (`FP8_LINEARS`); DIFF V2's lambda
-projection (a few outputs per token, a sigmoid gate) and the vocabulary projection stay in bf16.
+projection (a few outputs per token, a sigmoid gate) and the vocabulary projection stay in bf16. Its rules
+(where it runs, the recipe, recomputation, the grad-accum fusion) are `check_fp8`'s, read by the flags'
+validation and by the converter.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from functools import cache
 
@@ -27,7 +34,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diffmeg.errors import DiffmegError
-from diffmeg.fusions.fp8 import replace_modules
 
 FP8_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The spec fields whose linears compute in FP8 (megatron-core's names for QKV, out-proj, fc1, fc2)."""
@@ -60,16 +66,40 @@ def fp8_unsupported_reason(emulate: bool) -> str | None:
         return None
     if not emulate:
         return (
-            "FP8 needs a CUDA GPU (Ada/Hopper or newer); on CPU only emulation runs "
-            "(DiffTransformerConfig.fp8_emulate, tests): leave out --fp8-format"
+            "FP8 needs a CUDA GPU (Ada/Hopper or newer; Transformer Engine's FP8 on its spec, torchao's on "
+            "the local spec); on CPU only emulation runs (DiffTransformerConfig.fp8_emulate, tests): leave "
+            "out --fp8-format"
         )
     return None
 
 
-def check_grad_accum_fusion(gradient_accumulation_fusion: bool) -> None:
-    """The one rule, read by `TorchaoFp8` and by the flags' validation (before a GPU is held): torchao's FP8
-    linears compute their own weight gradients into `weight.grad`, out of the fusion's reach, so the flag is
-    refused rather than silently applied to the few linears left in bf16."""
+def check_fp8(
+    recipe: object,
+    recompute_granularity: str | None,
+    recompute_modules: list[str] | None,
+    gradient_accumulation_fusion: bool,
+    emulate: bool,
+) -> None:
+    """Every rule of torchao's FP8 on the local spec, one line each: read by the flags' validation (before a
+    GPU is held) and by `TorchaoFp8` (configs built in code). The machine first (`fp8_unsupported_reason`),
+    then the recipe: torchao scales per tensor; recomputation: megatron-core recomputes FP8 layers through
+    TE's checkpoint; the grad-accum fusion: torchao's linears write `weight.grad`, out of its reach, so the
+    flag is refused rather than silently applied to the few linears left in bf16."""
+    reason = fp8_unsupported_reason(emulate)
+    if reason is not None:
+        raise DiffmegError(reason)
+    if str(recipe) not in ("tensorwise", "Fp8Recipe.tensorwise"):
+        raise DiffmegError(
+            "--fp8-format on the local spec is torchao's FP8, which scales per tensor: add --fp8-recipe "
+            "tensorwise"
+        )
+    if recompute_granularity == "full" or (
+        recompute_granularity == "selective" and "mlp" in (recompute_modules or ())
+    ):
+        raise DiffmegError(
+            "megatron-core recomputes FP8 layers through Transformer Engine's checkpoint: with torchao's "
+            "FP8 use --recompute-granularity selective (attention core) or none"
+        )
     if gradient_accumulation_fusion:
         raise DiffmegError(
             "torchao's FP8 linears (--fp8-format on the local spec) write weight.grad, not main_grad: leave "
@@ -145,6 +175,28 @@ class Float8RowParallelLinear(RowParallelLinear):
         return _float8_forward(self, input, weight, *args, **kwargs)
 
 
+def replace_modules(spec: ModuleSpec, swap: dict[type, type]) -> ModuleSpec:
+    """A deep copy of `spec` with every module class that is a key of `swap` replaced by its value, at any
+    depth of the spec's submodules."""
+    spec = copy.deepcopy(spec)
+
+    def visit(node: object) -> object:
+        if isinstance(node, type):
+            return swap.get(node, node)
+        if isinstance(node, ModuleSpec):
+            node.module = visit(node.module)
+            node.submodules = visit(node.submodules)
+            return node
+        if isinstance(node, list):
+            return [visit(item) for item in node]
+        if dataclasses.is_dataclass(node):
+            for f in dataclasses.fields(node):
+                setattr(node, f.name, visit(getattr(node, f.name)))
+        return node
+
+    return visit(spec)
+
+
 class TorchaoFp8:
     """The local spec's FP8 converter: the layer's QKV, output projection and MLP linears become the
     `Float8*ParallelLinear`s above (tensorwise scaling, `config.fp8` e4m3 or hybrid)."""
@@ -152,22 +204,13 @@ class TorchaoFp8:
     def __init__(self, config: TransformerConfig) -> None:
         if config.fp8 is None:
             raise DiffmegError("the FP8 converter needs an FP8 format: set --fp8-format e4m3 or hybrid")
-        if str(config.fp8_recipe) not in ("tensorwise", "Fp8Recipe.tensorwise"):
-            raise DiffmegError(
-                f"torchao's FP8 (the local spec) scales per tensor, not with the {config.fp8_recipe!s} "
-                "recipe: add --fp8-recipe tensorwise"
-            )
-        if config.recompute_granularity == "full" or (
-            config.recompute_granularity == "selective" and "mlp" in (config.recompute_modules or ())
-        ):
-            raise DiffmegError(
-                "megatron-core recomputes FP8 layers through Transformer Engine's checkpoint: with torchao's "
-                "FP8 use --recompute-granularity selective (attention core) or none"
-            )
-        check_grad_accum_fusion(config.gradient_accumulation_fusion)
-        reason = fp8_unsupported_reason(bool(getattr(config, "fp8_emulate", False)))
-        if reason is not None:
-            raise DiffmegError(reason)
+        check_fp8(
+            config.fp8_recipe,
+            config.recompute_granularity,
+            config.recompute_modules,
+            config.gradient_accumulation_fusion,
+            emulate=bool(getattr(config, "fp8_emulate", False)),
+        )
         self.config = config
 
     def convert(self, spec: ModuleSpec) -> ModuleSpec:
@@ -187,4 +230,4 @@ class TorchaoFp8:
                         setattr(node, f.name, visit(value))
             return node
 
-        return visit(replace_modules(spec, {}))  # a deep copy first: the input spec stays as it was
+        return visit(copy.deepcopy(spec))  # the input spec stays as it was

@@ -68,7 +68,7 @@ def lambda_grad_scale(
     dlambda is one sum of millions of products of either sign: the sum cancels to a small fraction of
     its terms, so an error relative to dlambda itself amplifies the terms' own rounding by that
     cancellation and varies from draw to draw (on an H100, torch's SDPA path measured 1.8e-4 to 1.5e-3
-    relative to dlambda with A2 V as accurate as the fused kernel's; benchmarks/lambda_grad_precision.py).
+    relative to dlambda between draws; benchmarks/results/lambda-grad-precision-*.jsonl).
     A dot product's rounding error is bounded by a multiple of sum(|x| |y|): that is the scale here.
     """
     a2v = single_map_reference(q2, k2, v, scale=scale)

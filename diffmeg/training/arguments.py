@@ -23,6 +23,7 @@ from diffmeg.kernels import sdpa_backends
 from diffmeg.parallel import cp_attention_available
 from diffmeg.parallel.validation import validate_cp
 from diffmeg.presets import PADDED_VOCAB_SIZE, PRESETS, get_preset, swiglu_ffn_size
+from diffmeg.run_config import SHAPE_SIZES
 from diffmeg.runtime import transformer_engine_available
 from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
@@ -96,7 +97,7 @@ HELP = {
     "clip_grad": "gradient-norm clipping (0: none)",
     "bf16": "bfloat16 mixed precision",
     "fp16": "float16 mixed precision with loss scaling",
-    "fp8_format": "FP8 matmuls through Transformer Engine (GPU)",
+    "fp8_format": "FP8 linears (GPU): Transformer Engine's on its spec, torchao's on the local spec",
     "fp8_recipe": "FP8 scaling recipe (with --fp8-format)",
     "recompute_granularity": "activation recomputation: full layers or selective (attention only)",
     "recompute_method": "which layers full recomputation covers (default uniform)",
@@ -217,22 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
         "norm",
         exclude=("transformer_engine",),
         help="RMSNorm of the local spec's blocks and DIFF V1's head norm (docs/implementations.md): local "
-        "(fp32 eager ops), torch (F.rms_norm, fused on CUDA), compiled (torch.compile); auto: "
+        "(fp32 eager ops), torch (F.rms_norm, fused on CUDA); auto: "
         f"{registry.resolve('norm', spec='local')} on the local spec, TE's norm on the TE spec",
-    )
-    _add_registry_flag(
-        g,
-        "--rope-impl",
-        "rope",
-        help="RoPE of q and k: megatron (megatron-core's eager ops) or compiled (one torch.compile'd "
-        f"region each way); auto: {registry.resolve('rope')} until a GPU run measures it",
-    )
-    _add_registry_flag(
-        g,
-        "--diff-epilogue-impl",
-        "diff_epilogue",
-        help="DIFF V1's epilogue (head RMSNorm, x (1 - lambda_init), seq-first): eager ops or one "
-        f"torch.compile'd region; auto: {registry.resolve('diff_epilogue')} until a GPU run measures it",
     )
     g.add_argument(
         "--sdpa-backend",
@@ -322,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-impl",
         "optimizer",
         help="the optimizer step: megatron (megatron-core's: its Python grad norm syncs the host), fused "
-        "(torch's fused AdamW on CUDA, foreach on CPU; grad norm, clipping and the main-to-model copy on "
-        "the device without host syncs or temporaries; same weights to fp32 rounding) or auto (megatron "
+        "(torch's fused AdamW, on CUDA and CPU; grad norm, clipping and the main-to-model copy on "
+        "the device without host syncs or temporaries; same weights to fp32 rounding; not where TE or apex "
+        f"gives megatron-core a fused Adam) or auto ({registry.resolve('optimizer')}: the registry's order, "
         "until a GPU run measures fused faster: docs/recipes.md)",
     )
     g.add_argument("--bf16", action="store_true")
@@ -552,15 +540,9 @@ _RULES = {
 RANGES: dict[str, Range] = {
     **dict.fromkeys(
         (
-            "num_layers",
-            "hidden_size",
-            "ffn_hidden_size",
-            "num_attention_heads",
-            "num_query_groups",
-            "kv_channels",
+            *SHAPE_SIZES,
             "seq_length",
             "max_position_embeddings",
-            "vocab_size",
             "micro_batch_size",
             "global_batch_size",
             "tensor_model_parallel_size",
@@ -805,24 +787,20 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int, dp: int) -> No
 
 
 def _validate_fp8(args: argparse.Namespace) -> None:
-    """--fp8-format: Transformer Engine's on its spec; torchao's on the local spec, tensorwise, on a GPU
-    with FP8 matmuls (emulation is for tests, set on the model config)."""
+    """--fp8-format: on the Transformer Engine spec megatron-core's own (the config's `fp8`, TE's linears);
+    on the local spec torchao's, whose rules are `check_fp8`'s (emulation is for tests, set on the model
+    config)."""
     if args.fp8_format is None or args.transformer_impl == "transformer_engine":
         return
-    from diffmeg.fusions.torchao_fp8 import check_grad_accum_fusion, fp8_unsupported_reason
+    from diffmeg.fusions.torchao_fp8 import check_fp8
 
-    reason = fp8_unsupported_reason(emulate=False)
-    if reason is not None:
-        raise DiffmegError(
-            "--fp8-format needs Transformer Engine (--transformer-impl transformer_engine) or torchao's FP8 "
-            f"on the local spec, which cannot run here: {reason}"
-        )
-    check_grad_accum_fusion(getattr(args, "gradient_accumulation_fusion", False))
-    if args.fp8_recipe != "tensorwise":
-        raise DiffmegError(
-            "--fp8-format on the local spec is torchao's FP8, which scales per tensor: "
-            "add --fp8-recipe tensorwise"
-        )
+    check_fp8(
+        args.fp8_recipe,
+        args.recompute_granularity,
+        None,  # megatron-core's default modules: the attention core
+        getattr(args, "gradient_accumulation_fusion", False),
+        emulate=False,
+    )
 
 
 def _validate_graphs(args: argparse.Namespace) -> None:
@@ -888,12 +866,10 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
     if "fp8_recipe" in explicit and args.fp8_format is None:
         notes.append("--fp8-recipe has no effect without --fp8-format")
     if not args.diff_attention:
-        for name in ("lambda_init", "lambda_std", "diff_attn_backend", "diff_epilogue_impl"):
+        for name in ("lambda_init", "lambda_std", "diff_attn_backend"):
             if name in explicit:
                 flag = "--" + name.replace("_", "-")
                 notes.append(f"{flag} has no effect: the Transformer baseline has no differential attention")
-    elif args.diff_version == 2 and "diff_epilogue_impl" in explicit:
-        notes.append("--diff-epilogue-impl has no effect: DIFF V2 has no head norm (its own combination)")
     if args.data_parallel_size * args.context_parallel_size == 1:
         for name in ("overlap_grad_reduce", "overlap_param_gather"):
             if explicit.get(name):

@@ -6,6 +6,7 @@ from megatron.core.transformer.module import Float16Module
 
 from diffmeg.fusions.grad_accum import require_main_grad
 from diffmeg.model import build_model, transformer_config
+from diffmeg.run_config import RunConfig
 from diffmeg.training.ddp import (
     clear_schedule_hooks,
     ddp_config,
@@ -16,7 +17,6 @@ from diffmeg.training.ddp import (
 from diffmeg.training.grads import finalize_diff_model_grads
 from diffmeg.training.graphs import compile_layers
 from diffmeg.training.optim import build_optimizer, build_scheduler
-from diffmeg.training.run_config import RunConfig
 
 
 def build_training_objects(run: RunConfig):
@@ -28,7 +28,7 @@ def build_training_objects(run: RunConfig):
     readers (conversion, single-rank models of checkpoints) share with training.
     """
     model_fields, training = run.model, run.training
-    config = transformer_config(model_fields, run.parallel, training)
+    config = transformer_config(run)
     chunks = []
     stages = range(run.parallel.model_chunks) if run.parallel.model_chunks > 1 else [None]  # None: no VP
     for vp_stage in stages:

@@ -27,8 +27,8 @@ import torch
 
 from diffmeg import collectives
 from diffmeg.errors import DiffmegError
+from diffmeg.run_config import RunConfig
 from diffmeg.training.logger import TrainingLogger
-from diffmeg.training.run_config import RunConfig
 
 
 class BackgroundWrites(Protocol):

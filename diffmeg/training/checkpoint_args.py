@@ -13,22 +13,15 @@ from collections.abc import Collection
 
 from diffmeg.checkpoints import read_checkpoint_args, read_tracker
 from diffmeg.errors import DiffmegError
+from diffmeg.run_config import SHAPE_FIELDS
 
 MODEL_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
+    *SHAPE_FIELDS,
     "group_query_attention",
-    "kv_channels",
     "seq_length",
     "max_position_embeddings",
-    "vocab_size",
     "rotary_base",
     "norm_epsilon",
-    "diff_attention",
-    "diff_version",
     "lambda_init",
     "tie_embeddings_and_output_weights",
     "tokenizer_type",

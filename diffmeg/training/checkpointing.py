@@ -28,19 +28,24 @@ from diffmeg import collectives
 from diffmeg.checkpoints import (
     TRACKER_FILE,
     WEIGHTS_ONLY_KEY,
+    abandon_save,
     begin_checkpoint,
     checkpoint_path,
     damaged_checkpoint_message,
-    iteration_dirs,
+    holds_saves,
+    leftovers,
     load_sharded,
+    not_a_checkpoint_message,
     read_checkpoint_args,
     read_tracker,
+    resolve_iteration,
     upgrade_saved_args,
 )
 from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite, run_now
 from diffmeg.errors import DiffmegError
+from diffmeg.folder_lock import LOCK_FILE, FolderLock
+from diffmeg.run_config import SHAPE_FIELDS, RunConfig, TrainingConfig
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
-from diffmeg.training.run_config import RunConfig, TrainingConfig
 
 ARGUMENTS_FILE = "arguments.json"
 """The full resolved arguments of the latest run, written at start into the run directory (--save)."""
@@ -260,16 +265,12 @@ def _same_path(a: str | None, b: str | None) -> bool:
 
 
 def _holds_only_run_files(root: str) -> bool:
-    """Empty, or only what a run writes before its first checkpoint (the argument dump, temporaries)."""
+    """Empty, or only what a run writes before its first checkpoint (its lock, the argument dump,
+    temporaries)."""
     return all(
-        name == ARGUMENTS_FILE or name.startswith(f"{TRACKER_FILE}.tmp-") or name.startswith(".write-test-")
+        name in (ARGUMENTS_FILE, LOCK_FILE) or name.startswith(f"{TRACKER_FILE}.tmp-")
         for name in os.listdir(root)
     )
-
-
-def _complete_list(root: str) -> str:
-    found = iteration_dirs(root)
-    return ", ".join(map(str, found)) if found else "none"
 
 
 def _stall_hook(iteration: int) -> HoldAfterWrite | None:
@@ -288,8 +289,9 @@ def _stall_hook(iteration: int) -> HoldAfterWrite | None:
 
 
 class CheckpointManager:
-    """Resuming and saving for the Trainer: where the run starts (`resolve`), whether --save can take a
-    checkpoint (`check_save_target`, `check_room`), loading (`load`), and saves (`due`, `save`).
+    """Resuming and saving for the Trainer: --save made this run's alone (`lock_save_target`), where the run
+    starts (`resolve`), whether --save has room for a checkpoint (`check_room`), loading (`load`), and saves
+    (`due`, `save`).
 
     With --async-save a save returns once it is planned and this rank's tensors are copied into a shared
     host buffer (the snapshot), which this rank's one writer process, started with the manager and dying
@@ -311,6 +313,8 @@ class CheckpointManager:
         self.pending: PendingSave | None = None
         """The --async-save checkpoint being written, not yet finalized (at most one)."""
         self._background: AsyncSaves | None = None
+        self._lock: FolderLock | None = None
+        """--save's lock, rank 0's (`lock_save_target`)."""
         if self.config.async_save and self.config.save is not None:
             self._background = AsyncSaves()
             self._background.start()  # its imports run while the model is built
@@ -332,34 +336,13 @@ class CheckpointManager:
                     f"as --save too)"
                 )
             return self._fresh(root)
-        latest = read_tracker(root)
-        if cfg.ckpt_step is not None:
-            if cfg.ckpt_step not in iteration_dirs(root):
-                raise DiffmegError(
-                    f"--ckpt-step {cfg.ckpt_step}: {root} holds no complete checkpoint of that iteration "
-                    f"(complete: {_complete_list(root)})"
-                )
-            self.load_iteration = self._not_past_the_end(cfg.ckpt_step)
-            return self.load_iteration
-        if latest is None:
-            if any(name.startswith("iter_") for name in os.listdir(root)):
-                raise DiffmegError(
-                    f"{root} has checkpoint directories but no {TRACKER_FILE}: the last save did not finish; "
-                    f"complete iterations: {_complete_list(root)}; start from one with --ckpt-step N"
-                )
+        if cfg.ckpt_step is None and not holds_saves(root):
             if not (fresh_ok or _holds_only_run_files(root)):
-                raise DiffmegError(
-                    f"--load {root} is not a checkpoint directory (no {TRACKER_FILE}, no iter_* "
-                    f"directories); point --load at one, or drop it to start from scratch"
-                )
+                fix = "point --load at a checkpoint directory, or drop it to start from scratch"
+                raise DiffmegError(not_a_checkpoint_message(root, fix))
             return self._fresh(root)
-        if not os.path.isdir(checkpoint_path(root, latest)):
-            raise DiffmegError(
-                f"{TRACKER_FILE} in {root} names iteration {latest} but {checkpoint_path(root, latest)} is "
-                f"missing; complete iterations: {_complete_list(root)}; start from one with --ckpt-step N"
-            )
-        self.load_iteration = self._not_past_the_end(latest)
-        return latest
+        self.load_iteration = self._not_past_the_end(resolve_iteration(root, cfg.ckpt_step, "--ckpt-step"))
+        return self.load_iteration
 
     def _not_past_the_end(self, iteration: int) -> int:
         """A checkpoint past --train-iters would load, train nothing and exit 0: one line instead."""
@@ -453,26 +436,29 @@ class CheckpointManager:
             self.log(f" no checkpoint in {root}, starting from scratch")
         self.load_iteration = None
 
-    def check_save_target(self) -> None:
-        """--save can be created and written (checked on rank 0, before anything is built)."""
+    def lock_save_target(self) -> None:
+        """Make --save this run's alone before anything is written into it: rank 0 makes it and takes its
+        lock (`diffmeg.folder_lock`); another run holding it, or a folder that cannot be made or written,
+        stops every rank with the same one line. Held until `close`."""
         root = self.config.save
         if root is None:
             return
 
-        def check() -> None:
-            try:
-                os.makedirs(root, exist_ok=True)
-            except OSError as exc:
-                raise DiffmegError(f"--save {root} cannot be created: {exc.strerror or exc}") from exc
-            probe = os.path.join(root, f".write-test-{os.getpid()}")
-            try:
-                with open(probe, "wb") as f:
-                    f.write(b"0")
-                os.remove(probe)
-            except OSError as exc:
-                raise DiffmegError(f"--save {root} is not writable: {exc.strerror or exc}") from exc
+        def take() -> None:
+            lock = FolderLock(root, "--save")
+            note = lock.acquire()
+            self._lock = lock
+            if note is not None:
+                self.log(note)
+            if left := leftovers(root):
+                shown = ", ".join(left[:4]) + (f" (and {len(left) - 4} more)" if len(left) > 4 else "")
+                size = format_bytes(sum(directory_bytes(os.path.join(root, name)) for name in left))
+                self.log(
+                    f" {root} holds what earlier saves left ({size}): {shown}; no run removes what another "
+                    f"wrote: delete them to free the space"
+                )
 
-        collectives.on_rank0(check)
+        collectives.on_rank0(take)
 
     def check_room(self, num_parameters: int) -> None:
         """--save has room for one checkpoint of this model (rank 0 checks, every rank stops)."""
@@ -608,12 +594,17 @@ class CheckpointManager:
             self._finalize(blocking=True)
 
     def close(self) -> None:
-        """Stop the --async-save writer process and free its buffer (not collective). Called at the end of
-        training, after `wait`; a save still pending then (training failed) is abandoned: its checkpoint is
-        never finalized, the tracker keeps naming the previous one."""
+        """Stop the --async-save writer process and free its buffer, then release --save's lock (not
+        collective). Called at the end of training, after `wait`; a save still pending then (training failed)
+        is abandoned: never finalized, its files removed, the tracker keeps naming the previous checkpoint."""
         if self._background is not None:
             self._background.close(abort=True)  # no finalize here: the other ranks may be elsewhere
+            if self.pending is not None:
+                abandon_save(self.config.save, self.pending.iteration)  # rank 0 removes what it wrote
             self._background, self.pending = None, None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _finalize(self, blocking: bool) -> None:
         pending = self.pending
@@ -676,26 +667,12 @@ def _set_lr_bounds(optimizer: MegatronOptimizer, bounds: list[tuple[float, float
             group["min_lr"] = min_lr
 
 
-SHAPE_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "vocab_size",
-    "diff_attention",
-    "diff_version",
-)
-"""The arguments that set a model's tensor shapes (every iteration of a run has the same)."""
-
-
 def check_shape(where: str, saved: dict, run: dict) -> None:
     """A checkpoint's model (its args.json, `saved`) has the run's shape, or one line naming each flag that
     differs and the fix: another iteration of the same run cannot help, every one has that shape."""
     defaults = {"diff_attention": True, "diff_version": 1}  # args.json files from before the flags
     differ = []
-    for name in SHAPE_ARGS:
+    for name in SHAPE_FIELDS:
         theirs, ours = saved.get(name, defaults.get(name)), run.get(name, defaults.get(name))
         if name == "diff_version" and not (saved.get("diff_attention", True) and run.get("diff_attention")):
             continue  # the Transformer baseline has no DIFF version

@@ -18,7 +18,7 @@ from diffmeg.data.gpt_datasets import build_gpt_datasets, parse_data_path
 from diffmeg.data.indexed import has_loss_mask
 from diffmeg.data.loss_mask import build_loss_mask_datasets
 from diffmeg.parallel import slice_sequence_for_cp
-from diffmeg.training.run_config import RunConfig
+from diffmeg.run_config import RunConfig
 
 
 class MockTokenDataset(torch.utils.data.Dataset):
@@ -62,7 +62,7 @@ def build_datasets(run: RunConfig, tokenizer=None):
     )
     prefixes, _ = parse_data_path(d.data_path)
     if any(has_loss_mask(p) for p in prefixes):  # one whole document per sample, loss on masked tokens
-        return build_loss_mask_datasets(prefixes, d.split, m.seq_length, t.seed, num_samples)
+        return build_loss_mask_datasets(prefixes, d.split, m.seq_length, t.seed, num_samples, m.vocab_size)
     return build_gpt_datasets(
         data_path=d.data_path,
         split=d.split,
@@ -71,6 +71,7 @@ def build_datasets(run: RunConfig, tokenizer=None):
         num_samples=num_samples,
         tokenizer=tokenizer,
         cache_path=d.data_cache_path,
+        vocab_size=m.vocab_size,
     )
 
 

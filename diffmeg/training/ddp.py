@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from diffmeg.training.run_config import RunConfig
+from diffmeg.run_config import RunConfig
 
 
 def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:

@@ -22,9 +22,10 @@ from dataclasses import asdict
 
 from diffmeg.data.gpt_datasets import BUILTIN, parse_data_path
 from diffmeg.data.indexed import check_dataset
-from diffmeg.data.tokenizers import check_datasets, record_of_args
+from diffmeg.data.tokenizers import check_datasets, check_vocabulary, record_of_args
 from diffmeg.errors import DiffmegError
 from diffmeg.presets import count_parameters
+from diffmeg.run_config import DataConfig, RunConfig
 from diffmeg.training.flops import train_flops_per_iteration
 from diffmeg.training.memory import (
     GIB,
@@ -33,7 +34,6 @@ from diffmeg.training.memory import (
     parameters_per_rank,
     shrink_options,
 )
-from diffmeg.training.run_config import DataConfig, RunConfig
 
 HEADROOM = 0.9
 """Plans above this fraction of the GPU's memory get a warning: the rest is not ours to plan."""
@@ -279,6 +279,7 @@ def dry_run(args: argparse.Namespace) -> int:
     """Print the resolved run (stdout) and its checks (stderr); exit status 0, or an error raised."""
     run = RunConfig.from_args(args)
     tokens = check_data(run.data)
+    check_vocabulary(list(tokens), run.model.vocab_size)  # every id has an embedding row
     summary = dry_run_summary(run)
     warnings = memory_warnings(run, args.gpu_memory_gib, summary["memory_per_gpu_gib"]["total"])
     summary["checks"] = {

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diffmeg.config import megatron_head_counts
-from diffmeg.training.run_config import RunConfig
+from diffmeg.run_config import RunConfig
 
 
 @dataclass(frozen=True)

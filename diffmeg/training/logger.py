@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from diffmeg.errors import DiffmegError
-from diffmeg.training.run_config import RunConfig
+from diffmeg.run_config import RunConfig
 
 
 def _device_kind() -> str:

@@ -15,7 +15,7 @@ Activation terms count what autograd keeps for backward in *our* layer (checked 
   the core output that the pair combination keeps for lambda's gradient (4 bytes x Q)
 `attention_kernel` says which attention terms apply to the model that is built.
   SwiGLU MLP, unfused (CPU): fc1 output, silu, product, fc2 input                      5 F
-  SwiGLU MLP, fused (GPU: config_from_args turns bias_activation_fusion on): megatron-core's
+  SwiGLU MLP, fused (GPU: transformer_config turns bias_activation_fusion on): megatron-core's
   SwiGLUFunction keeps fc1's output and recomputes the rest; fc2 keeps its input         3 F
 Selective recompute keeps only the core's inputs; full recompute keeps each layer's input. The loss
 adds the logits, the fp32 softmax and its gradient ([tokens, V / TP] each) at its peak; the chunked loss
@@ -38,7 +38,7 @@ import torch
 
 from diffmeg import registry
 from diffmeg.config import megatron_head_counts
-from diffmeg.training.run_config import RunConfig
+from diffmeg.run_config import RunConfig
 
 GIB = 1024**3
 
@@ -106,7 +106,7 @@ def attention_kernel(run: RunConfig, on_gpu: bool) -> str:
     output and a log-sum-exp) or "maps" (both probability maps, the math path).
 
     The Transformer baseline and DIFF V2 always run fused attention (the local spec's SDPA core, or TE's);
-    DIFF V1 follows its backend (diffmeg.kernels): triton and flash are fused, sdpa (each path) and flex
+    DIFF V1 follows its backend (diffmeg.kernels): flash is fused, sdpa (each path) and flex
     are fused on a GPU (flash, cuDNN, memory-efficient or compiled kernels) but the math path on a CPU
     (V twice as wide as q), reference keeps the maps.
     """
@@ -116,7 +116,7 @@ def attention_kernel(run: RunConfig, on_gpu: bool) -> str:
     backend = model.diff_attn_backend
     if backend == registry.AUTO:
         backend = registry.resolve("diff_attention")
-    if backend in ("triton", "flash", "te") or (on_gpu and (backend.startswith("sdpa") or backend == "flex")):
+    if backend == "flash" or (on_gpu and (backend.startswith("sdpa") or backend == "flex")):
         return "fused"
     return "maps"
 

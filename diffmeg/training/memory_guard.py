@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from diffmeg.errors import DiffmegError
+from diffmeg.run_config import RunConfig
 from diffmeg.training.memory import GIB, MemoryEstimate, estimate_memory, shrink_options
-from diffmeg.training.run_config import RunConfig
 
 PEAK_OVER_PLAN = {"cpu": 1.1, "cuda": 0.9}
 """Expected peak over the plan: a CPU's resident memory runs 10-30% over it (freed blocks glibc keeps;

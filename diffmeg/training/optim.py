@@ -7,13 +7,13 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from diffmeg import registry
-from diffmeg.fusions.optimizer_step import megatron_has_fused_adam
-from diffmeg.training.run_config import RunConfig
+from diffmeg.run_config import RunConfig
 
 
 def build_optimizer(run: RunConfig, model: list[torch.nn.Module]) -> MegatronOptimizer:
     """AdamW with fp32 main params; weight decay skips 1-D params (norms, lambda vectors) as in Megatron.
-    `--optimizer-impl` fused (or auto on CUDA): the same optimizer with the fused step of
+    Its step is the registry's `optimizer` slot (`--optimizer-impl`; `auto`: the first of the slot's
+    `AUTO_ORDER` that can run here): megatron-core's as built, or the fused step of
     diffmeg.fusions.optimizer_step."""
     o, t = run.optim, run.training
     config = OptimizerConfig(
@@ -33,24 +33,8 @@ def build_optimizer(run: RunConfig, model: list[torch.nn.Module]) -> MegatronOpt
         # megatron-core's gloo side groups would double the process groups on CPU; not needed here.
     )
     optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=False)
-    registry.implementation("optimizer", optimizer_impl(run)).load()(optimizer)
+    registry.select("optimizer", run.optim.optimizer_impl).load()(optimizer)
     return optimizer
-
-
-def optimizer_impl(run: RunConfig) -> str:
-    """The optimizer step this run takes on this machine (a registry name): the requested one, or for
-    `auto` megatron-core's where it steps a fused Adam of its own (TE or apex) or runs on a CPU, else the
-    registry's first choice."""
-    return resolve_optimizer_impl(
-        run.optim.optimizer_impl, torch.cuda.is_available(), megatron_has_fused_adam()
-    )
-
-
-def resolve_optimizer_impl(requested: str, on_cuda: bool, megatron_fused_adam: bool) -> str:
-    """`optimizer_impl` for a given machine (what the tests vary)."""
-    if requested == registry.AUTO and (megatron_fused_adam or not on_cuda):
-        return "megatron"
-    return registry.resolve("optimizer", requested)
 
 
 def build_scheduler(run: RunConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:

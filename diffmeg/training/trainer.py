@@ -8,9 +8,11 @@ micro-batches), `evaluate()` the validation loss, `train()` the loop. Around the
 
 Host syncs: a step leaves its loss on the device; the pending losses come to the host once per logging
 interval (and before a save or a stop), with the logged lambdas and loss scale, in one copy. The signal
-check's one-flag all-reduce per step is the only other host read in the loop (megatron-core's own
-optimizer step reads its grad norm and overflow flag every step anyway), plus, with --async-save, one
-while a checkpoint is being written in the background.
+check's one-flag all-reduce per step is the only other host read in the loop, plus, with --async-save, one
+while a checkpoint is being written in the background. A micro-batch's forward and backward read nothing
+(tests/training/test_host_syncs.py); the optimizer step reads nothing with `--optimizer-impl fused` (fp16:
+its overflow flag), megatron-core's own step its grad norm (without TE or apex: once per parameter tensor
+and twice more; docs/recipes.md counts them).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from diffmeg.data.tokenizers import (
 )
 from diffmeg.errors import DiffmegError
 from diffmeg.model import lambda_parameters
+from diffmeg.run_config import RunConfig
 from diffmeg.training import ddp
 from diffmeg.training.arguments import args_to_json
 from diffmeg.training.builders import build_training_objects
@@ -49,7 +52,6 @@ from diffmeg.training.hardware import model_flops_utilization, peak_tflops
 from diffmeg.training.logger import run_summary
 from diffmeg.training.memory import estimate_memory
 from diffmeg.training.memory_guard import check_memory_plan
-from diffmeg.training.run_config import RunConfig
 
 
 class ModelParallelSizes(NamedTuple):
@@ -142,8 +144,8 @@ class Trainer:
             )
         model_parallel_manual_seed(run.training.seed, cuda_graphs=run.training.cuda_graph_impl == "local")
         self.checkpoints = CheckpointManager(run, log=self.log)
+        self.checkpoints.lock_save_target()  # one run per --save folder, before anything is written there
         self.checkpoints.resolve()  # every bad --load / --ckpt-step fails here, before anything is built
-        self.checkpoints.check_save_target()
         self.checkpoints.check_output_layer()
         self.checkpoints.check_schedule()
         tokenizer = self._tokenizer()
@@ -157,7 +159,6 @@ class Trainer:
         if (overlap := ddp.describe(self.model)) is not None:
             self.log(overlap)
         self.checkpoints.check_room(self.num_parameters)
-        self._announce()
         loaded = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
         self.state = TrainState(loaded.iteration, loaded.consumed_samples)
         self.train_ds, self.valid_ds, _ = build_datasets(run, tokenizer)
@@ -175,6 +176,7 @@ class Trainer:
         self.last_loss = math.nan
         self._lambdas: dict[str, float] = {}
         self._pending: list[tuple[int, torch.Tensor | None]] = []  # losses not yet on the host
+        self._announce()  # last: a run refused above leaves no arguments.json
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -351,13 +353,15 @@ class Trainer:
 
     def _end(self) -> None:
         """Every callback's `on_train_end`, even after one raised (signal handlers restored, the background
-        writer stopped); then the first error (e.g. a log write that failed) is raised."""
+        writer stopped), and --save's lock released; then the first error (e.g. a log write that failed) is
+        raised."""
         errors = []
         for callback in self.callbacks:
             try:
                 callback.on_train_end(self)
             except Exception as exc:
                 errors.append(exc)
+        self.checkpoints.close()  # --save's lock goes with training
         if errors:
             raise errors[0]
 

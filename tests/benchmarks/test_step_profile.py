@@ -16,7 +16,7 @@ from benchmarks import step_profile
         ("aten::addmm", "matmul"),
         ("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention"),
         ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"),
-        ("diff_bwd_dkdv_kernel", "attention"),  # diffmeg's fused Triton kernel
+        ("triton_tem_fused_flex_attention_0", "attention"),  # FlexAttention, compiled
         ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
         ("_VocabParallelCrossEntropy", "loss"),
         ("multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor>", "optimizer"),

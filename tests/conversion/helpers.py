@@ -123,12 +123,14 @@ def exported_tiny(factory) -> Path:
     )
 
 
-def hf_helper(*args) -> subprocess.CompletedProcess:
-    """tests/conversion/hf_helper.py in a fresh process (transformers without diffmeg's CPU patches)."""
+def hf_helper(*args, verbosity: str = "error") -> subprocess.CompletedProcess:
+    """tests/conversion/hf_helper.py in a fresh process (transformers without diffmeg's CPU patches), with
+    transformers' log `verbosity` ("warning": what a user sees) and no terminal to prompt on."""
     proc = subprocess.run(
         [sys.executable, str(HF_HELPER), *map(str, args)],
         cwd=REPO_ROOT,
-        env=tool_env(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error"),
+        env=tool_env(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY=verbosity),
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=300,

@@ -6,12 +6,16 @@ docs/conversion.md), which would make every comparison meaningless.
 
     python hf_helper.py random --out DIR --config JSON --seed S [--prompts IN.pt --results OUT.pt]
     python hf_helper.py run --model DIR --prompts IN.pt --out OUT.pt [--generate N] [--dtype float64]
+    python hf_helper.py load --model DIR --text TEXT --out OUT.json
 
 `random` saves a random DiffLlama (or Llama: "model_type": "llama" in the config) as safetensors
 (and, with --prompts, runs it reloaded like `run`);
 `run` writes {"logits": [logits per prompt, fp32 unless --dtype], "generated": [greedy ids per prompt] (if
 asked; with the KV cache), "generated_nocache": [the same without the cache], "transformers": version,
-"class": model class name, "tied": lm_head is the input embedding's tensor}.
+"class": model class name, "tied": lm_head is the input embedding's tensor};
+`load` reads the folder as a user's script does: AutoConfig and AutoTokenizer without `trust_remote_code`,
+then AutoModelForCausalLM with it, and writes {"config": config class, "ids": the tokenizer's ids of TEXT,
+"class": model class}; whatever transformers prints on the way goes to this process's stdout and stderr.
 """
 
 from __future__ import annotations
@@ -79,6 +83,16 @@ def run(model_dir: str, prompts: list[torch.Tensor], generate: int, dtype: str =
     return result
 
 
+def load(model_dir: str, text: str) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return {"config": type(config).__name__, "ids": ids, "class": type(model).__name__}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -94,8 +108,15 @@ def main() -> None:
     g.add_argument("--out", required=True)
     g.add_argument("--generate", type=int, default=0)
     g.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    q = sub.add_parser("load")
+    q.add_argument("--model", required=True)
+    q.add_argument("--text", required=True)
+    q.add_argument("--out", required=True)
     args = p.parse_args()
-    if args.cmd == "random":
+    if args.cmd == "load":
+        with open(args.out, "w") as f:
+            json.dump(load(args.model, args.text), f)
+    elif args.cmd == "random":
         make_random(args.out, json.loads(args.config), args.seed)
         if args.prompts:
             torch.save(run(args.out, torch.load(args.prompts), 0), args.results)

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-import stat
-from pathlib import Path
 
 import pytest
 import torch
 
 from diffmeg.checkpoints import build_single_rank_model
-from diffmeg.conversion.checkpoint_io import McoreCheckpointReader, atomic_output_dir, fill_model
+from diffmeg.conversion.checkpoint_io import McoreCheckpointReader, fill_model
 from diffmeg.conversion.hf_config import layout_from_args
 from diffmeg.conversion.mapping import HF_LAYER_PREFIX, mcore_globals_to_hf, mcore_layer_to_hf
 from diffmeg.errors import DiffmegError
@@ -115,56 +111,3 @@ def test_fill_model_refuses_missing_and_misshapen_tensors(single_rank_parallel_s
         fill_model(model, iter([{"output_layer.weight": torch.zeros(512, 256)}]))
     with pytest.raises(DiffmegError, match="shape mismatch for 'output_layer.weight'"):
         fill_model(model, iter([{"output_layer.weight": torch.zeros(256, 512)}]))
-
-
-def test_atomic_output_dir_keeps_the_old_output_on_failure(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
-    with pytest.raises(RuntimeError), atomic_output_dir(str(out)) as tmp:
-        (tmp_path / "marker").write_text(tmp)
-        raise RuntimeError("conversion failed")
-    assert (out / "old.txt").read_text() == "old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["marker", "out"]
-    with atomic_output_dir(str(out)) as tmp:
-        with open(f"{tmp}/new.txt", "w") as f:
-            f.write("new")
-    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["marker", "out"]
-
-
-def test_atomic_output_dir_follows_the_umask(tmp_path):
-    old = os.umask(0o027)
-    try:
-        with atomic_output_dir(str(tmp_path / "out")) as tmp:
-            with open(f"{tmp}/file", "w") as f:
-                f.write("x")
-    finally:
-        os.umask(old)
-    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o750
-    assert stat.S_IMODE((tmp_path / "out" / "file").stat().st_mode) == 0o640
-
-
-def test_a_full_disk_is_named_and_the_partial_output_removed(tmp_path):
-    """Refused up front when the free space is short; a write failing with ENOSPC (here as DCP reports it,
-    wrapped in its CheckpointException) is one line naming the directory, and nothing is left behind."""
-    import traceback
-
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    out = tmp_path / "out"
-    with pytest.raises(DiffmegError, match=r"free but the conversion writes about 1000000000.00 GB"):
-        with atomic_output_dir(str(out), needed_bytes=10**18):
-            pass
-    full = OSError(errno.ENOSPC, "No space left on device")
-    with pytest.raises(DiffmegError) as info:
-        with atomic_output_dir(str(out), needed_bytes=1000) as tmp:
-            (Path(tmp) / "partial.distcp").write_bytes(b"x" * 100)
-            raise CheckpointException("write", {0: (full, traceback.StackSummary())})
-    message = str(info.value)
-    assert message.startswith(f"disk full writing {out}: partial output removed, {tmp_path} has ")
-    assert "free space there or choose another --save" in message and "\n" not in message
-    assert list(tmp_path.iterdir()) == []
-    with pytest.raises(RuntimeError, match="not a disk problem"):  # anything else passes through
-        with atomic_output_dir(str(out)):
-            raise RuntimeError("not a disk problem")

@@ -15,12 +15,15 @@ import torch
 from tests.conversion.helpers import (
     cached,
     convert_ok,
+    hf_folder_variant,
+    hf_helper,
     hf_outputs,
     max_relative_error,
     our_logits,
     read_safetensors_folder,
     tiny_prompts,
 )
+from tests.data.helpers import find_bpe_file
 
 V2_GQA = ["--model", "diff2-tiny", "--num-query-groups", "2", "--train-iters", "2"]  # 8 heads over 2 KV heads
 NEW_TOKENS = 8
@@ -48,8 +51,8 @@ def test_v2_export_loads_with_remote_code_and_computes_our_logits(
     ckpt = _trained_v2(tmp_path_factory, "v2-tp1", [])
     folder = _exported(tmp_path_factory, ckpt, "v2-tp1-hf")
     config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["Diff2ForCausalLM"] and config["model_type"] == "diffmeg_diff2"
-    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_diff2.Diff2ForCausalLM"
+    assert config["architectures"] == ["Diff2ForCausalLM"] and config["model_type"] == "llama"
+    assert config["auto_map"] == {"AutoModelForCausalLM": "modeling_diff2.Diff2ForCausalLM"}
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (8, 2, 32)
     assert (folder / "modeling_diff2.py").is_file()
     tensors = read_safetensors_folder(folder)
@@ -71,15 +74,58 @@ def test_v2_export_loads_with_remote_code_and_computes_our_logits(
         assert ours.output_ids == theirs[: len(ours.output_ids)], ids.numel()
 
 
+@pytest.mark.hf_export
+def test_v2_config_and_tokenizer_load_without_remote_code_and_without_a_word(tmp_path_factory, tmp_path):
+    """A user's `AutoTokenizer.from_pretrained(folder)` (transformers 5 reads the model's config first)
+    neither asks `[y/N]` for remote code nor warns that a `diffmeg_diff2` config builds a `''` one; nor
+    does the model's load with its remote code."""
+    from diffmeg.conversion.checkpoint_io import save_hf_tokenizer
+    from diffmeg.conversion.tokenizer_export import build_fast_tokenizer
+    from diffmeg.data.tiktoken_cl100k import load_tokenizer
+
+    bpe = find_bpe_file()
+    if bpe is None:
+        pytest.skip("cl100k_base BPE file not found; set DIFFMEG_TOKENIZER_FILE")
+    ckpt = _trained_v2(tmp_path_factory, "v2-tp1", [])
+    # The export's config.json, with the tokenizer an export of a cl100k_base model writes beside it (the
+    # trained test model has a mock vocabulary, exported without one).
+    folder = hf_folder_variant(_exported(tmp_path_factory, ckpt, "v2-tp1-hf"), tmp_path / "hf")
+    save_hf_tokenizer(build_fast_tokenizer(load_tokenizer(bpe).encoding, 256), str(folder))
+    out = tmp_path / "load.json"
+    proc = hf_helper("load", "--model", folder, "--text", "hello world", "--out", out, verbosity="warning")
+    said = proc.stdout + proc.stderr
+    for noise in ("custom code", "[y/N]", "trust_remote_code", "to instantiate a model of type"):
+        assert noise not in said, said[-3000:]
+    assert json.loads(out.read_text()) == {
+        "config": "LlamaConfig",
+        "ids": [15339, 1917],
+        "class": "Diff2ForCausalLM",
+    }
+
+
+def test_v2_configs_are_told_apart_from_llama_by_their_architecture():
+    from diffmeg.conversion.hf_config import check_model_type
+    from diffmeg.conversion.layout import Diff2Layout, LlamaLayout
+
+    assert check_model_type({"model_type": "llama", "architectures": ["Diff2ForCausalLM"]}) is Diff2Layout
+    assert check_model_type({"model_type": "diffmeg_diff2"}) is Diff2Layout  # exports up to 2026-11-27
+    assert check_model_type({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}) is LlamaLayout
+    assert check_model_type({"model_type": "llama"}) is LlamaLayout
+
+
 def test_v2_round_trip_is_bit_identical_from_any_layout(
     tmp_path_factory, tmp_path, single_rank_parallel_state
 ):
-    """mcore -> HF -> mcore gives the weights back exactly; a TP=2 source exports the TP=1 tensors."""
+    """mcore -> HF -> mcore gives the weights back exactly, without a word from transformers on the way;
+    a TP=2 source exports the TP=1 tensors."""
     from diffmeg.checkpoints import load_model_weights
 
     ckpt = _trained_v2(tmp_path_factory, "v2-tp1", [])
     folder = _exported(tmp_path_factory, ckpt, "v2-tp1-hf")
-    convert_ok("hf-to-mcore", "--load", folder, "--save", tmp_path / "back", "--", "--seq-length", "64")
+    back = ["--save", tmp_path / "back", "--", "--seq-length", "64"]
+    proc = convert_ok("hf-to-mcore", "--load", folder, *back)
+    for noise in ("to instantiate a model of type", "Failed to load", "register_constant"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
     original, _ = load_model_weights(str(ckpt))
     back, args = load_model_weights(str(tmp_path / "back"))
     assert args.diff_attention is True and args.diff_version == 2 and args.num_query_groups == 2
@@ -99,11 +145,12 @@ def test_v2_attention_takes_the_cache_under_any_name_it_is_passed():
     """The remote code's attention hands a KV cache on under the name the installed transformers' LLaMA
     attention takes, whichever name the caller used; two different caches are refused."""
     import pytest
+    from transformers import LlamaConfig
     from transformers.cache_utils import DynamicCache
 
-    from diffmeg.conversion.modeling_diff2 import Diff2Config, Diff2ForCausalLM
+    from diffmeg.conversion.modeling_diff2 import Diff2ForCausalLM
 
-    config = Diff2Config(
+    config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8,
     )  # fmt: skip

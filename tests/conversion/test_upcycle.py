@@ -231,6 +231,8 @@ def _fingerprint(ckpt) -> str:
         ("qwen2", {}, "Qwen2 model: its q_proj, k_proj and v_proj have biases"),
         ("mistral", {"sliding_window": 16}, "sliding_window 16 < max_position_embeddings 64"),
         ("llama", {"model_type": "diffllama"}, "already a DIFF model"),
+        ("llama", {"architectures": ["Diff2ForCausalLM"]}, "already a DIFF model (DIFF V2)"),
+        ("llama", {"model_type": "diffmeg_diff2"}, "already a DIFF model (DIFF V2)"),
         ("llama", {"model_type": "gemma"}, "model_type 'gemma'; upcycling takes a Llama-family model"),
         ("llama", {"attention_bias": True}, "biases are not supported"),
     ],

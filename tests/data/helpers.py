@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,6 +31,17 @@ def write_jsonl(path: Path, records: list) -> Path:
                 line = json.dumps(record)
             f.write(line + "\n")
     return path
+
+
+def write_dataset(prefix, docs, dtype=np.int32) -> str:
+    """An indexed dataset of `docs` (lists of token ids), written with diffmeg's writer."""
+    from diffmeg.data.indexed import IndexedWriter
+
+    with IndexedWriter(str(prefix), dtype=dtype) as w:
+        for doc in docs:
+            w.add_document(np.asarray(doc, dtype=dtype))
+        w.commit()
+    return str(prefix)
 
 
 def leftovers(directory: Path) -> list[str]:

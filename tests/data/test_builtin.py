@@ -10,6 +10,7 @@ import pytest
 from diffmeg.data import builtin
 from diffmeg.data.indexed import read_documents
 from diffmeg.data.tiktoken_cl100k import EOD_ID, load_tokenizer
+from diffmeg.storage import CACHE_DIR_ENV
 
 
 def _build_in_child(bpe_file: str, cache_dir: str, results) -> None:
@@ -44,6 +45,7 @@ def test_concurrent_first_build(built):
     assert sorted(os.listdir(entry)) == [
         "builtin.jsonl",
         "builtin_text_document.bin",
+        "builtin_text_document.ids.json",  # its token-id range, checked against a run's vocabulary
         "builtin_text_document.idx",
         "builtin_text_document.tokenizer.json",  # which ids: cl100k_base
     ]
@@ -79,7 +81,7 @@ def test_generation_is_deterministic():
 def test_data_path_builtin(built, gloo, tokenizer, monkeypatch, tmp_path):
     from diffmeg.data.gpt_datasets import build_gpt_datasets
 
-    monkeypatch.setenv(builtin.CACHE_DIR_ENV, built[0])
+    monkeypatch.setenv(CACHE_DIR_ENV, built[0])
     train, valid, test = build_gpt_datasets(
         ["builtin"], "969,30,1", 64, 1234, (100, 10, 10), tokenizer, str(tmp_path / "idx-cache")
     )

@@ -16,20 +16,12 @@ from diffmeg.data.indexed import (
     resolve_prefixes,
 )
 from diffmeg.errors import DiffmegError
-from tests.data.helpers import leftovers
-
-
-def make_dataset(prefix, docs, dtype=np.int32) -> str:
-    with IndexedWriter(str(prefix), dtype=dtype) as w:
-        for doc in docs:
-            w.add_document(np.asarray(doc, dtype=dtype))
-        w.commit()
-    return str(prefix)
+from tests.data.helpers import leftovers, write_dataset
 
 
 def test_writer_commits_a_readable_int32_dataset(tmp_path):
     docs = [[1, 2, 3], [], [100257], list(range(1000))]
-    prefix = make_dataset(tmp_path / "d", docs)
+    prefix = write_dataset(tmp_path / "d", docs)
     ds = IndexedDataset(prefix)
     assert ds.index.dtype == np.int32 and len(ds) == 4
     assert [d.tolist() for d in read_documents(prefix)] == docs
@@ -46,13 +38,13 @@ def test_writer_leaves_nothing_when_not_committed(tmp_path):
 
 
 def test_commit_replaces_an_existing_dataset(tmp_path):
-    make_dataset(tmp_path / "d", [[1, 2]])
-    make_dataset(tmp_path / "d", [[3], [4, 5]])
+    write_dataset(tmp_path / "d", [[1, 2]])
+    write_dataset(tmp_path / "d", [[3], [4, 5]])
     assert [d.tolist() for d in read_documents(str(tmp_path / "d"))] == [[3], [4, 5]]
 
 
 def test_check_can_write(tmp_path):
-    make_dataset(tmp_path / "d", [[1]])
+    write_dataset(tmp_path / "d", [[1]])
     with pytest.raises(DiffmegError, match="already exists; pass --overwrite"):
         check_can_write([str(tmp_path / "d")], overwrite=False)
     check_can_write([str(tmp_path / "d")], overwrite=True)
@@ -63,8 +55,8 @@ def test_check_can_write(tmp_path):
 
 
 def test_merge_concatenates_in_order(tmp_path):
-    a = make_dataset(tmp_path / "a", [[1, 2], [3]])
-    b = make_dataset(tmp_path / "b", [[], [4, 5, 6]])
+    a = write_dataset(tmp_path / "a", [[1, 2], [3]])
+    b = write_dataset(tmp_path / "b", [[], [4, 5, 6]])
     writer = merge_datasets([b, a], str(tmp_path / "m"))
     assert (writer.documents, writer.tokens) == (4, 6)
     assert [d.tolist() for d in read_documents(str(tmp_path / "m"))] == [[], [4, 5, 6], [1, 2], [3]]
@@ -75,8 +67,8 @@ def test_merge_concatenates_in_order(tmp_path):
 
 
 def test_merge_refuses_mixed_token_types(tmp_path):
-    a = make_dataset(tmp_path / "a", [[1]])
-    b = make_dataset(tmp_path / "b", [[2]], dtype=np.uint16)
+    a = write_dataset(tmp_path / "a", [[1]])
+    b = write_dataset(tmp_path / "b", [[2]], dtype=np.uint16)
     with pytest.raises(DiffmegError, match="uint16"):
         merge_datasets([a, b], str(tmp_path / "m"))
     assert not exists(str(tmp_path / "m"))
@@ -85,7 +77,7 @@ def test_merge_refuses_mixed_token_types(tmp_path):
 
 def test_resolve_prefixes(tmp_path):
     for name in ("x2", "x1", "y"):
-        make_dataset(tmp_path / name, [[1]])
+        write_dataset(tmp_path / name, [[1]])
     (tmp_path / "x3.bin").write_bytes(b"")  # no .idx: not a dataset
     p = str(tmp_path)
     assert resolve_prefixes([f"{p}/x*"]) == [f"{p}/x1", f"{p}/x2"]
@@ -107,7 +99,7 @@ def test_order_shards():
 
 def test_add_documents_writes_the_same_files_as_add_document(tmp_path):
     docs = [[1, 2, 3], [], [7] * 100, [100257]]
-    make_dataset(tmp_path / "one", docs)
+    write_dataset(tmp_path / "one", docs)
     with IndexedWriter(str(tmp_path / "many")) as w:
         w.add_documents(np.array([], dtype=np.int32), np.array([], dtype=np.int64))
         w.add_documents(np.array(docs[0] + docs[1], dtype=np.int32), np.array([3, 0]))
@@ -121,9 +113,9 @@ def test_add_documents_writes_the_same_files_as_add_document(tmp_path):
 def test_check_dataset_counts_tokens_of_a_consistent_pair(tmp_path):
     from diffmeg.data.indexed import check_dataset
 
-    assert check_dataset(make_dataset(tmp_path / "d", [[1, 2, 3], [], list(range(50))])) == 53
-    assert check_dataset(make_dataset(tmp_path / "u", [[7] * 9], dtype=np.uint16)) == 9
-    assert check_dataset(make_dataset(tmp_path / "empty", [])) == 0
+    assert check_dataset(write_dataset(tmp_path / "d", [[1, 2, 3], [], list(range(50))])) == 53
+    assert check_dataset(write_dataset(tmp_path / "u", [[7] * 9], dtype=np.uint16)) == 9
+    assert check_dataset(write_dataset(tmp_path / "empty", [])) == 0
 
 
 def test_a_truncated_bin_or_a_garbage_idx_is_named_in_one_line(tmp_path):
@@ -131,7 +123,7 @@ def test_a_truncated_bin_or_a_garbage_idx_is_named_in_one_line(tmp_path):
     what to do, before megatron-core reads past the end."""
     from diffmeg.data.indexed import check_dataset
 
-    prefix = make_dataset(tmp_path / "d", [list(range(100)), list(range(20))])
+    prefix = write_dataset(tmp_path / "d", [list(range(100)), list(range(20))])
     with open(prefix + ".bin", "r+b") as f:
         f.truncate(300)
     with pytest.raises(DiffmegError) as info:
@@ -144,7 +136,7 @@ def test_a_truncated_bin_or_a_garbage_idx_is_named_in_one_line(tmp_path):
     (tmp_path / "g.idx").write_bytes(b"this is not an index at all, just some bytes")
     with pytest.raises(DiffmegError, match=r"g\.idx is not a megatron-core dataset index \(no MMIDIDX"):
         check_dataset(str(tmp_path / "g"))
-    whole = make_dataset(tmp_path / "w", [list(range(10))])
+    whole = write_dataset(tmp_path / "w", [list(range(10))])
     idx = (tmp_path / "w.idx").read_bytes()
     (tmp_path / "w.idx").write_bytes(idx[:-5])
     with pytest.raises(DiffmegError, match=r"w\.idx is \d+ bytes but its header \(1 sequences, 2 document"):

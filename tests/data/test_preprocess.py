@@ -354,3 +354,117 @@ def test_progress_is_timed_not_counted_by_default(monkeypatch):
     assert len(lines) == 3
     with pytest.raises(DiffmegError, match="--log-seconds must be > 0, got 0"):
         PreprocessConfig(inputs=["x"], output_prefix="y", log_seconds=0)
+
+
+def _compressed(kind: str, data: bytes) -> bytes:
+    import bz2
+
+    import zstandard
+
+    return {"gz": gzip.compress, "zst": zstandard.ZstdCompressor().compress, "bz2": bz2.compress}[kind](data)
+
+
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        (
+            "data.jsonl",
+            ("gz", b'{"text": "a"}\n'),
+            "data.jsonl is gzip-compressed data without a .gz or .zst suffix, so it cannot be read as named; "
+            "rename it to {d}/data.jsonl.gz",
+        ),
+        (
+            "data.txt",
+            ("zst", b"some text"),
+            "data.txt is zstd-compressed data without a .gz or .zst suffix, so it cannot be read as named; "
+            "rename it to {d}/data.txt.zst",
+        ),
+        (
+            "data.jsonl.zst",
+            ("gz", b'{"text": "a"}\n'),
+            "data.jsonl.zst is gzip-compressed data named .zst, so it cannot be read as named; rename it to "
+            "{d}/data.jsonl.gz",
+        ),
+        (
+            "data.jsonl",
+            ("bz2", b'{"text": "a"}\n'),
+            "data.jsonl is bzip2-compressed data without a .gz or .zst suffix, so it cannot be read as "
+            "named; decompress it first, e.g. bzip2 -dc {d}/data.jsonl > {d}/data.plain.jsonl",
+        ),
+        (
+            "rows.json",
+            (None, b'\xef\xbb\xbf [{"text": "a"},\n {"text": "b"}]\n'),
+            "rows.json is a JSON array ([{{...}}, {{...}}]), not JSON Lines (one object per line); "
+            "convert it first, e.g. jq -c '.[]' {d}/rows.json > {d}/rows.jsonl",
+        ),
+        (
+            "rows.jsonl.gz",
+            ("gz", b'[{"text": "a"}, {"text": "b"}]'),
+            "rows.jsonl.gz is a JSON array ([{{...}}, {{...}}]), not JSON Lines (one object per line); "
+            "convert it first, e.g. gzip -dc {d}/rows.jsonl.gz | jq -c '.[]' > {d}/rows.lines.jsonl",
+        ),
+        (
+            "one.json",
+            (None, b'{\n  "text": "a"\n}\n'),
+            "one.json holds pretty-printed JSON (an object over several lines), not JSON Lines (one "
+            "object per line); convert it first, e.g. jq -c . {d}/one.json > {d}/one.jsonl",
+        ),
+    ],
+)
+def test_an_input_that_is_not_what_its_name_says_is_named_before_any_work(tmp_path, name, content, message):
+    """Each would otherwise fail on its first line with "not valid UTF-8" / "invalid JSON" and the advice
+    to pass --skip-bad-lines, which would drop every line."""
+    kind, data = content
+    (tmp_path / name).write_bytes(_compressed(kind, data) if kind else data)
+    with pytest.raises(DiffmegError) as info:
+        find_inputs([str(tmp_path / name)])
+    assert str(info.value) == f"--input {tmp_path}/" + message.format(d=tmp_path)
+    (tmp_path / "fine.jsonl").write_bytes(b'{"text": "[not an array]"}\n')  # JSON Lines stay accepted
+    (tmp_path / "fine.txt").write_bytes(b"[a text that starts with a bracket]")
+    assert [f.kind for f in find_inputs([str(tmp_path / "fine.jsonl"), str(tmp_path / "fine.txt")])] == [
+        "jsonl",
+        "text",
+    ]
+
+
+def test_an_output_prefix_naming_a_folder_is_refused(tmp_path):
+    (tmp_path / "data").mkdir()
+    for prefix in (f"{tmp_path}/data/", f"{tmp_path}/data"):
+        with pytest.raises(DiffmegError) as info:
+            PreprocessConfig(inputs=["x.jsonl"], output_prefix=prefix)
+        assert str(info.value) == (
+            f"--output-prefix {prefix} names a folder, not the start of the output files' names; give a name "
+            f"inside it, e.g. --output-prefix {tmp_path}/data/corpus"
+        )
+    with pytest.raises(DiffmegError, match=r"--output-prefix \S+/data/ names a folder"):  # merge: as is
+        merge_datasets([str(tmp_path / "a")], f"{tmp_path}/data/")
+    assert list((tmp_path / "data").iterdir()) == []
+
+
+def test_overwrite_replaces_only_the_prefix_files_and_never_with_nothing(tmp_path, corpus, bpe_file):
+    """--overwrite replaces {prefix}_{key}_document's .bin/.idx/.tokenizer.json/.ids.json; the folder's other
+    files stay; an input of no documents is refused before it replaces the previous dataset."""
+    run(tmp_path, [corpus], tokenizer_file=bpe_file)
+    (tmp_path / "notes.txt").write_text("mine")
+    run(tmp_path, [corpus], name="other", tokenizer_file=bpe_file)
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["not json", "{oops"])
+    others = {p.name: p.read_bytes() for p in tmp_path.iterdir() if not p.name.startswith("out_")}
+    before = docs(str(tmp_path / "out_text_document"))
+    with pytest.raises(DiffmegError, match=r"bad\.jsonl holds no documents \(2 bad lines skipped\)"):
+        run(tmp_path, [bad], tokenizer_file=bpe_file, skip_bad_lines=True, overwrite=True)
+    assert docs(str(tmp_path / "out_text_document")) == before
+
+    result = run(tmp_path, [corpus], tokenizer_file=bpe_file, append_eod=True, overwrite=True)
+    assert docs(result.outputs["text"])[0][-1] == EOD_ID
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if not p.name.startswith("out_")} == others
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out_")) == [
+        "out_text_document.bin",
+        "out_text_document.ids.json",
+        "out_text_document.idx",
+        "out_text_document.tokenizer.json",
+    ]
+
+    for suffix in (".bin", ".idx"):  # a loss mask of the dataset there would be read with the new tokens
+        (tmp_path / f"out_text_document.loss_mask{suffix}").write_bytes(b"")
+    with pytest.raises(DiffmegError, match=r"out_text_document\.loss_mask\.bin/\.idx is the loss mask of"):
+        run(tmp_path, [corpus], tokenizer_file=bpe_file, overwrite=True)

@@ -41,8 +41,8 @@ def main(argv: list[str]) -> int:
     from megatron.core import parallel_state
 
     from diffmeg import runtime
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.arguments import resolve_args
-    from diffmeg.training.run_config import RunConfig
     from diffmeg.training.trainer import Trainer
 
     runs: list[list[str]] = [[]]

@@ -171,7 +171,8 @@ def test_async_save_kill_resume_sigterm_and_no_process_outlives_a_job(tmp_path):
     a.wait_for("iteration 9 trained while the save of 6 is pending", lambda: 9 in a.iterations())
     a.wait_for("the final save waiting for the save of 6", lambda: "background save of iteration 6" in a.text)
     assert (ckpt / TRACKER_FILE).read_text() == "3" and _complete(ckpt) == [3]
-    assert list((ckpt / "iter_0000006").glob("*.distcp")), "iteration 6's files are written"
+    (saving,) = ckpt.glob("iter_0000006.saving-*")  # the save's own folder, iter_0000006 once complete
+    assert list(saving.glob("*.distcp")), "iteration 6's files are written"
     killed = time.monotonic()
     os.kill(a.rank(0), signal.SIGKILL)
     assert a.end() != 0
@@ -180,10 +181,12 @@ def test_async_save_kill_resume_sigterm_and_no_process_outlives_a_job(tmp_path):
     assert json.loads((ckpt / "iter_0000003" / "args.json").read_text())["async_save"] is True
     duration_a = time.monotonic() - started
 
-    # B: resume from 3 (the partial iteration 6 is ignored, then rewritten), synchronous saves, to the end.
+    # B: resume from 3 (A's partial iteration 6 is named, never removed: B writes its own), synchronous
+    # saves, to the end.
     b = Job(tmp_path, "b", [*common, "--save", str(ckpt), "--load", str(ckpt)])
     assert b.end() == 0, b.text[-3000:]
     assert "loaded checkpoint" in b.text and (ckpt / TRACKER_FILE).read_text() == "9"
+    assert "holds what earlier saves left" in b.text and saving.is_dir()
     assert _complete(ckpt) == [3, 6, 9]
     straight, resumed = read_losses(tmp_path, "a"), read_losses(tmp_path, "b")
     assert sorted(resumed) == list(range(4, 10))

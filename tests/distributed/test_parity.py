@@ -16,13 +16,10 @@ ITERS = ["--train-iters", "10"]
 # Two layouts also run the chunked loss (what the long-context recipes run) against the single rank's whole
 # logits, at no extra launch: 24 tokens per chunk, which do not divide a micro-batch's 128.
 CHUNKED = ["--cross-entropy-chunk-size", "24"]
-# Likewise the fused candidates of issue 30 where they touch TP-sharded tensors: the RoPE hook and DIFF
-# epilogue on each rank's heads, torch's F.rms_norm on sequence-parallel shards (the weight's SP tag). The
-# runner disables dynamo, so `compiled` runs its eager function here: what TP changes is tested, the compiled
-# kernels' numerics are tests/fusions' (single rank).
-COMPILED = ["--rope-impl", "compiled", "--diff-epilogue-impl", "compiled"]
+# Likewise a fused candidate of issue 30 where it touches TP-sharded tensors: torch's F.rms_norm on
+# sequence-parallel shards (the weight's SP tag).
 LAYOUTS = {
-    "tp2": ["--tensor-model-parallel-size", "2", *COMPILED],
+    "tp2": ["--tensor-model-parallel-size", "2"],
     "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--norm-impl", "torch", *CHUNKED],
     "pp2": ["--pipeline-model-parallel-size", "2", *CHUNKED],  # the loss on the last stage only
     "dp2_distopt": ["--use-distributed-optimizer"],

@@ -76,34 +76,3 @@ def test_diff_epilogue_is_the_equation_in_float64():
     want = torch.stack([normed[:, :, i] for i in range(out.shape[2])])  # [sq, b, h, 2d]
     assert got.is_contiguous() and got.shape == (5, 2, 3, 8)
     torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
-
-
-def test_compiled_diff_epilogue_matches_the_eager_one_in_fp32():
-    from diffmeg.fusions.diff_combine import diff_epilogue, diff_epilogue_compiled
-
-    out, weight = _epilogue_inputs(torch.float32)
-    grad = torch.randn(5, 2, 3, 8, generator=torch.Generator().manual_seed(5))
-    results = []
-    for fn, scale in ((diff_epilogue_compiled, 0.75), (diff_epilogue_compiled, 0.5), (diff_epilogue, 0.5)):
-        y = fn(out, weight, 1e-5, scale)
-        results.append((y, *torch.autograd.grad(y, (out, weight), grad)))
-    assert results[0][0].is_contiguous() and results[0][0].shape == (5, 2, 3, 8)
-    torch.testing.assert_close(results[0][0] * (0.5 / 0.75), results[2][0])  # the scale is an input
-    for got, want in zip(results[1], results[2], strict=True):
-        torch.testing.assert_close(got, want)
-
-
-def test_the_epilogue_flag_is_noted_where_it_does_nothing(monkeypatch):
-    from diffmeg.training.arguments import resolve_args
-
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    flag = ["--diff-epilogue-impl", "compiled"]
-    assert not any(
-        "--diff-epilogue-impl" in n for n in resolve_args(["--model", "diff-tiny", *flag]).dropped_flags
-    )
-    for model, why in (
-        ("diff2-tiny", "DIFF V2 has no head norm"),
-        ("transformer-tiny", "Transformer baseline"),
-    ):
-        notes = resolve_args(["--model", model, *flag]).dropped_flags
-        assert any(n.startswith("--diff-epilogue-impl has no effect") and why in n for n in notes), notes

@@ -138,12 +138,15 @@ def test_a_model_without_ddps_main_grad_is_refused(single_rank_parallel_state, m
 
 
 def test_torchao_fp8_refuses_the_fusion_in_one_place():
+    pytest.importorskip("torchao.float8")
     from diffmeg.fusions import torchao_fp8
     from tests.builders import tiny_config
 
     with pytest.raises(DiffmegError, match="write weight.grad, not main_grad: leave out --gradient-accum"):
-        torchao_fp8.check_grad_accum_fusion(True)
-    torchao_fp8.check_grad_accum_fusion(False)
-    config = tiny_config(2, 2, 8, fp8="hybrid", fp8_recipe="tensorwise", gradient_accumulation_fusion=True)
+        torchao_fp8.check_fp8("tensorwise", None, None, True, emulate=True)
+    torchao_fp8.check_fp8("tensorwise", None, None, False, emulate=True)
+    config = tiny_config(
+        2, 2, 8, fp8="hybrid", fp8_recipe="tensorwise", fp8_emulate=True, gradient_accumulation_fusion=True
+    )
     with pytest.raises(DiffmegError, match="write weight.grad, not main_grad"):
         torchao_fp8.TorchaoFp8(config)

@@ -8,8 +8,8 @@ import torch
 
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions import optimizer_step
+from diffmeg.run_config import RunConfig
 from diffmeg.training.arguments import resolve_args
-from diffmeg.training.run_config import RunConfig
 from tests.training.helpers import SMALL, STEPS, train_steps
 
 
@@ -65,50 +65,54 @@ def test_grad_norm_and_clip_stay_on_the_device():
     assert optimizer_step.grad_norm(grads, None).item() == pytest.approx(1.0, rel=1e-5)
 
 
-def test_the_fused_step_reads_nothing_back_to_the_host(single_rank_parallel_state, monkeypatch):
-    """megatron-core's step calls .item()/float() on the grad norm; the fused one never does (on a CPU,
-    torch's foreach AdamW reads its CPU step counters, which are no device sync: those are not counted)."""
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ((), []),
+        (("--use-distributed-optimizer",), []),
+        (("--fp16",), ["item at megatron/core/optimizer/optimizer.py"]),  # the overflow flag, once
+    ],
+    ids=["fp32", "dist-opt", "fp16"],
+)
+def test_a_fused_step_reads_nothing_back_to_the_host(single_rank_parallel_state, flags, expected):
+    """A whole Trainer step (two micro-batches, forward, backward, the fused optimizer step): no host
+    read; the grad norm stays a device tensor. fp16 reads its overflow flag (megatron-core's
+    `_unscale_main_grads_and_check_for_nan`: one check over all grads), whatever the number of tensors."""
     from diffmeg.training.builders import release_training_objects
     from diffmeg.training.trainer import Trainer
+    from tests.host_reads import host_reads
 
-    run = RunConfig.from_args(resolve_args([*SMALL, "--optimizer-impl", "fused"], world_size=1))
+    run = RunConfig.from_args(resolve_args([*SMALL, *flags, "--optimizer-impl", "fused"], world_size=1))
     trainer = Trainer(run, callbacks=[])
     try:
         trainer.train_step()  # state built
-        inner = [opt.optimizer for opt in trainer.optimizer.chained_optimizers]
-        counters = {id(state["step"]) for opt in inner for state in opt.state.values()}
-        reads = []
-        for name in ("item", "__float__", "tolist"):
-            original = getattr(torch.Tensor, name)
-
-            def counted(self, *a, _original=original, _name=name, **k):
-                if id(self) not in counters:
-                    reads.append(_name)
-                return _original(self, *a, **k)
-
-            monkeypatch.setattr(torch.Tensor, name, counted)
-        ok, norm, _ = trainer.optimizer.step()
-        monkeypatch.undo()
-        assert ok and isinstance(norm, torch.Tensor) and reads == []
+        with host_reads() as reads:
+            out = trainer.train_step()
+        assert isinstance(out.grad_norm, torch.Tensor) or flags == ("--fp16",)
+        assert [read.rsplit(":", 1)[0] for read in reads] == expected
     finally:
         release_training_objects(trainer.model_config, trainer.model)
 
 
-def test_auto_picks_fused_on_cuda_without_te_or_apex_and_unknown_impls_are_refused(monkeypatch):
+def test_auto_is_the_registrys_order_and_fused_cannot_run_beside_megatron_cores_fused_adam(monkeypatch):
+    """One decision: the registry's AUTO_ORDER and each entry's availability check (the docstrings of
+    training/optim.py and run_config.py say so); unknown names are refused."""
     from diffmeg import registry
-    from diffmeg.training.optim import resolve_optimizer_impl
 
     # until a GPU run measured the fused step faster, the registry's auto order keeps megatron-core's
-    assert resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=False) == "megatron"
+    assert registry.resolve("optimizer") == "megatron"
     monkeypatch.setitem(registry.AUTO_ORDER, "optimizer", ("fused", "megatron"))  # as once measured
-    assert resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=False) == "fused"
-    assert resolve_optimizer_impl("auto", on_cuda=True, megatron_fused_adam=True) == "megatron"
-    assert resolve_optimizer_impl("auto", on_cuda=False, megatron_fused_adam=False) == "megatron"
-    assert resolve_optimizer_impl("fused", on_cuda=False, megatron_fused_adam=True) == "fused"
+    monkeypatch.setattr(optimizer_step, "megatron_has_fused_adam", lambda: False)
+    assert registry.resolve("optimizer") == "fused" and registry.resolve("optimizer", "fused") == "fused"
+    monkeypatch.setattr(optimizer_step, "megatron_has_fused_adam", lambda: True)  # TE or apex installed
+    assert registry.resolve("optimizer") == "megatron"
+    with pytest.raises(DiffmegError, match="^--optimizer-impl fused steps torch's AdamW, but megatron-core .*"
+                       "use --optimizer-impl megatron$"):  # fmt: skip
+        registry.resolve("optimizer", "fused")
     with pytest.raises(
         DiffmegError, match="unknown optimizer step 'apex'.*choose one of auto, megatron, fused"
     ):
-        resolve_optimizer_impl("apex", on_cuda=False, megatron_fused_adam=False)
+        registry.resolve("optimizer", "apex")
     assert registry.implementation("optimizer", "fused").load() is optimizer_step.apply_fused_step
 
 
@@ -119,20 +123,21 @@ def test_the_flag_is_in_the_run_config_with_auto_by_default():
     assert run.optim.optimizer_impl == "fused" and run.to_args().optimizer_impl == "fused"
 
 
-def test_adamw_runs_foreach_here_and_leaves_the_groups_flags_as_they_were():
-    """On a CPU the fused step's AdamW is torch's foreach form; the param groups (what a checkpoint
-    saves) keep their own flags."""
+def test_adamw_runs_its_fused_kernel_here_and_leaves_the_groups_flags_as_they_were():
+    """On a CPU too the fused step's AdamW is torch's fused kernel (no per-tensor read of the step
+    counters, as foreach's bias corrections make); the param groups (what a checkpoint saves) keep their
+    own flags."""
     import importlib
     from unittest import mock
 
     w = torch.nn.Parameter(torch.ones(4))
     inner = torch.optim.AdamW([w], lr=0.1)
-    stepper = optimizer_step._AdamFlags(inner, fused=False)
+    stepper = optimizer_step._AdamFlags(inner, fused=optimizer_step.fused_adam_runs_on([w]))
     w.grad = torch.ones(4)
     adam = importlib.import_module("torch.optim.adam")
-    with mock.patch.object(adam, "_multi_tensor_adam", wraps=adam._multi_tensor_adam) as fe:
+    with mock.patch.object(adam, "_fused_adam", wraps=adam._fused_adam) as fused:
         stepper()
-    assert fe.call_count == 1 and w.detach().lt(1).all()
+    assert fused.call_count == 1 and w.detach().lt(1).all()
     assert inner.param_groups[0]["foreach"] is None and inner.param_groups[0]["fused"] is None
 
 

@@ -187,7 +187,7 @@ def test_mcore_to_hf_refuses_what_diffllama_cannot_express(
 
 def test_not_a_checkpoint_is_refused(tmp_path, capsys, single_rank_parallel_state):
     (tmp_path / "empty").mkdir()
-    assert "holds no complete checkpoint" in refused(
+    assert "is not a checkpoint directory (no latest_checkpointed_iteration.txt" in refused(
         capsys, "mcore-to-hf", "--load", tmp_path / "empty", "--save", tmp_path / "hf"
     )
     assert "is not a directory" in refused(
@@ -195,6 +195,13 @@ def test_not_a_checkpoint_is_refused(tmp_path, capsys, single_rank_parallel_stat
     )
     assert "has no config.json" in refused(
         capsys, "hf-to-mcore", "--load", tmp_path / "empty", "--save", tmp_path / "ckpt"
+    )
+    (tmp_path / "hf-model").mkdir()
+    (tmp_path / "hf-model" / "config.json").write_text("{}")
+    assert (
+        "is a Hugging Face model folder (config.json), not a pretrain_diff.py checkpoint; convert it with: "
+        f"python tools/convert_checkpoint.py hf-to-mcore --load {tmp_path / 'hf-model'} --save"
+        in refused(capsys, "mcore-to-hf", "--load", tmp_path / "hf-model", "--save", tmp_path / "hf")
     )
     assert no_leftovers(tmp_path / "hf") and no_leftovers(tmp_path / "ckpt")
 
@@ -238,9 +245,25 @@ def test_existing_output_needs_overwrite(tmp_path_factory, tmp_path, capsys, sin
     assert "already exists; pass --overwrite" in proc.stderr
     assert (out / "keep.txt").read_text() == "mine"
     assert "overlaps --load" in refused(capsys, "mcore-to-hf", "--load", ckpt, "--save", ckpt / "inside")
+    (out / "models").mkdir()  # the user's: --overwrite replaces the export's files only
+    (out / "models" / "model.safetensors").write_text("another model")
+    (out / "model-00001-of-00002.safetensors").write_text("a previous export's shard")
     tool_main("convert_checkpoint")(["mcore-to-hf", "--load", str(ckpt), "--save", str(out), "--overwrite"])
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert (out / "keep.txt").read_text() == "mine" and (out / "config.json").exists()
+    assert (out / "models" / "model.safetensors").read_text() == "another model"
+    assert not (out / "model-00001-of-00002.safetensors").exists()
+    assert (
+        capsys.readouterr().err.splitlines()[-1]
+        == f"note: kept keep.txt, models in {out} (not an export's files)"
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    # a training run's checkpoint folder is not a conversion's to replace: refused, nothing touched
+    run = tmp_path / "run"
+    (run / "iter_0000002").mkdir(parents=True)
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    err = refused(capsys, "hf-to-mcore", "--load", out, "--save", run, "--overwrite")
+    assert f"--save {run} holds iter_0000002, which a conversion does not write; --overwrite replaces" in err
+    assert sorted(p.name for p in run.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
 # ---------------------------------------------------------------------------------- dtype, modes, full disks

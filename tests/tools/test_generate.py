@@ -15,7 +15,9 @@ from tests.conversion.helpers import (
     GENERATE_PROMPT,
     GENERATE_PROMPT_IDS,
     GENERATE_TOKENS,
+    exported_tiny,
     imported,
+    refused,
     tiny_hf_reference,
     trained_tiny,
 )
@@ -44,18 +46,34 @@ def test_kv_cache_matches_recomputation(tiny, tmp_path_factory):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_cli_matches_transformers_generate(tmp_path_factory):
+@pytest.mark.parametrize("source", ["checkpoint", "hf-folder"])
+def test_greedy_cli_matches_transformers_generate(tmp_path_factory, source):
+    """From the checkpoint, and from its Hugging Face export (read as the evaluation tools read one): the
+    tokens transformers generates from the export, and nothing but the record on the way."""
     bpe = find_bpe_file()
     if bpe is None:
         pytest.skip("cl100k_base BPE file not found; set DIFFMEG_TOKENIZER_FILE")
-    ckpt = trained_tiny(tmp_path_factory, "tp1")
-    args = ["--load", ckpt, "--prompt", GENERATE_PROMPT, "--max-new-tokens", GENERATE_TOKENS, "--greedy"]
+    hf = source == "hf-folder"
+    load = exported_tiny(tmp_path_factory) if hf else trained_tiny(tmp_path_factory, "tp1")
+    args = ["--load", load, "--prompt", GENERATE_PROMPT, "--max-new-tokens", GENERATE_TOKENS, "--greedy"]
     proc = run_tool("generate", *args, "--json", "--tokenizer-file", bpe)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["prompt"] == GENERATE_PROMPT and record["prompt_ids"] == GENERATE_PROMPT_IDS
     assert record["stop_reason"] == "length" and isinstance(record["output_text"], str)
     assert record["output_ids"] == tiny_hf_reference(tmp_path_factory)["generated"][0]
+    for noise in ("Failed to load", "register_constant", "to instantiate a model of type"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_missing_iteration_names_the_complete_ones(tmp_path_factory, capsys):
+    ckpt = trained_tiny(tmp_path_factory, "tp1")
+    request = ["--prompt", "x", "--max-new-tokens", "1"]
+    err = refused(capsys, "generate", "--load", ckpt, "--iteration", "7", *request)
+    assert err == (
+        f"error: --iteration 7: {ckpt}/iter_0000007 is missing; complete iterations in {ckpt}: 2; start from "
+        "one with --iteration N"
+    )
 
 
 def test_sampling_is_seeded_and_top_p_truncates(tiny):
@@ -102,10 +120,10 @@ def test_bad_requests_are_refused(tiny, tmp_path_factory, capsys):
 def test_ctrl_c_is_one_line_and_rc_130():
     code = (
         "import runpy, sys\n"
-        "from diffmeg import checkpoints\n"
+        "from diffmeg import model_source\n"
         "def stop(*args, **kwargs):\n"
         "    raise KeyboardInterrupt  # Ctrl-C while the checkpoint is read\n"
-        "checkpoints.read_checkpoint_args = stop\n"
+        "model_source.read_checkpoint_info = stop\n"
         "sys.argv = ['tools/generate.py', '--load', 'ckpt', '--prompt', 'x', '--max-new-tokens', '1']\n"
         "runpy.run_path('tools/generate.py', run_name='__main__')\n"
     )

@@ -47,7 +47,7 @@ def test_outputs_follow_the_umask(tmp_path):
         os.umask(old)
     assert proc.returncode == 0, proc.stderr
     outputs = sorted(p.name for p in tmp_path.glob("up*"))
-    assert outputs == [f"up_{b}.{x}" for b in ("long", "short") for x in ("bin", "idx")] + [
+    assert outputs == [f"up_{b}.{x}" for b in ("long", "short") for x in ("bin", "ids.json", "idx")] + [
         "up_upsample.json",
         "up_weights.txt",
     ]
@@ -73,4 +73,4 @@ def test_full_disk_is_one_line_and_leaves_only_the_input(tmp_path, monkeypatch):
     monkeypatch.setattr(indexed.IndexedWriter, "add_document", fill)
     with pytest.raises(indexed.DiskFullError, match=rf"^disk full in {tmp_path}: "):
         upsample.length_upsample([str(tmp_path / "corpus")], str(tmp_path / "up"), target_length=1 << 20)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.bin", "corpus.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.bin", "corpus.ids.json", "corpus.idx"]

@@ -71,4 +71,4 @@ def test_full_disk_while_merging_is_one_line_and_leaves_nothing(tmp_path, monkey
         indexed.DiskFullError, match=rf"^disk full in {tmp_path}: .* free after 4.0 KiB of output"
     ):
         indexed.merge_datasets([str(tmp_path / "a")], str(tmp_path / "merged"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.ids.json", "a.idx"]  # the input only

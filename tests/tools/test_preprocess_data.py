@@ -70,6 +70,20 @@ def test_refuses_to_overwrite(tmp_path, bpe_file):
     assert proc.returncode == 2 and "already exists; pass --overwrite" in proc.stderr
 
 
+def test_gzip_data_without_its_suffix_is_named_not_blamed_on_its_first_line(tmp_path, bpe_file):
+    """The user's case: a gzipped download saved as .jsonl got "not valid UTF-8; fix it or pass
+    --skip-bad-lines" (which would drop every line); it is named as gzip, with the rename that works."""
+    (tmp_path / "web.jsonl").write_bytes(gzip.compress(json.dumps(RECORDS[0]).encode() + b"\n"))
+    args = f"--input {tmp_path}/web.jsonl --output-prefix {tmp_path}/out --tokenizer-file {bpe_file}"
+    proc = run_tool("preprocess_data", *args.split())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --input {tmp_path}/web.jsonl is gzip-compressed data without a .gz or .zst suffix, so it "
+        f"cannot be read as named; rename it to {tmp_path}/web.jsonl.gz"
+    )
+    assert leftovers(tmp_path) == []
+
+
 def test_missing_tokenizer_file_is_one_line_not_a_traceback(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", RECORDS[:1])
     args = f"--input {path} --output-prefix {tmp_path}/out --tokenizer-file {tmp_path}/missing.tiktoken"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from diffmeg.run_config import RunConfig
 from diffmeg.training.arguments import resolve_args
-from diffmeg.training.run_config import RunConfig
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32"]
 SMALL += ["--mock-data", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]

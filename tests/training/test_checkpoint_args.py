@@ -47,8 +47,8 @@ def test_shape_from_the_pretrained_checkpoint_then_from_load(tmp_path):
 def test_tied_output_layer_is_carried_and_a_typed_untie_wins(tmp_path):
     """A tied checkpoint's tie comes with its shape (an args.json without the field means untied); a typed
     --untie-embeddings-and-output-weights wins (the run then refuses that checkpoint, naming the fix)."""
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.checkpointing import CheckpointManager
-    from diffmeg.training.run_config import RunConfig
 
     run = ["--use-checkpoint-args", "--mock-data", "--lr", "1e-3", "--train-iters", "1"]
     tied = _checkpoint(tmp_path / "tied", 0, tie_embeddings_and_output_weights=True)
@@ -75,8 +75,8 @@ def test_tied_output_layer_is_carried_and_a_typed_untie_wins(tmp_path):
 def test_a_checkpoint_of_another_shape_names_the_flags_never_another_iteration(tmp_path):
     """--load a run of 3 layers with --num-layers 2: every iteration has 3 layers, so the fix is the
     checkpoint's values or --use-checkpoint-args, never --ckpt-step."""
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.checkpointing import CheckpointManager
-    from diffmeg.training.run_config import RunConfig
 
     _checkpoint(tmp_path / "run", 3)  # an earlier iteration beside the latest
     root = _checkpoint(tmp_path / "run", 5)

@@ -11,10 +11,11 @@ import torch
 
 from diffmeg.checkpoints import ARGS_FILE, TRACKER_FILE
 from diffmeg.errors import DiffmegError
+from diffmeg.folder_lock import LOCK_FILE
+from diffmeg.run_config import RunConfig
 from diffmeg.training import checkpointing
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.checkpointing import CheckpointManager
-from diffmeg.training.run_config import RunConfig
 
 
 def _manager(*flags: str) -> tuple[CheckpointManager, list[str]]:
@@ -59,8 +60,13 @@ def test_an_empty_load_directory_starts_from_scratch(tmp_path):
             ["--load", "{t}", "--save", "{t}/c"],
             "not a checkpoint dir",
         ),
+        (
+            lambda t: (t / "config.json").write_text("{}"),
+            ["--load", "{t}", "--save", "{t}/c"],
+            "is a Hugging Face model folder .*/convert_checkpoint.py hf-to-mcore --load",
+        ),
     ],
-    ids=["typo", "typo-other-save", "file", "foreign-directory"],
+    ids=["typo", "typo-other-save", "file", "foreign-directory", "hf-folder"],
 )
 def test_a_load_that_is_not_a_checkpoint_is_one_line(tmp_path, make, flags, match):
     make(tmp_path)
@@ -74,8 +80,15 @@ def test_ckpt_step_picks_any_complete_iteration(tmp_path):
     root = _fake_checkpoints(tmp_path / "c", [2, 4], tracker=4)
     assert _manager("--load", root)[0].resolve() == 4
     assert _manager("--load", root, "--ckpt-step", "2")[0].resolve() == 2
-    with pytest.raises(DiffmegError, match=r"--ckpt-step 3: .* \(complete: 2, 4\)"):
+    with pytest.raises(DiffmegError) as err:
         _manager("--load", root, "--ckpt-step", "3")[0].resolve()
+    assert str(err.value) == (
+        f"--ckpt-step 3: {root}/iter_0000003 is missing; complete iterations in {root}: 2, 4; start from one "
+        "with --ckpt-step N"
+    )
+    (tmp_path / "c" / TRACKER_FILE).write_text("6")  # names an iteration that is not there
+    with pytest.raises(DiffmegError, match=rf"iteration 6, but {root}/iter_0000006 is missing; .*: 2, 4;"):
+        _manager("--load", root)[0].resolve()
 
 
 def test_a_checkpoint_past_train_iters_is_one_line_not_a_silent_exit(tmp_path):
@@ -94,7 +107,8 @@ def test_a_checkpoint_past_train_iters_is_one_line_not_a_silent_exit(tmp_path):
 def test_checkpoints_without_tracker_list_what_can_be_resumed(tmp_path):
     root = _fake_checkpoints(tmp_path / "c", [2, 4])
     os.makedirs(tmp_path / "c" / "iter_0000006")  # died mid-save: no args.json
-    with pytest.raises(DiffmegError, match=r"complete iterations: 2, 4; start from one with --ckpt-step N"):
+    expected = rf"did not finish; complete iterations in {root}: 2, 4; start from one with --ckpt-step N"
+    with pytest.raises(DiffmegError, match=expected):
         _manager("--load", root)[0].resolve()
 
 
@@ -113,14 +127,36 @@ def test_an_unusable_save_target_is_one_line(single_rank_parallel_state, save, m
     """Issue 16, item 2: found before training, not at the first save."""
     manager, _ = _manager("--save", save)
     with pytest.raises(DiffmegError, match=f"--save {save} {match}") as err:
-        manager.check_save_target()
+        manager.lock_save_target()
     assert "\n" not in str(err.value)
 
 
-def test_a_save_target_is_created(single_rank_parallel_state, tmp_path):
+def test_a_save_target_is_created_locked_and_left_as_found(single_rank_parallel_state, tmp_path):
+    """The folder holds only the lock until the run writes; a run that wrote nothing leaves nothing."""
     save = tmp_path / "a" / "b"
-    _manager("--save", str(save))[0].check_save_target()
-    assert save.is_dir() and not os.listdir(save)
+    manager, _ = _manager("--save", str(save))
+    manager.lock_save_target()
+    assert os.listdir(save) == [LOCK_FILE]
+    manager.close()
+    assert not (tmp_path / "a").exists()
+
+
+def test_leftovers_of_earlier_saves_are_named_at_start_never_removed(single_rank_parallel_state, tmp_path):
+    for name in ("iter_0000006.saving-node7-4242-a1b2c3", "iter_0000002.replaced-20261127T101500"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "common.pt").write_bytes(b"0" * 2048)
+    manager, lines = _manager("--save", str(tmp_path))
+    manager.lock_save_target()
+    manager.close()
+    assert lines == [
+        f" {tmp_path} holds what earlier saves left (4.0 KiB): iter_0000002.replaced-20261127T101500, "
+        f"iter_0000006.saving-node7-4242-a1b2c3; no run removes what another wrote: delete them to free the "
+        f"space"
+    ]
+    assert sorted(os.listdir(tmp_path)) == [
+        "iter_0000002.replaced-20261127T101500",
+        "iter_0000006.saving-node7-4242-a1b2c3",
+    ]
 
 
 def test_a_save_target_needs_room_for_one_checkpoint(single_rank_parallel_state, tmp_path, monkeypatch):

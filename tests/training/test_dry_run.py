@@ -116,6 +116,31 @@ def test_a_truncated_dataset_fails_the_dry_run_and_the_run_in_one_line(tmp_path,
     assert str(info.value) == expected
 
 
+def test_ids_above_the_vocabulary_fail_the_dry_run_and_the_run_in_one_line(
+    tmp_path, capsys, single_rank_parallel_state
+):
+    """Data of a larger vocabulary (cl100k_base ids under `--tokenizer-type null --vocab-size 1024`) is named
+    with its largest id when pretrain_diff.py checks it and when the run builds its datasets, not in an index
+    error inside the embedding at the first step."""
+    import pretrain_diff
+    from diffmeg.run_config import RunConfig
+    from diffmeg.training.data import build_datasets
+
+    prefix = _dataset(tmp_path / "wide", 2000)  # ids 0..1999
+    argv = ["--model", "diff-tiny", "--tokenizer-type", "null", "--vocab-size", "1024", "--data-path", prefix]
+    argv += ["--split", "1,0,0"]
+    expected = (
+        f"dataset {prefix} holds token ids up to 1999, but this run's vocabulary has 1024 (ids 0..1023)"
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_diff.main([*argv, "--dry-run"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"error: {expected}") and err.count("\n") == 1, err
+    with pytest.raises(DiffmegError) as info:
+        build_datasets(RunConfig.from_args(resolve_args(argv, world_size=1)))
+    assert str(info.value).startswith(expected)
+
+
 @pytest.mark.parametrize(
     "argv,note",
     [

@@ -48,9 +48,9 @@ def test_hand_count_tiny():
 
 def test_diff2_counts_and_throughput_bound_for_3b():
     """V2: core 2x the baseline's, Q projection 2x plus lambda_proj; bound 0.892 (2K), 0.861 (4K)."""
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.arguments import resolve_args
     from diffmeg.training.flops import train_flops_per_iteration
-    from diffmeg.training.run_config import RunConfig
 
     def flops(preset: str, seq: int) -> float:
         return train_flops_per_iteration(
@@ -78,9 +78,9 @@ def test_full_square_counts_twice_the_causal_core_and_nothing_else():
 
 
 def test_train_flops_full_square_for_3b_at_4k():
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.arguments import resolve_args
     from diffmeg.training.flops import train_flops_per_iteration
-    from diffmeg.training.run_config import RunConfig
 
     args = resolve_args(["--model", "transformer-3b", "--seq-length", "4096"])
     run = RunConfig.from_args(args)

@@ -10,8 +10,8 @@ import torch
 
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions import grad_accum
+from diffmeg.run_config import RunConfig
 from diffmeg.training.arguments import resolve_args
-from diffmeg.training.run_config import RunConfig
 from tests.training.helpers import SMALL, train_steps
 
 FLAG = "--gradient-accumulation-fusion"
@@ -83,7 +83,7 @@ def test_the_flag_reaches_megatron_cores_config(monkeypatch):
     args = resolve_args([*SMALL, FLAG], world_size=1)
     run = RunConfig.from_args(args)
     assert run.training.gradient_accumulation_fusion and vars(run.to_args()) == vars(args)
-    assert transformer_config(run.model, run.parallel, run.training).gradient_accumulation_fusion
+    assert transformer_config(run).gradient_accumulation_fusion
     old = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "gradient_accumulation_fusion"})
     assert upgrade_saved_args(old).gradient_accumulation_fusion is False  # runs before the flag: DDP's hook
     assert single_rank_args(args).gradient_accumulation_fusion is False  # readers build without DDP

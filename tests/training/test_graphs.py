@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from diffmeg.errors import DiffmegError
+from diffmeg.run_config import RunConfig
 from diffmeg.training import graphs
 from diffmeg.training.arguments import resolve_args
-from diffmeg.training.run_config import RunConfig
 from tests.builders import tiny_config
 
 ARCHS = {"diff": {}, "diff2": {"diff_version": 2}, "transformer": {"diff_attention": False}}
@@ -103,7 +103,7 @@ def test_graph_flags_default_off_and_reach_the_configs(monkeypatch):
     monkeypatch.setattr(graphs, "cuda_graphs_unsupported_reason", lambda: None)  # as on a GPU
     run = _run(["--cuda-graph-impl", "local", "--sdpa-backend", "math"])
     assert run.to_args().cuda_graph_impl == "local" and run.to_args().sdpa_backend == "math"  # args.json
-    config = transformer_config(run.model, run.parallel, run.training)
+    config = transformer_config(run)
     assert (config.cuda_graph_impl, config.cuda_graph_scope, config.sdpa_backend) == ("local", [], "math")
     assert _run(["--compile-layers"]).training.compile_layers
 

@@ -66,8 +66,8 @@ def test_the_logged_loss_is_the_mean_over_answer_tokens(masked_run):
 
 def test_the_trainer_builds_whole_document_samples_for_a_masked_path(tmp_path):
     from diffmeg.data.loss_mask import LossMaskDataset, MaskedDocuments
+    from diffmeg.run_config import RunConfig
     from diffmeg.training.data import build_datasets
-    from diffmeg.training.run_config import RunConfig
 
     prefix = str(tmp_path / "d")
     write_mqar_dataset(prefix, SETTING, documents=10, seed=0)

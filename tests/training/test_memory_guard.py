@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from diffmeg.errors import DiffmegError
+from diffmeg.run_config import RunConfig
 from diffmeg.training import memory_guard
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.memory import GIB, estimate_memory
 from diffmeg.training.memory_guard import DeviceMemory, cpu_memory, memory_verdict
-from diffmeg.training.run_config import RunConfig
 from tests.training.helpers import SMALL
 
 NO_LIMIT_V1 = "9223372036854771712"  # what cgroup v1 writes for "no limit"

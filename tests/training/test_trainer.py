@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from diffmeg.errors import DiffmegError
+from diffmeg.run_config import RunConfig
 from diffmeg.training import data as training_data
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.callbacks import Callback, NanGuard, default_callbacks
-from diffmeg.training.run_config import RunConfig
 
 SMALL = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32"]
 SMALL += ["--mock-data", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]

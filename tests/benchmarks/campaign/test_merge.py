@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks.campaign import schema
-from benchmarks.campaign.merge import ContinueError, continued_tiles, load_earlier, merged
+from benchmarks.campaign.merge import ContinueError, load_earlier, merged
 from tests.benchmarks.fixtures import gpu_result
 
 
@@ -60,7 +60,7 @@ def test_the_phases_run_now_replace_theirs_and_the_rest_are_kept(tmp_path):
     assert out["tests"] == earlier["tests"]
     assert out["gpu_train_run"] == current["gpu_train_run"]
     assert (out["date"], out["bf16_matmul_tflops"]) == ("2026-12-01T11:00:00+00:00", 790.0)
-    assert out["fused_speedup_vs_best_unfused_4k"] == earlier["fused_speedup_vs_best_unfused_4k"]
+    assert out["diff_vs_transformer_ratio_4k"] == earlier["diff_vs_transformer_ratio_4k"]
     assert schema.validate(out) == []
     again = merged(out, "campaign-second.json", current, ["env"])  # a third command names both
     assert again["continues"] == ["campaign-earlier.json", "campaign-second.json"]
@@ -71,11 +71,3 @@ def test_another_gpu_is_not_merged(tmp_path):
     current = {**schema.empty_result(), "device": "NVIDIA H200", "device_type": "cuda"}
     with pytest.raises(ContinueError, match="it ran on NVIDIA H100 80GB HBM3, this command on NVIDIA H200"):
         merged(earlier, "campaign-earlier.json", current, ["env"])
-
-
-def test_a_train_phase_continuing_a_kernels_phase_gets_its_tiles(tmp_path):
-    _, earlier = _earlier(tmp_path, triton_best={"label": "A", "head_dim": 128, "config": {"block_m": 128}})
-    assert continued_tiles(earlier, earlier["device"])["label"] == "A"
-    assert (
-        continued_tiles(earlier, "NVIDIA H200") is None and continued_tiles(None, earlier["device"]) is None
-    )

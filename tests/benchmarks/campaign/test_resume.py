@@ -47,11 +47,11 @@ def _fake_train_step(monkeypatch, fail=lambda preset, flags: False):
 def _timer(tmp_path, layers=2, compiled=False, name="p.json"):
     a = argparse.Namespace(peak=None, roof=None)
     deadline = time.monotonic() + 1e6
-    return train._Timer(a, Part(tmp_path / name), deadline, SMOKE_PLAN, "cpu", layers, None, compiled)
+    return train._Timer(a, Part(tmp_path / name), deadline, SMOKE_PLAN, "cpu", layers, compiled)
 
 
 def _matrix(timer):
-    train.run_matrix(timer, SMOKE_PLAN, train.train_runs(SMOKE_PLAN, tuned=False), full_depth_fits=None)
+    train.run_matrix(timer, SMOKE_PLAN, train.train_runs(SMOKE_PLAN), full_depth_fits=None)
 
 
 def test_a_row_is_reused_only_for_the_same_run(monkeypatch, tmp_path):
@@ -155,7 +155,6 @@ def test_a_continued_train_phase_times_only_the_missing_and_failed_runs(monkeypa
     """Command 1 is cut by its budget (and one run fails); command 2 continues its file: it times only
     what command 1 skipped or failed, and its file holds every run once, the gains across the two."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setattr(runner, "source_revision", lambda repo, carried: ("ab" * 20, False, "git"))
     chunked = ("--diff-attn-backend", "sdpa", "--cross-entropy-chunk-size", "16")
     calls = _fake_train_step(monkeypatch, fail=lambda preset, flags: flags == chunked)
@@ -202,14 +201,14 @@ def test_the_full_depth_fit_is_derived_from_cuts_of_the_continued_file(monkeypat
     full = GPU_PLAN.train_full_depth
     a = argparse.Namespace(peak=None, roof=None)
     later = time.monotonic() + 1e6
-    first = train._Timer(a, Part(tmp_path / "p.json"), later, GPU_PLAN, "cuda", 8, None, True)
+    first = train._Timer(a, Part(tmp_path / "p.json"), later, GPU_PLAN, "cuda", 8, True)
     train.full_depth(first, full)
     assert len(calls) == 2 * len(full.fallback_layers)
     earlier = first.part.data["train"]
     fits = [r for r in earlier if r["impl"] == "fit"]
     assert len(fits) == 2 and all(r["step_s"] for r in earlier if r["impl"] != "fit")
     calls.clear()
-    again = train._Timer(a, Part(tmp_path / "q.json"), later, GPU_PLAN, "cuda", 8, None, True)
+    again = train._Timer(a, Part(tmp_path / "q.json"), later, GPU_PLAN, "cuda", 8, True)
     again.reuse(earlier, "campaign-earlier.json")
     train.full_depth(again, full)
     assert calls == [] and again.part.data["train"] == fits  # only the fits, derived again, the same

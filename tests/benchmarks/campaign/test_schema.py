@@ -18,7 +18,7 @@ def test_problems_are_named():
     result.update(device="x", device_type="gpu", date="d", git_revision="r")
     del result["flop_bound_4k"]
     result["bf16_matmul_tflops"] = True  # a bool is not a number
-    result["attention"] = [{"impl": "diff triton", "seq": 4096}]
+    result["attention"] = [{"impl": "diff sdpa split-v", "seq": 4096}]
     result["phases"]["kernels"] = {"status": "fine"}
     problems = "\n".join(schema.validate(result))
     assert "device_type must be 'cuda' or 'cpu'" in problems
@@ -30,7 +30,8 @@ def test_problems_are_named():
 
 
 def test_keys_added_later_may_be_absent_but_are_typed():
-    """Files written before git_source, peak_bf16_tflops, wheels and triton_cache existed still validate."""
+    """Files written before git_source, peak_bf16_tflops and wheels existed still validate; the retired
+    Triton kernel's keys are typed where an older file holds them, and no new file has them."""
     result = schema.empty_result()
     result.update(device="cpu", device_type="cpu", date="d", git_revision="r")
     for key in schema.OPTIONAL_TOP_LEVEL:
@@ -39,3 +40,9 @@ def test_keys_added_later_may_be_absent_but_are_typed():
     assert schema.validate(result) == []
     result["peak_bf16_tflops"] = "989"
     assert schema.validate(result) == ["'peak_bf16_tflops' has type str"]
+    assert not set(schema.RETIRED_TOP_LEVEL) & set(schema.empty_result())
+    del result["peak_bf16_tflops"]
+    result.update(triton_candidates=[], triton_best=None, fused_speedup_vs_best_unfused_4k=1.2)
+    assert schema.validate(result) == []
+    result["triton_best"] = "tiles"
+    assert schema.validate(result) == ["'triton_best' has type str"]

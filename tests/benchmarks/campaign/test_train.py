@@ -12,7 +12,7 @@ from benchmarks.campaign import train
 
 
 def test_mfu_against_the_dense_peak_and_the_measured_matmul():
-    r = {"backend": "triton", "layers": 8, "mbs": 1, "microbatches": 4, "tokens_per_s": 5e4, "tflops": 445.0,
+    r = {"backend": "sdpa", "layers": 8, "mbs": 1, "microbatches": 4, "tokens_per_s": 5e4, "tflops": 445.0,
          "tflops_full_square": 480.0,
          "flops_per_token": 8.9e9, "mem_gib": 40.0, "estimated_gib": 41.0,
          "resident_gib": 0.0, "left_gib": 0.0, "profile": None, "error": None}  # fmt: skip
@@ -59,7 +59,7 @@ def test_the_lever_matrix_times_each_off_twin_then_its_on_run_once(monkeypatch, 
     calls = _fake_runs(monkeypatch, lambda flags: 200.0 if "fused" in flags else 100.0)
     part = Part(tmp_path / "p.json")
     a = argparse.Namespace(peak=None, roof=None)
-    timer = train._Timer(a, part, time.monotonic() + 60, SMOKE_PLAN, "cpu", 2, None, False)
+    timer = train._Timer(a, part, time.monotonic() + 60, SMOKE_PLAN, "cpu", 2, False)
     timer.run({"model": "diff-tiny", "impl": "sdpa", "seq": 64, "variant": None}, "diff-tiny",
               ("--diff-attn-backend", "sdpa"))  # fmt: skip
     train.lever_matrix(timer, SMOKE_PLAN, 64)
@@ -131,7 +131,7 @@ def test_full_depth_runs_its_cuts_amortizes_the_optimizer_and_fits_where_the_mod
     )
     part = Part(tmp_path / "p.json")
     a = argparse.Namespace(peak=None, roof=None)
-    timer = train._Timer(a, part, time.monotonic() + 60, GPU_PLAN, "cuda", 8, None, False)
+    timer = train._Timer(a, part, time.monotonic() + 60, GPU_PLAN, "cuda", 8, False)
     train.full_depth(timer, full)
     assert layers_seen == [
         ("transformer-3b", 28, 16, True),
@@ -203,7 +203,7 @@ def test_the_headline_levers_run_first():
         "FP8 on the fast path (diff)",
         "FP8 on the fast path (transformer)",
     ]
-    assert names.index("attention triton vs sdpa") < names.index("chunked loss")
+    assert names.index("attention sdpa_split_v_batched vs sdpa") < names.index("chunked loss")
     assert names.index("chunked loss") < names.index("torch norm (diff)")
     assert names.index("cuDNN attention first (diff)") < names.index("torch norm (transformer)")
     runs = train.planned_runs(plan.GPU_PLAN)

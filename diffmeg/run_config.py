@@ -5,11 +5,13 @@
 the builders) reads typed groups: `run.model.hidden_size`, `run.optim.lr`, `run.checkpoint.save`.
 
 Every field is named as its flag (`--hidden-size` -> `hidden_size`), so `to_args()` gives the flat form
-back exactly: it is used only to write `args.json` (and the run directory's arguments.json), which old
-checkpoints and the offline tools (conversion, evaluation) read; below the entry point the model config
-(`diffmeg.model.transformer_config`), the FLOPs and memory estimates, the data and the dry run read the
-typed groups. Flags no group knows (`--dry-run` and its options, or a flag added before a group names it)
-travel in `extra`, so nothing resolved is ever dropped.
+back exactly: it is used only to write `args.json` (and the run directory's arguments.json), from which
+the offline readers (single-rank models of checkpoints, conversion) build a RunConfig again
+(`from_args(args, partial=True)`); the model config (`diffmeg.model.transformer_config`), the FLOPs and
+memory estimates, the data and the dry run read the typed groups. It stands below the model (nothing here
+imports more than torch), so every floor that builds a model can hold one. Flags no group knows
+(`--dry-run` and its options, or a flag added before a group names it) travel in `extra`, so nothing
+resolved is ever dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +27,20 @@ from diffmeg.errors import DiffmegError
 
 _FLAG = "flag"
 """Field metadata key: the flat argument name where it differs from the field's (`preset` <- `model`)."""
+
+SHAPE_SIZES = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+)
+"""The `ModelConfig` sizes that set a model's tensor shapes."""
+SHAPE_FIELDS = (*SHAPE_SIZES, "diff_attention", "diff_version")
+"""Everything that sets a model's tensor shapes (every iteration of a run has the same): the one list the
+checks of a checkpoint against a run, `--use-checkpoint-args` and the flags' range checks read."""
 
 
 @dataclass(kw_only=True)
@@ -59,10 +75,6 @@ class ModelConfig:
     diff_attn_backend: str = "auto"
     norm_impl: str = "auto"
     """The RMSNorm implementation (the registry's `norm` slot; auto: the spec's own)."""
-    rope_impl: str = "auto"
-    """The RoPE implementation (the registry's `rope` slot; auto: megatron-core's)."""
-    diff_epilogue_impl: str = "auto"
-    """DIFF V1's epilogue implementation (the registry's `diff_epilogue` slot; auto: eager)."""
     sdpa_backend: str = "auto"
     """The kernel torch's SDPA tries first (`diffmeg.kernels.sdpa_backends`; auto: torch's own order)."""
     transformer_impl: str = "local"
@@ -180,9 +192,9 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     """Resuming: the checkpoint's schedule, whatever this run's flags say (Megatron-LM's flag)."""
     optimizer_impl: str = "auto"
-    """The optimizer step: "megatron" (megatron-core's, as built), "fused" (torch's fused AdamW on CUDA,
-    foreach elsewhere; grad norm, clip and copies without host syncs: diffmeg.fusions.optimizer_step) or
-    "auto" (fused on CUDA unless megatron-core has TE's or apex's fused Adam, else megatron)."""
+    """The optimizer step: "megatron" (megatron-core's, as built), "fused" (torch's fused AdamW on CUDA
+    and CPU; grad norm, clip and copies without host syncs: diffmeg.fusions.optimizer_step) or
+    "auto": the registry's decision, the first of its `optimizer` AUTO_ORDER that can run here."""
 
 
 @dataclass(kw_only=True)

@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from diffmeg.errors import DiffmegError
+from diffmeg.run_config import RunConfig
 from diffmeg.training.arguments import resolve_args
-from diffmeg.training.run_config import RunConfig
 
 
 @pytest.mark.parametrize(
