@@ -39,12 +39,15 @@ class DeviceMemory:
     """What one rank's device has for the run."""
 
     device: str
-    """Which memory: "cpu" or "cuda:N"; ranks on one host with the same device share it."""
+    """Which memory, as the message names it: "cpu" or "cuda:N"."""
     host: str
     available: int
     """Bytes the run may still use there."""
     source: str
     """Where `available` comes from, for the message (e.g. "MemAvailable", "cgroup memory.max 8.0 GiB")."""
+    unit: str = ""
+    """Which physical memory: the ranks of one host with the same `unit` share it ("" for a CPU: the host's;
+    a GPU's UUID, as each rank may see its own GPU as cuda:0)."""
 
 
 def _read(path: str) -> str | None:
@@ -90,6 +93,8 @@ def cgroup_headroom(proc: str = "/proc", sys_cgroup: str = "/sys/fs/cgroup") -> 
     before it kills (as `docker stats` and the kubelet count a container's working set)."""
     tightest: tuple[int, str] | None = None
     for line in (_read(os.path.join(proc, "self", "cgroup")) or "").splitlines():
+        if line.count(":") < 2:
+            continue
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and controllers == "":  # v2 (unified), at the mount or beside v1 ones
             roots = [sys_cgroup, os.path.join(sys_cgroup, "unified")]
@@ -131,7 +136,8 @@ def device_memory() -> DeviceMemory:
     if torch.cuda.is_available():
         index = torch.cuda.current_device()
         free, total = torch.cuda.mem_get_info(index)
-        return DeviceMemory(f"cuda:{index}", host, free, f"free of the GPU's {total / GIB:.1f} GiB")
+        unit = str(getattr(torch.cuda.get_device_properties(index), "uuid", index))
+        return DeviceMemory(f"cuda:{index}", host, free, f"free of the GPU's {total / GIB:.1f} GiB", unit)
     available, source = cpu_memory()
     return DeviceMemory("cpu", host, available, source)
 
@@ -139,9 +145,9 @@ def device_memory() -> DeviceMemory:
 def memory_verdict(plan: MemoryEstimate, devices: list[DeviceMemory], run: RunConfig) -> str | None:
     """The refusal line when the expected peak of the ranks sharing a device exceeds what it has, else
     None. `devices`: every rank's (the same list on every rank, so every rank decides the same)."""
-    shared: dict[tuple[str, str], list[DeviceMemory]] = {}
+    shared: dict[tuple[str, str, str], list[DeviceMemory]] = {}
     for device in devices:
-        shared.setdefault((device.host, device.device), []).append(device)
+        shared.setdefault((device.host, device.device, device.unit), []).append(device)
     worst = None  # (how far over, the tightest device of the group, ranks sharing it)
     for group in shared.values():
         tightest = min(group, key=lambda d: d.available)

@@ -92,6 +92,15 @@ def test_the_ranks_on_one_machine_share_it():
     assert "for the 4 ranks of this run on this machine" in line
 
 
+def test_ranks_that_each_see_their_own_gpu_as_cuda0_do_not_share_it():
+    """Slurm's per-task GPU binding: every rank's GPU is cuda:0; the UUIDs tell them apart."""
+    run = _run("--seq-length", "4096")
+    plan = estimate_memory(run, on_gpu=True)
+    gpus = [DeviceMemory("cuda:0", "node1", int(plan.total), "free", f"GPU-{i}") for i in range(8)]
+    assert memory_verdict(plan, gpus, run) is None
+    assert "for the 2 ranks of this run on cuda:0" in memory_verdict(plan, gpus[:1] * 2, run)
+
+
 def test_a_gpu_is_compared_with_its_free_memory_at_the_allocators_share_of_the_plan():
     run = _run("--seq-length", "4096")
     plan = estimate_memory(run, on_gpu=True)
