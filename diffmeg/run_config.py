@@ -158,6 +158,8 @@ class TrainingConfig:
     """Each transformer layer wrapped in `torch.compile` once built (`diffmeg.training.graphs`; GPU)."""
     cuda_graph_impl: str = "none"
     """megatron-core's CUDA graphs: "none", or "local" (its per-layer graphs, captured after warmup)."""
+    no_memory_guard: bool = False
+    """Start even when the memory plan does not fit the device (`diffmeg.training.memory_guard`)."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -183,6 +185,9 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     override_opt_param_scheduler: bool = False
+    """Resuming: this run's schedule where it differs from the checkpoint's (Megatron-LM's flag)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """Resuming: the checkpoint's schedule, whatever this run's flags say (Megatron-LM's flag)."""
 
 
 @dataclass(kw_only=True)

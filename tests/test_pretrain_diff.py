@@ -70,12 +70,13 @@ def _error_line(stderr: str) -> str:
 
 def test_corrupt_checkpoint_names_the_file_and_ckpt_step_resumes_an_earlier_one(tmp_path):
     ckpt = tmp_path / "ckpt"
-    run_training(tmp_path, "a", ["--train-iters", "2", "--save-interval", "1", "--save", str(ckpt)])
+    decay = ["--lr-decay-iters", "4"]  # one schedule for the runs of different lengths below
+    run_training(tmp_path, "a", ["--train-iters", "2", *decay, "--save-interval", "1", "--save", str(ckpt)])
     for f in (ckpt / "iter_0000002").glob("*.distcp"):
         f.write_bytes(b"garbage")
     arguments = (ckpt / "arguments.json").read_text()
     proc = run_training(
-        tmp_path, "b", ["--train-iters", "4", "--load", str(ckpt), "--save", str(ckpt)], check=False
+        tmp_path, "b", ["--train-iters", "4", *decay, "--load", str(ckpt), "--save", str(ckpt)], check=False
     )
     assert proc.returncode == 2
     line = _error_line(proc.stderr)
@@ -88,7 +89,9 @@ def test_corrupt_checkpoint_names_the_file_and_ckpt_step_resumes_an_earlier_one(
     assert (ckpt / "arguments.json").read_text() == arguments and not (ckpt / LOCK_FILE).exists()
     # Megatron-LM's --ckpt-step: resume from the intact iteration 1, exactly where the first run was then.
     proc = run_training(
-        tmp_path, "c", ["--train-iters", "3", "--load", str(ckpt), "--ckpt-step", "1", "--save", str(ckpt)]
+        tmp_path,
+        "c",
+        ["--train-iters", "3", *decay, "--load", str(ckpt), "--ckpt-step", "1", "--save", str(ckpt)],
     )
     assert f"loaded checkpoint from {ckpt} at iteration 1" in proc.stdout
     resumed = read_losses(tmp_path, "c")
@@ -99,7 +102,8 @@ def test_corrupt_checkpoint_names_the_file_and_ckpt_step_resumes_an_earlier_one(
 def test_unfinished_save_is_not_marked_latest(tmp_path):
     ckpt = tmp_path / "ckpt"
     # The requeue-friendly form on its first start: --load names the --save directory, not there yet.
-    proc = run_training(tmp_path, "a", ["--train-iters", "2", "--save", str(ckpt), "--load", str(ckpt)])
+    both = ["--lr-decay-iters", "3", "--save", str(ckpt), "--load", str(ckpt)]  # the resumed run's schedule
+    proc = run_training(tmp_path, "a", ["--train-iters", "2", *both])
     assert f" no checkpoint in {ckpt}, starting from scratch" in proc.stdout
     # One summary line instead of the argument dump, which is in the run directory.
     assert "end of arguments" not in proc.stdout
@@ -108,7 +112,7 @@ def test_unfinished_save_is_not_marked_latest(tmp_path):
     )
     assert json.loads((ckpt / "arguments.json").read_text())["save"] == str(ckpt)
     (ckpt / "iter_0000004").mkdir()  # a save that died half way: never in the tracker
-    proc = run_training(tmp_path, "b", ["--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt)])
+    proc = run_training(tmp_path, "b", ["--train-iters", "3", *both])
     assert "at iteration 2" in proc.stdout
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
 
@@ -279,7 +283,8 @@ def test_a_run_and_its_resume_are_quiet_and_end_with_the_summary(tmp_path):
     point, not only in the test suite), and the last line says loss, time and where the checkpoint went."""
     ckpt = tmp_path / "ckpt"
     for iters in ("1", "2"):
-        proc = run_training(tmp_path, "a", ["--train-iters", iters, "--load", str(ckpt), "--save", str(ckpt)])
+        flags = ["--train-iters", iters, "--lr-decay-iters", "3", "--load", str(ckpt), "--save", str(ckpt)]
+        proc = run_training(tmp_path, "a", flags)
         assert "Warning" not in proc.stderr, proc.stderr[-3000:]
         last = proc.stdout.strip().splitlines()[-1]
         summary = rf" done: {iters} iterations, [\d.]+K? tokens, final lm loss \d+\.\d+, wall time \d+:\d\d"

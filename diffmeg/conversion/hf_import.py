@@ -139,7 +139,9 @@ def resolved_pretrain_args(
     try:
         # Validate the layout the checkpoint is recorded for, not the one this process runs in.
         resolved = resolve_args(
-            [*argv, *extra], world_size=tensor_model_parallel_size * pipeline_model_parallel_size
+            [*argv, *extra],
+            world_size=tensor_model_parallel_size * pipeline_model_parallel_size,
+            placeholders=True,
         )
     except SystemExit as exc:  # argparse already printed what was wrong with the extra flags
         raise DiffmegError(f"invalid pretrain_diff.py flags after `--`: {shlex.join(extra)}") from exc

@@ -10,8 +10,10 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from diffmeg import registry
 from diffmeg.data.tokenizers import resolve_tokenizer_args
@@ -125,8 +127,18 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+"""What a flag's value that starts with "-" may be: argparse's own pattern takes `-1` and `-.5` but not
+`-1e-3` or `-inf`, which it reads as an unknown flag ("expected one argument")."""
+
+
 class _Parser(argparse.ArgumentParser):
-    """A bad flag answers with a one-line usage before the error, not the 65 lines listing every flag."""
+    """A bad flag answers with a one-line usage before the error, not the 65 lines listing every flag;
+    a negative number in any notation is a value (so its range check names the flag)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER  # argparse reads it while parsing
 
     def error(self, message: str):
         self.exit(
@@ -320,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
         "GEMM (no bf16 weight gradient, no separate add): apex's extension where installed, else torch's "
         "fp32-output addmm (diffmeg.fusions.grad_accum). CUDA only; not with torchao's FP8. Default: off",
     )
+    g.add_argument(
+        "--no-memory-guard",
+        action="store_true",
+        help="start even when the memory plan (--dry-run shows it) does not fit the device: the GPU's free "
+        "memory, or on a CPU the memory available to the process and its cgroup (diffmeg's guard refuses "
+        "such a run before building the model)",
+    )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(
         "--deterministic-mode",
@@ -388,7 +407,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--override-opt-param-scheduler",
         action="store_true",
-        help="take the LR schedule from these flags, not the checkpoint",
+        help="resuming: the learning-rate schedule of these flags (--lr, --min-lr, --lr-warmup-iters, "
+        "--lr-decay-iters, --lr-decay-style, --weight-decay) from the checkpoint's iteration on, where they "
+        "differ from the checkpoint's (without it or the next flag such a difference is refused)",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
+        help="resuming: keep the checkpoint's learning-rate schedule, whatever these flags say",
     )
 
     g = p.add_argument_group("logging and evaluation")
@@ -424,10 +450,13 @@ def _explicit(argv: Sequence[str] | None) -> dict[str, object]:
     return {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
 
 
-def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+def resolve_args(
+    argv: Sequence[str] | None = None, world_size: int | None = None, placeholders: bool = False
+) -> argparse.Namespace:
     """Parse, apply the preset, fill defaults, derive sizes, and validate (without distributed state).
 
-    `world_size` defaults to the launcher's (WORLD_SIZE, else SLURM_NTASKS, else 1).
+    `world_size` defaults to the launcher's (WORLD_SIZE, else SLURM_NTASKS, else 1). `placeholders`: the
+    arguments a checkpoint records rather than a run to start (an import), where `PLACEHOLDERS` may be 0.
     """
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -446,7 +475,7 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
         values["train_iters"] = None  # a token budget typed by the user beats the preset's iteration count
     args = argparse.Namespace(**values)
     args.explicit_flags = sorted(k for k in explicit if k != "model")
-    _derive(args)
+    _derive(args, placeholders)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     validate_args(args, world_size=world_size)
@@ -457,34 +486,94 @@ def resolve_args(argv: Sequence[str] | None = None, world_size: int | None = Non
     return args
 
 
-POSITIVE_ARGS = (
-    *SHAPE_SIZES,
-    "seq_length",
-    "max_position_embeddings",
-    "micro_batch_size",
-    "global_batch_size",
-)
-"""Sizes that must be >= 1 when given (0 or a negative one would fail deep inside model building)."""
-NON_NEGATIVE_ARGS = ("train_iters", "train_tokens", "lr", "min_lr", "lr_warmup_iters", "weight_decay")
-"""Counts and rates that may be 0 (the placeholders of weights-only imports) but never negative."""
+class Range(NamedTuple):
+    """Where a numeric flag's value must lie, as its error line says it: `rule` (">= 1", "> 0", ">= 0",
+    "in [0, 1)"), the `unit` it counts and a `hint` after the value."""
+
+    rule: str
+    unit: str = ""
+    hint: str = ""
 
 
-def _check_ranges(args: argparse.Namespace) -> None:
-    """One line for a size below 1 or a negative count or rate, naming the flag."""
-    for names, low in ((POSITIVE_ARGS, 1), (NON_NEGATIVE_ARGS, 0)):
-        for name in names:
-            value = getattr(args, name, None)
-            if value is None or isinstance(value, bool):
-                continue
-            if not math.isfinite(value) or value < low:
-                raise DiffmegError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+_RULES = {
+    ">= 1": lambda v: v >= 1,
+    ">= 0": lambda v: v >= 0,
+    "> 0": lambda v: v > 0,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+}
+
+RANGES: dict[str, Range] = {
+    **dict.fromkeys(
+        (
+            *SHAPE_SIZES,
+            "seq_length",
+            "max_position_embeddings",
+            "micro_batch_size",
+            "global_batch_size",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "num_layers_per_virtual_pipeline_stage",
+            "distributed_timeout_minutes",
+            "lr_decay_iters",
+            "recompute_num_layers",
+            "exit_interval",
+            "save_interval",
+            "ckpt_step",
+            "log_interval",
+            "eval_interval",
+        ),
+        Range(">= 1"),
+    ),
+    "train_iters": Range(">= 1", hint="a run of no iterations trains nothing"),
+    "train_tokens": Range(">= 1", hint="a run of no tokens trains nothing"),
+    "cross_entropy_chunk_size": Range(">= 1", "token", "leave it out for the unchunked loss"),
+    "ddp_bucket_size": Range(">= 1", "parameter"),
+    **dict.fromkeys(
+        (
+            "lr",
+            "min_lr",
+            "lr_warmup_iters",
+            "weight_decay",
+            "init_method_std",
+            "lambda_std",
+            "adam_eps",
+            "clip_grad",
+            "seed",
+            "num_workers",
+            "eval_iters",
+        ),
+        Range(">= 0"),
+    ),
+    **dict.fromkeys(("rotary_base", "norm_epsilon", "gpu_memory_gib"), Range("> 0")),
+    **dict.fromkeys(("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"), Range("in [0, 1)")),
+}
+"""Every numeric flag's range (a test holds every int/float flag of the parser to a row here): a value out
+of it fails here in one line naming the flag, not deep inside model building or as a silent no-op."""
+
+PLACEHOLDERS = ("train_iters", "train_tokens")
+"""Flags an import records as 0 (`resolve_args(..., placeholders=True)`): the continuing run gives its own."""
 
 
-def _derive(args: argparse.Namespace) -> None:
+def _check_ranges(args: argparse.Namespace, placeholders: bool = False) -> None:
+    """One line for the first numeric flag out of its `RANGES` row, naming the flag, its range and the
+    value (NaN and infinities are in none)."""
+    for name, (rule, unit, hint) in RANGES.items():
+        value = getattr(args, name, None)
+        if value is None or isinstance(value, bool) or (placeholders and name in PLACEHOLDERS and value == 0):
+            continue
+        if not math.isfinite(value) or not _RULES[rule](value):
+            flag = "--" + name.replace("_", "-")
+            raise DiffmegError(
+                f"{flag} must be {rule}{' ' + unit if unit else ''}, got {value}{'; ' + hint if hint else ''}"
+            )
+
+
+def _derive(args: argparse.Namespace, placeholders: bool = False) -> None:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(args, name) is None:
             raise DiffmegError(f"--{name.replace('_', '-')} is required (or pick a preset with --model)")
-    _check_ranges(args)
+    _check_ranges(args, placeholders)
     if args.kv_channels is None:
         # V1: 2h sub-heads of d share the hidden size; V2 and the baseline: h heads of d.
         v1 = args.diff_attention and args.diff_version == 1
@@ -540,9 +629,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.pipeline_model_parallel_size,
         args.context_parallel_size,
     )
-    for name, value in (("tensor", tp), ("pipeline", pp), ("context", cp)):
-        if value < 1:
-            raise DiffmegError(f"--{name}-model-parallel-size must be >= 1, got {value}")
     if world_size % (tp * pp * cp):
         raise DiffmegError(
             f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}; "
@@ -601,6 +687,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             "--tie-embeddings-and-output-weights and --untie-embeddings-and-output-weights contradict each "
             "other; keep one (untied is the default)"
         )
+    if getattr(args, "override_opt_param_scheduler", False) and getattr(
+        args, "use_checkpoint_opt_param_scheduler", False
+    ):
+        raise DiffmegError(
+            "--override-opt-param-scheduler (this run's learning-rate schedule) and "
+            "--use-checkpoint-opt-param-scheduler (the checkpoint's) contradict each other; keep one"
+        )
     _validate_overlap(args)
     _validate_fp8(args)
     _validate_graphs(args)
@@ -611,11 +704,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.min_lr > args.lr:
         raise DiffmegError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
-    chunk = getattr(args, "cross_entropy_chunk_size", None)
-    if chunk is not None and chunk < 1:
-        raise DiffmegError(
-            f"--cross-entropy-chunk-size must be >= 1 token, got {chunk}; leave it out for the unchunked loss"
-        )
     if args.recompute_granularity == "full" and args.recompute_method is None:
         args.recompute_method = "uniform"
     if args.recompute_method is not None and args.recompute_num_layers is None:
@@ -722,9 +810,6 @@ def _validate_overlap(args: argparse.Namespace) -> None:
             )
         if not args.overlap_grad_reduce:
             raise DiffmegError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
-    bucket = getattr(args, "ddp_bucket_size", None)
-    if bucket is not None and bucket < 1:
-        raise DiffmegError(f"--ddp-bucket-size must be >= 1 parameter, got {bucket}")
 
 
 def args_to_json(args: argparse.Namespace) -> str:
@@ -775,6 +860,9 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
             f"--cross-entropy-chunk-size {chunk} saves no memory: a rank's micro-batch has only {tokens} "
             "tokens, so the loss runs in one chunk (and recomputes it)"
         )
+    for name in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        if explicit.get(name) and args.load is None:
+            notes.append(f"--{name.replace('_', '-')} has no effect without --load (no schedule to resume)")
     if explicit.get("async_save") and args.save is None:
         notes.append("--async-save has no effect without --save")
     if explicit.get("compile_layers") and (reason := graphs.compile_no_effect_reason()) is not None:

@@ -390,6 +390,47 @@ class CheckpointManager:
             f"embedding; drop --tie-embeddings-and-output-weights"
         )
 
+    def check_schedule(self) -> None:
+        """The checkpoint the run resumes has this run's learning-rate schedule, or one line naming each
+        difference and the two flags that settle it (Megatron-LM's rule; before anything is built).
+
+        `--override-opt-param-scheduler`: this run's schedule from the checkpoint's iteration on;
+        `--use-checkpoint-opt-param-scheduler`: the checkpoint's, whatever the flags say. A run that does
+        not load the optimizer (--no-load-optim, --finetune, a weights-only checkpoint) starts its own."""
+        if self.load_iteration is None:
+            return
+        path = checkpoint_path(self.config.load, self.load_iteration)
+        common = self._common_state(path)
+        saved = common.get("opt_param_scheduler")
+        if saved is None or not self._loads_optimizer(common):
+            return
+        differences = schedule_differences(saved, self.run)
+        optim = self.run.optim
+        if not differences:
+            return
+        if optim.override_opt_param_scheduler or optim.use_checkpoint_opt_param_scheduler:
+            whose = "this run's" if optim.override_opt_param_scheduler else "the checkpoint's"
+            self.log(f" learning-rate schedule: {'; '.join(differences)}: {whose} is used")
+            return
+        raise DiffmegError(
+            f"checkpoint {path} was trained on another learning-rate schedule: {'; '.join(differences)}; "
+            f"add --override-opt-param-scheduler to go on with this run's schedule from iteration "
+            f"{self.load_iteration}, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's"
+        )
+
+    def _common_state(self, path: str) -> dict:
+        """A checkpoint's common state (iteration, counters, scheduler, layout), or one line naming it."""
+        try:
+            return dist_checkpointing.load_common_state_dict(path)
+        except Exception as exc:  # a damaged common.pt: one line naming it, never torch's unsafe advice
+            raise DiffmegError(damaged_checkpoint_message(path, exc, "--ckpt-step")) from exc
+
+    def _loads_optimizer(self, common: dict) -> bool:
+        """Whether resuming from the checkpoint of `common` restores its optimizer and schedule: not with
+        --no-load-optim or --finetune, nor from a weights-only checkpoint (an HF import)."""
+        cfg = self.config
+        return not (cfg.no_load_optim or cfg.finetune or common.get(WEIGHTS_ONLY_KEY))
+
     def _fresh(self, root: str) -> None:
         if self.config.pretrained_checkpoint is None:  # else the pretrained weights' line says where from
             self.log(f" no checkpoint in {root}, starting from scratch")
@@ -459,15 +500,12 @@ class CheckpointManager:
 
     def _load(self, iteration: int, model, optimizer, scheduler) -> LoadedState:
         cfg, path = self.config, checkpoint_path(self.config.load, iteration)
-        try:
-            common = dist_checkpointing.load_common_state_dict(path)
-        except Exception as exc:  # a damaged common.pt: one line naming it, never torch's unsafe advice
-            raise DiffmegError(damaged_checkpoint_message(path, exc, "--ckpt-step")) from exc
+        common = self._common_state(path)
         saved_layout = {"vp": 1, **common.get("layout", {})}  # no "vp": saved before interleaving existed
         same_model_layout = all(saved_layout.get(k) == _layout()[k] for k in ("tp", "pp", "vp"))
         # A weights-only checkpoint (an HF import) has no optimizer/scheduler/RNG state to resume.
         weights_only = bool(common.get(WEIGHTS_ONLY_KEY))
-        load_optim = not (cfg.no_load_optim or cfg.finetune or weights_only)
+        load_optim = self._loads_optimizer(common)
         if load_optim and self.run.parallel.use_distributed_optimizer and not same_model_layout:
             raise DiffmegError(
                 f"distributed-optimizer state in {path} was saved at TP={saved_layout.get('tp')} "
@@ -488,8 +526,11 @@ class CheckpointManager:
             if load_optim:
                 if "optimizer" not in loaded:
                     raise DiffmegError(f"{path} has no optimizer state; add --no-load-optim")
+                bounds = _lr_bounds(optimizer)
                 optimizer.load_state_dict(loaded["optimizer"])
                 _restore_distributed_optimizer_step(optimizer)
+                if self.run.optim.override_opt_param_scheduler:
+                    _set_lr_bounds(optimizer, bounds)  # the checkpoint's param groups carry its lr bounds
                 scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if load_rng:
             restore_rng_state(loaded["rng_state"], self.log)
@@ -581,6 +622,49 @@ class CheckpointManager:
             self.checkpoint_bytes = directory_bytes(path) or self.checkpoint_bytes  # measured from now on
         how = f" (written in the background in {background_s:.1f} s)" if background_s is not None else ""
         self.log(f" saved checkpoint at iteration {iteration} to {path}{how}")
+
+
+SCHEDULE_FIELDS = (
+    ("max_lr", "lr", "--lr"),
+    ("min_lr", "min_lr", "--min-lr"),
+    ("lr_warmup_steps", "lr_warmup_iters", "--lr-warmup-iters"),
+    ("lr_decay_steps", "lr_decay_iters", "--lr-decay-iters"),
+    ("lr_decay_style", "lr_decay_style", "--lr-decay-style"),
+    ("start_wd", "weight_decay", "--weight-decay"),
+)
+"""What megatron-core's scheduler state records of a schedule: (its key, the run's field, the flag)."""
+
+
+def schedule_differences(saved: dict, run: RunConfig) -> list[str]:
+    """Each value of the learning-rate schedule where a checkpoint's scheduler state (`saved`) and the run
+    differ, as "--flag run's (checkpoint: saved's)"."""
+    explicit = run.extra.get("explicit_flags", ())
+    differences = []
+    for key, name, flag in SCHEDULE_FIELDS:
+        ours, theirs = getattr(run.optim, name), saved.get(key)
+        if theirs is None or ours == theirs:
+            continue
+        note = ""
+        if name == "lr_decay_iters" and name not in explicit:
+            note = f"; it follows --train-iters {run.training.train_iters} unless given"
+        differences.append(f"{flag} {ours} (checkpoint: {theirs}{note})")
+    return differences
+
+
+def _lr_bounds(optimizer: MegatronOptimizer) -> list[tuple[float, float]]:
+    """The (max_lr, min_lr) of every param group, as this run built them."""
+    return [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
+
+
+def _set_lr_bounds(optimizer: MegatronOptimizer, bounds: list[tuple[float, float]]) -> None:
+    """Put `_lr_bounds` back after loading the optimizer state: megatron-core's scheduler reads each
+    group's bounds before its own, so without this --override-opt-param-scheduler would keep the
+    checkpoint's --lr and --min-lr (Megatron-LM issue 1138)."""
+    for group, (max_lr, min_lr) in zip(optimizer.param_groups, bounds, strict=True):
+        if max_lr is not None:
+            group["max_lr"] = max_lr
+        if min_lr is not None:
+            group["min_lr"] = min_lr
 
 
 def check_shape(where: str, saved: dict, run: dict) -> None:

@@ -27,13 +27,16 @@ from diffmeg.errors import DiffmegError
 from diffmeg.presets import count_parameters
 from diffmeg.run_config import DataConfig, RunConfig
 from diffmeg.training.flops import train_flops_per_iteration
-from diffmeg.training.memory import GIB, estimate_memory, loss_peak_bytes, parameters_per_rank
+from diffmeg.training.memory import (
+    GIB,
+    estimate_memory,
+    loss_peak_bytes,
+    parameters_per_rank,
+    shrink_options,
+)
 
 HEADROOM = 0.9
 """Plans above this fraction of the GPU's memory get a warning: the rest is not ours to plan."""
-
-CHUNK_HINT = 2048
-"""The chunked loss's chunk size a memory warning proposes (the 64K recipe's)."""
 
 
 def dry_run_summary(run: RunConfig) -> dict:
@@ -213,22 +216,8 @@ def memory_warnings(run: RunConfig, limit: float, total_gib: float) -> list[str]
         raise DiffmegError(f"--gpu-memory-gib must be > 0, got {limit:g}")
     if total_gib <= HEADROOM * limit:
         return []
-    model, parallel, training = run.model, run.parallel, run.training
-    fixes = []  # (flag, the Slurm recipes' knob)
-    if training.precision == "fp32":
-        fixes.append(("--bf16", "PRECISION=bf16"))
-    if (
-        not parallel.use_distributed_optimizer
-        and parallel.data_parallel_size * parallel.context_parallel_size > 1
-    ):
-        fixes.append(("--use-distributed-optimizer", "DIST_OPTIMIZER=1"))
-    if training.recompute_granularity != "full":
-        fixes.append(("--recompute-granularity full", "RECOMPUTE=full"))
-    tokens = training.micro_batch_size * model.seq_length // parallel.context_parallel_size
-    if not training.cross_entropy_chunk_size and tokens > CHUNK_HINT:
-        fixes.append((f"--cross-entropy-chunk-size {CHUNK_HINT}", f"CE_CHUNK_SIZE={CHUNK_HINT}"))
-    fixes.append(("more tensor/pipeline-parallel ranks", "TP, PP"))
-    world = parallel.world_size
+    fixes = shrink_options(run)
+    world = run.parallel.world_size
     where = "exceeds" if total_gib > limit else f"leaves less than {100 * (1 - HEADROOM):.0f}% of"
     message = (
         f"the memory plan needs {total_gib:.1f} GiB per GPU, which {where} --gpu-memory-gib {limit:g} "

@@ -42,6 +42,9 @@ from diffmeg.run_config import RunConfig
 
 GIB = 1024**3
 
+CHUNK_HINT = 2048
+"""The chunked loss's chunk size a memory message proposes (the 64K recipe's)."""
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -225,3 +228,27 @@ def estimate_memory(run: RunConfig, on_gpu: bool | None = None) -> MemoryEstimat
     if training.recompute_granularity == "full":
         loss_peak = max(loss_peak, one_layer)  # the recomputed layer lives only after the loss
     return MemoryEstimate(params, weights, gradients, optimizer, activations, loss_peak)
+
+
+def shrink_options(run: RunConfig, on_gpu: bool = True) -> list[tuple[str, str]]:
+    """What shrinks this run's plan, as (flag, the Slurm recipes' knob), the likeliest first: for the dry
+    run's warning and the memory guard's refusal (`on_gpu` False: no bf16 proposal, slow on a CPU)."""
+    model, parallel, training = run.model, run.parallel, run.training
+    options = []
+    if training.precision == "fp32" and on_gpu:
+        options.append(("--bf16", "PRECISION=bf16"))
+    if (
+        not parallel.use_distributed_optimizer
+        and parallel.data_parallel_size * parallel.context_parallel_size > 1
+    ):
+        options.append(("--use-distributed-optimizer", "DIST_OPTIMIZER=1"))
+    if training.recompute_granularity != "full":
+        options.append(("--recompute-granularity full", "RECOMPUTE=full"))
+    if training.micro_batch_size > 1:
+        options.append(("--micro-batch-size 1", "MICRO_BATCH=1"))
+    tokens = training.micro_batch_size * model.seq_length // parallel.context_parallel_size
+    if not training.cross_entropy_chunk_size and tokens > CHUNK_HINT:
+        options.append((f"--cross-entropy-chunk-size {CHUNK_HINT}", f"CE_CHUNK_SIZE={CHUNK_HINT}"))
+    options.append(("a shorter --seq-length", "EXTRA_ARGS='--seq-length N'"))
+    options.append(("more tensor/pipeline/context-parallel ranks", "TP, PP, CP"))
+    return options

@@ -52,6 +52,8 @@ def build_scheduler(run: RunConfig, optimizer: MegatronOptimizer) -> OptimizerPa
         end_wd=o.weight_decay,
         wd_incr_steps=run.training.train_iters,
         wd_incr_style="constant",
+        # Any difference from the checkpoint's schedule was refused before loading unless one of the two
+        # flags settled it (CheckpointManager.check_schedule): "use the checkpoint's" is then exact.
         use_checkpoint_opt_param_scheduler=not o.override_opt_param_scheduler,
         override_opt_param_scheduler=o.override_opt_param_scheduler,
     )

@@ -51,6 +51,7 @@ from diffmeg.training.flops import train_flops_per_iteration
 from diffmeg.training.hardware import model_flops_utilization, peak_tflops
 from diffmeg.training.logger import run_summary
 from diffmeg.training.memory import estimate_memory
+from diffmeg.training.memory_guard import check_memory_plan
 
 
 class ModelParallelSizes(NamedTuple):
@@ -146,8 +147,10 @@ class Trainer:
         self.checkpoints.lock_save_target()  # one run per --save folder, before anything is written there
         self.checkpoints.resolve()  # every bad --load / --ckpt-step fails here, before anything is built
         self.checkpoints.check_output_layer()
+        self.checkpoints.check_schedule()
         tokenizer = self._tokenizer()
 
+        check_memory_plan(run)  # a plan the device cannot hold stops here, before the first allocation
         self._rss_before_model = _rss_bytes("VmRSS")
         # `model`: the DDP-wrapped chunks, one per virtual pipeline stage (one without interleaving)
         self.model_config, self.model, self.optimizer, self.scheduler = build_training_objects(run)

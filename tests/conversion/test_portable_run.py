@@ -21,6 +21,7 @@ from tests.tools.helpers import run_tool
 TRAIN = [
     "--use-checkpoint-args", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
     "--lr", "1e-4", "--lr-warmup-iters", "0", "--eval-iters", "0", "--split", "1,0,0", "--log-interval", "1",
+    "--lr-decay-iters", "2",  # the schedule of the resumed run of 2 iterations from the first run's 1
 ]  # fmt: skip
 
 

@@ -4,7 +4,6 @@ import itertools
 import json
 import multiprocessing as mp
 import os
-import time
 
 import pytest
 
@@ -27,18 +26,17 @@ def built(tmp_path_factory, bpe_file):
     cache = str(tmp_path_factory.mktemp("diffmeg-cache"))
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    start = time.time()
     procs = [ctx.Process(target=_build_in_child, args=(bpe_file, cache, results)) for _ in range(2)]
     for p in procs:
         p.start()
     outcomes = [results.get(timeout=300) for _ in procs]
     for p in procs:
         p.join()
-    return cache, outcomes, time.time() - start
+    return cache, outcomes
 
 
 def test_concurrent_first_build(built):
-    cache, outcomes, seconds = built
+    cache, outcomes = built
     assert [o[0] for o in outcomes] == ["ok", "ok"], outcomes
     assert outcomes[0][1] == outcomes[1][1]
     prefix = outcomes[0][1]
@@ -51,7 +49,6 @@ def test_concurrent_first_build(built):
         "builtin_text_document.idx",
         "builtin_text_document.tokenizer.json",  # which ids: cl100k_base
     ]
-    assert seconds < 60
 
 
 def test_corpus_is_real_text_tokenized_with_eod(built, tokenizer):
@@ -67,13 +64,11 @@ def test_corpus_is_real_text_tokenized_with_eod(built, tokenizer):
 
 
 def test_cached_after_first_build(built, tokenizer):
-    cache, outcomes, _ = built
+    cache, outcomes = built
     prefix = outcomes[0][1]
     mtime = os.stat(prefix + ".bin").st_mtime_ns
-    start = time.time()
     assert builtin.builtin_corpus(tokenizer, cache_dir=cache) == prefix
-    assert time.time() - start < 5
-    assert os.stat(prefix + ".bin").st_mtime_ns == mtime
+    assert os.stat(prefix + ".bin").st_mtime_ns == mtime  # found, not built again
 
 
 def test_generation_is_deterministic():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from diffmeg.errors import DiffmegError
-from diffmeg.training.arguments import resolve_args
+from diffmeg.training.arguments import RANGES, build_parser, resolve_args
 
 
 def test_explicit_flags_override_preset(monkeypatch):
@@ -29,6 +31,7 @@ TIE_AND_UNTIE = ["--model", "diff-tiny", "--tie-embeddings-and-output-weights"] 
     "--untie-embeddings-and-output-weights"
 ]
 VP1 = ["--num-layers-per-virtual-pipeline-stage", "1"]
+BOTH_SCHEDULES = ["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"]
 
 
 @pytest.mark.parametrize(
@@ -58,7 +61,14 @@ VP1 = ["--num-layers-per-virtual-pipeline-stage", "1"]
         (["--model", "diff-tiny", "--micro-batch-size", "0"], 1, r"^--micro-batch-size must be >= 1, got 0$"),
         (["--model", "diff-tiny", "--lr=-1e-3"], 1, r"^--lr must be >= 0, got -0.001$"),
         (["--model", "diff-tiny", "--lr", "nan"], 1, r"^--lr must be >= 0, got nan$"),
-        (["--model", "diff-tiny", "--train-iters", "-1"], 1, r"^--train-iters must be >= 0, got -1$"),
+        (["--model", "diff-tiny", "--train-iters", "-1"], 1, r"^--train-iters must be >= 1, got -1; a run "),
+        (
+            ["--model", "diff-tiny", "--train-iters", "0"],
+            1,
+            r"^--train-iters must be >= 1, got 0; a run of no iterations trains nothing$",
+        ),
+        (["--model", "diff-tiny", "--train-tokens", "0"], 1, r"^--train-tokens must be >= 1, got 0; a run "),
+        (["--model", "diff-tiny", *BOTH_SCHEDULES], 1, r"contradict each other; keep one$"),
         (["--model", "diff-tiny", "--finetune"], 1, "--finetune needs --load"),
         (["--model", "diff-tiny", "--overlap-param-gather"], 2, "add --use-distributed-optimizer"),
         (
@@ -157,3 +167,34 @@ def test_a_bad_flag_gets_a_short_usage_line_then_the_error(capsys):
         "usage: pretrain_diff.py [--model PRESET] [FLAGS ...]  (--help lists every flag)",
         "pretrain_diff.py: error: argument --lr: expected one argument",
     ]
+
+
+@pytest.mark.parametrize("value", ["-1e-3", "-1E-3", "-.5e+2", "-inf", "-1"])
+def test_a_negative_number_in_any_notation_is_a_value_and_gets_the_range_line(monkeypatch, value):
+    """argparse takes `-1` but reads `-1e-3` as an unknown flag ("expected one argument"): every notation
+    reaches the range check, which names the flag."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(DiffmegError, match=rf"^--lr must be >= 0, got {float(value)}$"):
+        resolve_args(["--model", "diff-tiny", "--lr", value])
+
+
+def _numeric_flags() -> dict[str, type]:
+    return {a.dest: a.type for a in build_parser()._actions if a.type in (int, float) and not a.choices}
+
+
+def test_every_numeric_flag_has_a_range():
+    assert sorted(set(_numeric_flags()) - set(RANGES)) == []
+    assert sorted(set(RANGES) - set(_numeric_flags())) == []  # no row for a flag that is gone
+
+
+@pytest.mark.parametrize("name", sorted(RANGES))
+def test_every_numeric_flag_out_of_its_range_is_one_line_naming_it(monkeypatch, name):
+    """The value just outside each range, typed as a user would (a separate token, negative or not)."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rule = RANGES[name].rule
+    kind = _numeric_flags()[name]
+    bad = {">= 1": "0", ">= 0": "-1" if kind is int else "-1e-3", "> 0": "0", "in [0, 1)": "1"}[rule]
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(DiffmegError, match="^" + re.escape(f"{flag} must be {rule}")) as err:
+        resolve_args(["--model", "diff-tiny", flag, bad])
+    assert f"got {kind(float(bad))}" in str(err.value) and "\n" not in str(err.value)

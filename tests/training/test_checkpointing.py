@@ -232,3 +232,81 @@ def test_same_device_rng_state_is_restored_exactly(single_rank_parallel_state):
     with tracker.fork():
         again = torch.rand(4)
     assert torch.equal(first, again) and not lines
+
+
+# ------------------------------------------------------------------------------------ the LR schedule
+
+
+@pytest.fixture(scope="module")
+def four_iterations(single_rank_parallel_state, tmp_path_factory) -> str:
+    """A checkpoint of SMALL's schedule over 4 iterations (linear from 3e-3 to 3e-4 after 1 of warmup)."""
+    from tests.training.helpers import SMALL
+
+    root = str(tmp_path_factory.mktemp("schedule") / "ckpt")
+    trainer = _trainer(SMALL, "--min-lr", "3e-4", "--train-iters", "4", "--save", root)
+    try:
+        trainer.train()
+    finally:
+        _release(trainer)
+    return root
+
+
+def _trainer(*flags):
+    from diffmeg.training.trainer import Trainer
+
+    args = [f for group in flags for f in ([group] if isinstance(group, str) else group)]
+    return Trainer(RunConfig.from_args(resolve_args(args, world_size=1)), callbacks=[])
+
+
+def _release(trainer) -> None:
+    from diffmeg.training.builders import release_training_objects
+
+    release_training_objects(trainer.model_config, trainer.model)
+
+
+def _first_resumed_lr(root: str, *flags: str) -> float:
+    """The learning rate iteration 5 trains with when SMALL resumes `root` with `flags`."""
+    from tests.training.helpers import SMALL
+
+    trainer = _trainer(SMALL, "--min-lr", "3e-4", "--load", root, *flags)
+    try:
+        assert trainer.state.iteration == 4
+        return trainer.optimizer.param_groups[0]["lr"]
+    finally:
+        _release(trainer)
+
+
+def test_a_longer_run_is_refused_naming_the_decay_iterations_and_both_flags(four_iterations):
+    """--train-iters 8 moves --lr-decay-iters (its default) from 4 to 8: Megatron-LM's mismatch."""
+    from tests.training.helpers import SMALL
+
+    flags = [*SMALL, "--min-lr", "3e-4", "--load", four_iterations, "--train-iters", "8", "--lr", "6e-3"]
+    manager = CheckpointManager(RunConfig.from_args(resolve_args(flags, world_size=1)))
+    manager.resolve()
+    with pytest.raises(DiffmegError) as err:
+        manager.check_schedule()
+    assert str(err.value) == (
+        f"checkpoint {four_iterations}/iter_0000004 was trained on another learning-rate schedule: "
+        "--lr 0.006 (checkpoint: 0.003); --lr-decay-iters 8 (checkpoint: 4; it follows --train-iters 8 "
+        "unless given); add --override-opt-param-scheduler to go on with this run's schedule from iteration "
+        "4, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's"
+    )
+
+
+def test_the_same_schedule_resumes_without_a_flag(four_iterations):
+    lr = _first_resumed_lr(four_iterations, "--train-iters", "8", "--lr-decay-iters", "4")
+    assert lr == pytest.approx(3e-4)  # past the decay: --min-lr
+
+
+def test_override_takes_this_runs_schedule_lr_included(four_iterations):
+    """Iteration 5 under this run's schedule: warmup 1, linear decay over 8, from --lr 6e-3 (the optimizer
+    state's param groups carry the checkpoint's 3e-3: Megatron-LM issue 1138)."""
+    flags = ("--train-iters", "8", "--lr", "6e-3", "--override-opt-param-scheduler")
+    lr = _first_resumed_lr(four_iterations, *flags)
+    assert lr == pytest.approx(3e-4 + (1 - 3 / 7) * (6e-3 - 3e-4))
+
+
+def test_use_checkpoint_keeps_the_checkpoints_schedule(four_iterations):
+    flags = ("--train-iters", "8", "--lr", "6e-3", "--use-checkpoint-opt-param-scheduler")
+    lr = _first_resumed_lr(four_iterations, *flags)
+    assert lr == pytest.approx(3e-4)  # its decay ended at iteration 4

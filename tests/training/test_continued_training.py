@@ -27,7 +27,9 @@ def test_longer_context_and_new_rotary_base(tmp_path, single_rank_parallel_state
     short = str(tmp_path / "seq64")
     run_training(tmp_path, "short", ["--train-iters", "3", "--seq-length", "64", "--save", short])
     long = str(tmp_path / "seq128")
+    # --lr-decay-iters: one schedule for its first 3 iterations and, requeued, its 4
     continued = ["--seq-length", "128", "--rotary-base", "640000", "--lr", "8e-5", "--min-lr", "8e-5",
+                 "--lr-decay-iters", "4",
                  "--pretrained-checkpoint", short, "--load", long, "--save", long]  # fmt: skip
     proc = run_training(tmp_path, "long", ["--train-iters", "3", *continued])
     assert "initialised weights from pretrained checkpoint" in proc.stdout
