@@ -42,6 +42,7 @@ from diffmeg.eval.common import (
 from diffmeg.eval.plotting import Curve, plot_curves
 from diffmeg.model import output_logits
 from diffmeg.model_source import CheckpointInfo
+from diffmeg.storage import atomic_write
 
 CSV_NAME = "long_context_nll.csv"
 PLOT_NAME = "long_context_nll.png"
@@ -357,12 +358,10 @@ def csv_positions(length: int, every: int) -> np.ndarray:
 def write_csv(path: str, columns: dict[str, np.ndarray], every: int = 1) -> None:
     """`position,label1,label2,...` with the cumulative average NLL, atomically."""
     length = min(len(v) for v in columns.values())
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with atomic_write(path) as f:
         f.write(",".join(["position", *(_csv_field(k) for k in columns)]) + "\n")
         for p in csv_positions(length, every):
             f.write(",".join([str(p), *(f"{v[p]:.6f}" for v in columns.values())]) + "\n")
-    os.replace(tmp, path)
 
 
 def _csv_field(text: str) -> str:
