@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -225,30 +224,22 @@ def resolve_length(infos: Sequence[CheckpointInfo], max_length: int | None, log:
 # The model side
 
 
-@contextmanager
-def _hidden_states_only(model: torch.nn.Module) -> Iterator[None]:
-    """Make GPTModel.forward return the final (normed) hidden states instead of logits or loss.
-
-    GPTModel's `_postprocess` returns the decoder output when `post_process` is off; the decoder keeps
-    its own final norm, so only the output projection is skipped and can be done in chunks here.
-    """
-    saved = model.post_process
-    model.post_process = False
-    try:
-        yield
-    finally:
-        model.post_process = saved
-
-
 @torch.no_grad()
 def final_hidden_states(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     """The final normed hidden states [s, b, h] of inputs [b, s] at positions 0..s-1: what the output
     projection (`diffmeg.model.output_logits`) turns into logits, for callers that need only some
-    positions."""
+    positions.
+
+    GPTModel's `_postprocess` returns the decoder output when `post_process` is off; the decoder keeps
+    its own final norm, so only the output projection is skipped (and can be done in chunks).
+    """
     b, s = inputs.shape
     position_ids = torch.arange(s, device=inputs.device).unsqueeze(0).expand(b, s)
-    with _hidden_states_only(model):
+    saved, model.post_process = model.post_process, False
+    try:
         return model(input_ids=inputs, position_ids=position_ids, attention_mask=None)
+    finally:
+        model.post_process = saved
 
 
 @torch.no_grad()
@@ -294,11 +285,6 @@ def check_token_ids(source: DocumentSource, indices: np.ndarray, count: int, voc
         _check_token_ids(source, int(i), source.read(int(i), count), vocab_size)
 
 
-def _batches(indices: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
-    for start in range(0, len(indices), batch_size):
-        yield indices[start : start + batch_size]
-
-
 def evaluate_model(
     model: torch.nn.Module,
     source: DocumentSource,
@@ -318,7 +304,8 @@ def evaluate_model(
     device = next(model.parameters()).device
     stats = PositionStats(length)
     started = last_log = time.monotonic()
-    for batch in _batches(indices, batch_size):
+    for start in range(0, len(indices), batch_size):
+        batch = indices[start : start + batch_size]
         docs = [source.read(int(i), length + (prefix is None)) for i in batch]
         for i, doc in zip(batch, docs, strict=True):
             _check_token_ids(source, int(i), doc, vocab_size)
@@ -503,21 +490,3 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
     write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     return summary
 
-
-__all__ = [
-    "CSV_NAME",
-    "PLOT_NAME",
-    "SUMMARY_NAME",
-    "DocumentSource",
-    "IndexedDocuments",
-    "LongContextConfig",
-    "PositionStats",
-    "TextDocuments",
-    "check_token_ids",
-    "cumulative_average",
-    "csv_positions",
-    "evaluate_model",
-    "per_token_nll",
-    "run_long_context_eval",
-    "select_documents",
-]
