@@ -123,6 +123,13 @@ class EvalConfig:
         if self.dtype not in DTYPES:
             raise DiffmegError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype}")
 
+    def require_positive(self, *names: str) -> None:
+        """Each named field, where set, is >= 1; else one line naming its flag."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise DiffmegError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
 
 def loaded_models(
     infos: Sequence[CheckpointInfo], dtype: str = "float32", seed: int = 1234

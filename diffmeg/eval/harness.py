@@ -212,10 +212,7 @@ class HarnessConfig(common.EvalConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("batch_size", "max_length", "max_gen_toks"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise DiffmegError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        self.require_positive("batch_size", "max_length", "max_gen_toks")
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise DiffmegError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
         if self.limit is not None and (

@@ -380,10 +380,7 @@ class LongContextConfig(EvalConfig):
         super().__post_init__()
         if (self.data_prefix is None) == (not self.text_files):
             raise DiffmegError("give exactly one of --data-prefix or --text-files")
-        for name in ("max_length", "num_docs", "batch_size", "loss_chunk_size", "csv_every"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise DiffmegError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        self.require_positive("max_length", "num_docs", "batch_size", "loss_chunk_size", "csv_every")
         if self.min_doc_length is not None and self.min_doc_length < 2:
             raise DiffmegError(
                 f"--min-doc-length must be >= 2 (one prediction needs two tokens), got {self.min_doc_length}"

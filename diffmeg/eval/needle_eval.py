@@ -51,8 +51,7 @@ class NeedlePromptsConfig(common.EvalConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.samples < 1:
-            raise DiffmegError(f"--samples must be >= 1, got {self.samples}")
+        self.require_positive("samples")
         if not self.depths:
             raise DiffmegError("give at least one --depths value")
 
