@@ -350,7 +350,7 @@ def resolve_prefixes(specs: Sequence[str]) -> list[str]:
             if not found:
                 raise DiffmegError(f"no dataset (.bin + .idx) matches {spec!r}")
         else:
-            prefix = _strip_ext(spec)
+            prefix = strip_ext(spec)
             if not exists(prefix):
                 raise DiffmegError(f"dataset {prefix} not found: need {prefix}.bin and {prefix}.idx")
             found = [prefix]
@@ -358,13 +358,14 @@ def resolve_prefixes(specs: Sequence[str]) -> list[str]:
     return prefixes
 
 
-def _strip_ext(path: str) -> str:
+def strip_ext(path: str) -> str:
+    """A dataset's prefix from its prefix or either of its files' paths."""
     return path[:-4] if path.endswith((".bin", ".idx")) else path
 
 
 def _prefixes_from_paths(paths: Iterable[str]) -> list[str]:
 
-    prefixes = {_strip_ext(p) for p in paths if p.endswith((".bin", ".idx"))}
+    prefixes = {strip_ext(p) for p in paths if p.endswith((".bin", ".idx"))}
     return sorted(p for p in prefixes if exists(p) and not is_loss_mask_prefix(p))
 
 

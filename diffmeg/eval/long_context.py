@@ -24,6 +24,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 
 from diffmeg.checkpoints import first_line
+from diffmeg.data.indexed import strip_ext
 from diffmeg.data.tiktoken_cl100k import PADDED_VOCAB_SIZE
 from diffmeg.data.tokenizers import text_tokenizer
 from diffmeg.errors import DiffmegError
@@ -126,8 +127,7 @@ class IndexedDocuments(DocumentSource):
     """A megatron-core indexed dataset (`{prefix}.bin/.idx`), read lazily through its memory map."""
 
     def __init__(self, prefix: str) -> None:
-        if prefix.endswith((".bin", ".idx")):
-            prefix = prefix[:-4]
+        prefix = strip_ext(prefix)
         missing = [p for p in (get_bin_path(prefix), get_idx_path(prefix)) if not os.path.isfile(p)]
         if missing:
             raise DiffmegError(f"--data-prefix {prefix}: missing {' and '.join(missing)}")

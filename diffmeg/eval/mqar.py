@@ -22,7 +22,7 @@ import torch
 
 from diffmeg.checkpoints import iteration_dirs
 from diffmeg.data.gpt_datasets import parse_data_path
-from diffmeg.data.indexed import has_loss_mask, loss_mask_prefix
+from diffmeg.data.indexed import has_loss_mask, loss_mask_prefix, strip_ext
 from diffmeg.data.loss_mask import MaskedDocuments
 from diffmeg.data.mqar import pair_indices, read_mqar_metadata
 from diffmeg.errors import DiffmegError
@@ -166,7 +166,7 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Log = stderr) -> dict:
         raise DiffmegError("give at least one --data-prefix")
     if (cfg.max_documents is not None and cfg.max_documents < 1) or cfg.batch_size < 1:
         raise DiffmegError("--max-documents and --batch-size must be >= 1")
-    prefixes = [p[:-4] if p.endswith((".bin", ".idx")) else p for p in cfg.data_prefixes]
+    prefixes = [strip_ext(p) for p in cfg.data_prefixes]
     for prefix in prefixes:
         parse_data_path([prefix])  # both files present, with a hint for the usual slips
         if not has_loss_mask(prefix):
