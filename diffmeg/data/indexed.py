@@ -35,7 +35,7 @@ from megatron.core.datasets.indexed_dataset import (
 )
 
 from diffmeg.data.token_range import TokenRange, combine, record_range, token_range
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.storage import check_output, format_bytes, free_bytes, is_disk_full
 
 TOKEN_DTYPE = np.int32
@@ -93,14 +93,8 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def _stderr(line: str) -> None:
-    import sys
-
-    print(line, file=sys.stderr, flush=True)
-
-
 def remove_stale_temporaries(
-    paths: Iterable[str], log: Callable[[str], None] = _stderr, datasets: bool = True
+    paths: Iterable[str], log: Callable[[str], None] = stderr, datasets: bool = True
 ) -> list[str]:
     """Remove the temporaries a killed run left for these outputs; refuse those of a running one.
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.eval import common
 from diffmeg.eval.capture import AttentionRecord, capture_attention, capture_layer_outputs
 from diffmeg.eval.long_context import IndexedDocuments
@@ -206,7 +206,7 @@ def collect_stats(model: torch.nn.Module, windows: Iterator[np.ndarray]) -> dict
     return stats
 
 
-def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = common.stderr) -> dict:
+def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = stderr) -> dict:
     if cfg.tokens < 1:
         raise DiffmegError(f"--tokens must be >= 1, got {cfg.tokens}")
     if cfg.per_document and cfg.data_prefix is None:

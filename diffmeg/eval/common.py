@@ -14,7 +14,6 @@ import gc
 import glob
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass
 
@@ -31,10 +30,6 @@ from diffmeg.runtime import single_process
 from diffmeg.storage import atomic_write
 
 Log = Callable[[str], None]
-
-
-def stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffmeg.data.tokenizers import text_tokenizer
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.eval import common
 from diffmeg.eval.long_context import final_hidden_states
 from diffmeg.generation import SamplingConfig, generate
@@ -240,7 +240,7 @@ def _metrics(task_results: dict) -> dict[str, float]:
     return out
 
 
-def run_harness(cfg: HarnessConfig, log: common.Log = common.stderr) -> dict:
+def run_harness(cfg: HarnessConfig, log: common.Log = stderr) -> dict:
     """Every checkpoint on every task through lm-eval's `simple_evaluate`; writes harness_results.json,
     harness_results.csv (label, task, metric, value) and, with `log_samples`, harness_samples.jsonl."""
     from lm_eval.tasks import TaskManager  # optional dependency; its task index loads slowly

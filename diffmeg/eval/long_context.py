@@ -27,7 +27,7 @@ from diffmeg.checkpoints import first_line
 from diffmeg.data.indexed import strip_ext
 from diffmeg.data.tiktoken_cl100k import PADDED_VOCAB_SIZE
 from diffmeg.data.tokenizers import text_tokenizer
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.eval.common import (
     EvalConfig,
     Log,
@@ -36,7 +36,6 @@ from diffmeg.eval.common import (
     loaded_models,
     read_text_file,
     start_outputs,
-    stderr,
     write_json,
 )
 from diffmeg.eval.plotting import Curve, plot_curves

@@ -25,8 +25,8 @@ from diffmeg.data.gpt_datasets import parse_data_path
 from diffmeg.data.indexed import has_loss_mask, loss_mask_prefix, strip_ext
 from diffmeg.data.loss_mask import MaskedDocuments
 from diffmeg.data.mqar import pair_indices, read_mqar_metadata
-from diffmeg.errors import DiffmegError
-from diffmeg.eval.common import EvalConfig, Log, loaded_models, start_outputs, stderr, write_json, write_rows
+from diffmeg.errors import DiffmegError, stderr
+from diffmeg.eval.common import EvalConfig, Log, loaded_models, start_outputs, write_json, write_rows
 from diffmeg.eval.mqar_attention import AttentionTally, write_attention
 from diffmeg.model_source import read_checkpoint_info
 
