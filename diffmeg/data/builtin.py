@@ -23,7 +23,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import sys
 import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from diffmeg.data.hf_tokenizer import HF_TOKENIZER, HFTokenizer
 from diffmeg.data.indexed import exists
 from diffmeg.data.preprocess import PreprocessConfig, output_prefix, preprocess
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.storage import atomic_write, default_cache_dir
 
 GENERATOR_VERSION = 1
@@ -193,11 +192,9 @@ def _get_or_build(tokenizer, cache_dir: str | None) -> str:
     with _locked(directory + ".lock"):
         if exists(prefix):
             return prefix
-        print(
+        stderr(
             f"building the builtin corpus (first use: about {BUILD_CPU_SECONDS} s on an idle core, longer on "
-            f"a busy one; later runs reuse it) in {directory}",
-            file=sys.stderr,
-            flush=True,
+            f"a busy one; later runs reuse it) in {directory}"
         )
         jsonl = builtin_jsonl(cache_dir) if hf else os.path.join(directory, "builtin.jsonl")
         if not os.path.isfile(jsonl):
