@@ -127,10 +127,7 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: common.Log = stderr) -
             per_depth[depth] = {"answer": float(np.mean(answers)), "noise": float(np.mean(noises))}
         checkpoints.append(
             {
-                "label": info.label,
-                "load": info.root,
-                "iteration": info.iteration,
-                "architecture": info.architecture,
+                **info.identity(),
                 "by_depth": {str(d): v for d, v in per_depth.items()},
                 "answer_mass": float(np.mean([v["answer"] for v in per_depth.values()])),
                 "noise_mass": float(np.mean([v["noise"] for v in per_depth.values()])),

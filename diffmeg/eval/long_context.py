@@ -467,10 +467,7 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
         "prefix_eod": prefix,
         "checkpoints": [
             {
-                "label": info.label,
-                "load": info.root,
-                "iteration": info.iteration,
-                "architecture": info.architecture,
+                **info.identity(),
                 "trained_seq_length": info.seq_length,
                 "extrapolated": length > info.seq_length,
                 "docs_used": stats.documents,

@@ -196,10 +196,7 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Log = stderr) -> dict:
             )
             results.append(
                 {
-                    "label": info.label,
-                    "load": info.root,
-                    "iteration": info.iteration,
-                    "architecture": info.architecture,
+                    **info.identity(),
                     "data_prefix": prefix,
                     "setting": meta["name"] if meta else None,
                     **tally.summary(),
