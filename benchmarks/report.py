@@ -245,26 +245,14 @@ def mfu_full_square(t: dict) -> float | None:
     layers and length."""
     if t.get("mfu_full_square") is not None or not t.get("mfu") or not t.get("layers"):
         return t.get("mfu_full_square")
+    from benchmarks.campaign.figures import preset_flops_per_token
     from diffmeg.presets import PRESETS
-    from diffmeg.training.flops import forward_flops_per_token
 
     p = PRESETS.get(t["model"])
     if p is None:
         return None
-    kw = dict(
-        num_layers=t["layers"],
-        hidden_size=p["hidden_size"],
-        ffn_hidden_size=p["ffn_hidden_size"],
-        num_attention_heads=p["num_attention_heads"],
-        num_query_groups=p.get("num_query_groups") or p["num_attention_heads"],
-        kv_channels=p["kv_channels"],
-        seq_length=t["seq"],
-        vocab_size=p["vocab_size"],
-        diff_attention=p["diff_attention"],
-        diff_version=p.get("diff_version", 1),
-    )
-    full, causal = forward_flops_per_token(**kw, causal=False), forward_flops_per_token(**kw)
-    return t["mfu"] * full.total / causal.total
+    full = preset_flops_per_token(p, t["layers"], t["seq"], causal=False)
+    return t["mfu"] * full / preset_flops_per_token(p, t["layers"], t["seq"])
 
 
 def _profile(name: str, r: dict) -> list[str]:

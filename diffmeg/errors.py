@@ -14,6 +14,11 @@ class DiffmegError(Exception):
     """A problem with the user's input or environment; the message says what to do."""
 
 
+def stderr(line: str) -> None:
+    """A progress or warning line on stderr, flushed: the default `log` of the tools' long functions."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def cli_errors(
     main: Callable[..., T] | None = None, *, interrupted: str | None = None
 ) -> Callable[..., T] | Callable[[Callable[..., T]], Callable[..., T]]:

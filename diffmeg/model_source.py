@@ -63,6 +63,11 @@ class CheckpointInfo:
         hf = self.args.get("tokenizer_type") == "HuggingFaceTokenizer"
         return "HuggingFaceTokenizer" if hf else "cl100k_base"
 
+    def identity(self) -> dict:
+        """Which checkpoint a result is of: the first fields of every evaluation's per-checkpoint record."""
+        fields = {"label": self.label, "load": self.root, "iteration": self.iteration}
+        return fields | {"architecture": self.architecture}
+
 
 def read_checkpoint_info(root: str, iteration: int | None = None) -> CheckpointInfo:
     """The arguments a checkpoint was trained with (cheap: no weights are read).

@@ -5,15 +5,18 @@ removes what it left half-written; these helpers answer the questions that line 
 is the one check of an output path before work starts (every tool's --save, --output-prefix,
 --tensorboard-dir, --metrics-file): a read-only file system, a path without permission, a file where a
 folder should be (or the reverse) and too little space, each named as what it is. `default_cache_dir` is
-where diffmeg keeps what it can rebuild.
+where diffmeg keeps what it can rebuild. `atomic_write` is how a file is written whole or not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import shutil
 from collections.abc import Iterator
+from typing import IO, Any
 
 from diffmeg.errors import DiffmegError
 
@@ -25,6 +28,27 @@ def default_cache_dir() -> str:
     """Where diffmeg caches what it can rebuild (the builtin corpus, token-id ranges of read-only data):
     ``$DIFFMEG_CACHE_DIR``, else ``~/.cache/diffmeg``."""
     return os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "diffmeg")
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "w", **open_kwargs: Any) -> Iterator[IO]:
+    """`path` opened at a temporary beside it, renamed to `path` when the block ends without error: a crash,
+    a full disk or Ctrl-C leaves the previous file whole and no temporary."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, mode, **open_kwargs) as f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path: str, data: Any, *, indent: int = 2, **dump_kwargs: Any) -> None:
+    """`data` as indented JSON and a newline, written atomically."""
+    with atomic_write(path) as f:
+        json.dump(data, f, indent=indent, **dump_kwargs)
+        f.write("\n")
 
 
 def format_bytes(n: float) -> str:

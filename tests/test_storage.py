@@ -1,4 +1,4 @@
-"""diffmeg/storage.py: the disk facts behind every writer's one-line full-disk error."""
+"""diffmeg/storage.py: the disk facts behind every writer's one-line full-disk error; the atomic writer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from diffmeg.storage import directory_bytes, format_bytes, free_bytes, is_disk_full
+from diffmeg.storage import atomic_write, directory_bytes, format_bytes, free_bytes, is_disk_full, write_json
 
 
 def test_free_bytes_asks_the_nearest_existing_parent(tmp_path, monkeypatch):
@@ -96,3 +96,15 @@ def test_check_output_names_each_unwritable_output_as_what_it_is(tmp_path, monke
         f"--output-prefix {tmp_path}/out is on a read-only file system ({tmp_path}); choose another "
         "--output-prefix"
     )
+
+
+def test_atomic_write_replaces_whole_or_leaves_the_previous_file(tmp_path):
+    target = tmp_path / "out.json"
+    write_json(str(target), {"a": 1})
+    assert target.read_text() == '{\n  "a": 1\n}\n'
+    with pytest.raises(RuntimeError, match="^stop$"):
+        with atomic_write(str(target)) as f:
+            f.write("half")
+            raise RuntimeError("stop")
+    assert target.read_text() == '{\n  "a": 1\n}\n'  # the previous file, whole
+    assert os.listdir(tmp_path) == ["out.json"]  # and no temporary

@@ -265,7 +265,6 @@ def upcycle(args: argparse.Namespace, extra: list[str]) -> None:
     source = open_upcycle_source(args.load)
     layout, resolved = upcycled_args(
         source,
-        args.save,
         extra,
         seq_length=args.seq_length,
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -40,25 +40,34 @@ def _row_of(rows: list[dict], model: str, seq: int, flags: list[str]) -> dict | 
     return None
 
 
+def preset_flops_per_token(p: dict, layers: int, seq: int, causal: bool = True) -> float:
+    """Forward FLOPs per token of preset `p` (a `diffmeg.presets` entry) at `layers` layers and `seq`
+    tokens; `causal` False counts attention as the full square (Megatron-LM's MFU convention)."""
+    from diffmeg.training.flops import forward_flops_per_token
+
+    return forward_flops_per_token(
+        num_layers=layers,
+        hidden_size=p["hidden_size"],
+        ffn_hidden_size=p["ffn_hidden_size"],
+        num_attention_heads=p["num_attention_heads"],
+        num_query_groups=p.get("num_query_groups") or p["num_attention_heads"],
+        kv_channels=p["kv_channels"],
+        seq_length=seq,
+        vocab_size=p["vocab_size"],
+        diff_attention=p["diff_attention"],
+        diff_version=p.get("diff_version", 1),
+        causal=causal,
+    ).total
+
+
 def flop_bound(diff_preset: str, seq: int) -> float:
     """Transformer FLOPs / DIFF FLOPs per token of the full presets (DESIGN.md: 0.956 at 4K for 3B)."""
     from benchmarks.train_step import baseline_of
     from diffmeg.presets import get_preset
-    from diffmeg.training.flops import forward_flops_per_token
 
     def per_token(name: str) -> float:
         p = get_preset(name)
-        return forward_flops_per_token(
-            num_layers=p["num_layers"],
-            hidden_size=p["hidden_size"],
-            ffn_hidden_size=p["ffn_hidden_size"],
-            num_attention_heads=p["num_attention_heads"],
-            num_query_groups=p.get("num_query_groups") or p["num_attention_heads"],
-            kv_channels=p["kv_channels"],
-            seq_length=seq,
-            vocab_size=p["vocab_size"],
-            diff_attention=p["diff_attention"],
-        ).total
+        return preset_flops_per_token(p, p["num_layers"], seq)
 
     return per_token(baseline_of(diff_preset)) / per_token(diff_preset)
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 import time
+
+from diffmeg.errors import stderr
 
 
 def clock(seconds: float) -> str:
@@ -26,9 +27,7 @@ class Progress:
     def layer_done(self, done: int) -> None:
         elapsed = time.perf_counter() - self.start
         per_layer = elapsed / done
-        print(
+        stderr(
             f"{self.label}: layer {done}/{self.layers}, {per_layer:.1f} s/layer, elapsed {clock(elapsed)}, "
-            f"ETA {clock(per_layer * (self.layers - done))}",
-            file=sys.stderr,
-            flush=True,
+            f"ETA {clock(per_layer * (self.layers - done))}"
         )

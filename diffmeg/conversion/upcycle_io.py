@@ -193,7 +193,6 @@ def open_upcycle_source(path: str) -> UpcycleSource:
 
 def upcycled_args(
     source: UpcycleSource,
-    save: str,
     extra: Sequence[str] = (),
     *,
     seq_length: int | None = None,

@@ -23,7 +23,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import sys
 import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,8 +32,8 @@ import torch.distributed as dist
 from diffmeg.data.hf_tokenizer import HF_TOKENIZER, HFTokenizer
 from diffmeg.data.indexed import exists
 from diffmeg.data.preprocess import PreprocessConfig, output_prefix, preprocess
-from diffmeg.errors import DiffmegError
-from diffmeg.storage import default_cache_dir
+from diffmeg.errors import DiffmegError, stderr
+from diffmeg.storage import atomic_write, default_cache_dir
 
 GENERATOR_VERSION = 1
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings"}
@@ -121,23 +120,17 @@ def _section(title: str, doc: str | None) -> str:
 
 def write_jsonl(path: str) -> tuple[int, int]:
     """Write the corpus as JSONL (``{"text": ...}`` per line) atomically; returns (documents, bytes)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
     docs = size = 0
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for text in iter_documents():
-                f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-                docs += 1
-                size += len(text.encode("utf-8"))
+    with atomic_write(path, encoding="utf-8") as f:
+        for text in iter_documents():
+            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+            docs += 1
+            size += len(text.encode("utf-8"))
         if size < _MIN_BYTES:
             raise DiffmegError(
                 f"this Python install has only {size} bytes of documentation text (no stdlib sources or "
                 "pydoc_data?); preprocess your own data with tools/preprocess_data.py and pass --data-path"
             )
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return docs, size
 
 
@@ -199,11 +192,9 @@ def _get_or_build(tokenizer, cache_dir: str | None) -> str:
     with _locked(directory + ".lock"):
         if exists(prefix):
             return prefix
-        print(
+        stderr(
             f"building the builtin corpus (first use: about {BUILD_CPU_SECONDS} s on an idle core, longer on "
-            f"a busy one; later runs reuse it) in {directory}",
-            file=sys.stderr,
-            flush=True,
+            f"a busy one; later runs reuse it) in {directory}"
         )
         jsonl = builtin_jsonl(cache_dir) if hf else os.path.join(directory, "builtin.jsonl")
         if not os.path.isfile(jsonl):

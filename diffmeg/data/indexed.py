@@ -35,7 +35,7 @@ from megatron.core.datasets.indexed_dataset import (
 )
 
 from diffmeg.data.token_range import TokenRange, combine, record_range, token_range
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.storage import check_output, format_bytes, free_bytes, is_disk_full
 
 TOKEN_DTYPE = np.int32
@@ -93,14 +93,8 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def _stderr(line: str) -> None:
-    import sys
-
-    print(line, file=sys.stderr, flush=True)
-
-
 def remove_stale_temporaries(
-    paths: Iterable[str], log: Callable[[str], None] = _stderr, datasets: bool = True
+    paths: Iterable[str], log: Callable[[str], None] = stderr, datasets: bool = True
 ) -> list[str]:
     """Remove the temporaries a killed run left for these outputs; refuse those of a running one.
 
@@ -350,7 +344,7 @@ def resolve_prefixes(specs: Sequence[str]) -> list[str]:
             if not found:
                 raise DiffmegError(f"no dataset (.bin + .idx) matches {spec!r}")
         else:
-            prefix = _strip_ext(spec)
+            prefix = strip_ext(spec)
             if not exists(prefix):
                 raise DiffmegError(f"dataset {prefix} not found: need {prefix}.bin and {prefix}.idx")
             found = [prefix]
@@ -358,13 +352,14 @@ def resolve_prefixes(specs: Sequence[str]) -> list[str]:
     return prefixes
 
 
-def _strip_ext(path: str) -> str:
+def strip_ext(path: str) -> str:
+    """A dataset's prefix from its prefix or either of its files' paths."""
     return path[:-4] if path.endswith((".bin", ".idx")) else path
 
 
 def _prefixes_from_paths(paths: Iterable[str]) -> list[str]:
 
-    prefixes = {_strip_ext(p) for p in paths if p.endswith((".bin", ".idx"))}
+    prefixes = {strip_ext(p) for p in paths if p.endswith((".bin", ".idx"))}
     return sorted(p for p in prefixes if exists(p) and not is_loss_mask_prefix(p))
 
 

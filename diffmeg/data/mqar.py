@@ -31,6 +31,7 @@ import numpy as np
 from diffmeg.data.indexed import loss_mask_prefix
 from diffmeg.data.loss_mask import MaskedWriter
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import write_json
 
 SEED_TAG = 0x4D514152
 """Mixed into every document's seed ("MQAR"), so these streams differ from other generators'."""
@@ -156,11 +157,7 @@ def write_mqar_dataset(
         "seq_length": setting.seq_length,
         "loss_mask": os.path.basename(loss_mask_prefix(prefix)),
     }
-    tmp = f"{prefix}{METADATA_SUFFIX}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(metadata, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, prefix + METADATA_SUFFIX)
+    write_json(prefix + METADATA_SUFFIX, metadata)
     return metadata
 
 

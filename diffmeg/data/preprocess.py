@@ -53,7 +53,7 @@ from diffmeg.data.indexed import (
     remove_stale_temporaries,
 )
 from diffmeg.data.tokenizers import record_of, write_dataset_record
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.storage import directory_bytes
 
 SUPPORTED = ".jsonl, .json (one object per line), .txt (one document per file), each optionally .gz/.zst"
@@ -327,12 +327,8 @@ class PreprocessResult:
     seconds: float = 0.0
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def preprocess(
-    cfg: PreprocessConfig, rank: int = 0, world_size: int = 1, log: Callable[[str], None] = _stderr
+    cfg: PreprocessConfig, rank: int = 0, world_size: int = 1, log: Callable[[str], None] = stderr
 ) -> PreprocessResult:
     """Tokenize this rank's slice of ``cfg.inputs`` into its output datasets."""
     files = find_inputs(cfg.inputs)

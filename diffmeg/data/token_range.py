@@ -21,7 +21,7 @@ import struct
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, get_bin_path, get_idx_path
 
-from diffmeg.storage import default_cache_dir
+from diffmeg.storage import default_cache_dir, write_json
 
 RANGE_SUFFIX = ".ids.json"
 """`{prefix}.ids.json`: the dataset's token-id range, keyed by its `.bin`'s size and mtime."""
@@ -68,20 +68,12 @@ def _read(path: str, key: dict[str, int]) -> tuple[bool, TokenRange]:
 
 def _write(path: str, key: dict[str, int], ids: TokenRange) -> bool:
     """Write the record atomically; False when it cannot be written there (read-only, no permission)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
     lo, hi = ids if ids is not None else (None, None)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump({"min_id": lo, "max_id": hi, **key}, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_json(path, {"min_id": lo, "max_id": hi, **key})
         return True
     except OSError:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
         return False
 
 

@@ -31,6 +31,7 @@ from diffmeg.data.hf_tokenizer import HF_TOKENIZER, HFTokenizer
 from diffmeg.data.tiktoken_cl100k import Cl100kTokenizer, IdTokenizer, load_tokenizer
 from diffmeg.data.token_range import token_range
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import write_json
 
 CL100K = "cl100k_base"
 NULL = "null"
@@ -207,12 +208,7 @@ def record_path(prefix: str) -> str:
 def write_dataset_record(prefix: str, record: TokenizerRecord) -> None:
     """Write `{prefix}.tokenizer.json` (after the dataset's .bin/.idx: a dataset never names a tokenizer it
     was not made with)."""
-    path = record_path(prefix)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record.as_json(), f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json(record_path(prefix), record.as_json())
 
 
 def read_dataset_record(prefix: str) -> TokenizerRecord | None:

@@ -42,7 +42,7 @@ from diffmeg.data.indexed import (
 )
 from diffmeg.data.tokenizers import common_record, write_dataset_record
 from diffmeg.errors import DiffmegError
-from diffmeg.storage import free_bytes, is_disk_full
+from diffmeg.storage import atomic_write, free_bytes, is_disk_full
 
 
 @dataclass
@@ -199,15 +199,11 @@ def length_upsample(
 
 
 def _write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
+        with atomic_write(path) as f:
             f.write(text)
     except OSError as exc:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         if is_disk_full(exc):
             directory = os.path.dirname(os.path.abspath(path))
             raise DiskFullError(directory, 0, free_bytes(directory)) from None
         raise
-    os.replace(tmp, path)

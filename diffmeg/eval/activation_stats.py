@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.eval import common
 from diffmeg.eval.capture import AttentionRecord, capture_attention, capture_layer_outputs
 from diffmeg.eval.long_context import IndexedDocuments
@@ -151,34 +151,27 @@ def token_windows(
         return
 
     source = IndexedDocuments(cfg.data_prefix)
-    if cfg.per_document:
-        for doc in range(len(source.lengths)):
-            if remaining <= 0:
-                return
-            window = source.read(doc, min(length, int(source.lengths[doc]), remaining))
-            if window.max(initial=0) >= vocab_size:
-                raise DiffmegError(
-                    f"document {doc} of {source.description} holds token id {int(window.max())}, outside "
-                    f"the checkpoint's vocabulary of {vocab_size}"
-                )
-            remaining -= len(window)
-            yield window
-        return
-    buffer = np.zeros(0, dtype=np.int64)
+    buffer = np.zeros(0, dtype=np.int64)  # the documents not yet cut into windows (not per document)
     for doc in range(len(source.lengths)):
-        buffer = np.concatenate([buffer, source.read(doc, int(source.lengths[doc]))])
-        if buffer.max(initial=0) >= vocab_size:
+        if remaining <= 0:
+            return
+        size = int(source.lengths[doc])
+        tokens = source.read(doc, min(length, size, remaining) if cfg.per_document else size)
+        if tokens.max(initial=0) >= vocab_size:
             raise DiffmegError(
-                f"document {doc} of {source.description} holds token id {int(buffer.max())}, outside "
+                f"document {doc} of {source.description} holds token id {int(tokens.max())}, outside "
                 f"the checkpoint's vocabulary of {vocab_size}"
             )
+        if cfg.per_document:
+            remaining -= len(tokens)
+            yield tokens
+            continue
+        buffer = np.concatenate([buffer, tokens])
         while remaining > 0 and len(buffer) >= min(length, remaining):
             n = min(length, remaining)
             window, buffer = buffer[:n], buffer[n:]
             remaining -= n
             yield window
-        if remaining <= 0:
-            return
     if remaining > 0 and len(buffer):
         yield buffer[:remaining]
 
@@ -206,7 +199,7 @@ def collect_stats(model: torch.nn.Module, windows: Iterator[np.ndarray]) -> dict
     return stats
 
 
-def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = common.stderr) -> dict:
+def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = stderr) -> dict:
     if cfg.tokens < 1:
         raise DiffmegError(f"--tokens must be >= 1, got {cfg.tokens}")
     if cfg.per_document and cfg.data_prefix is None:

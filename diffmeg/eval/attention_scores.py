@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.eval import common
 from diffmeg.eval.capture import AttentionRecord, capture_attention, decoder_layers
 from diffmeg.eval.needle import build_prompt, needle_vocab
@@ -64,7 +64,7 @@ class AttentionScoresConfig(NeedlePromptsConfig):
     num_queries: int = 1
 
 
-def run_attention_scores(cfg: AttentionScoresConfig, log: common.Log = common.stderr) -> dict:
+def run_attention_scores(cfg: AttentionScoresConfig, log: common.Log = stderr) -> dict:
     """Masses per (checkpoint, depth, layer, head); writes the CSV, the JSON summary and the plot."""
     common.start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
@@ -127,10 +127,7 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: common.Log = common.st
             per_depth[depth] = {"answer": float(np.mean(answers)), "noise": float(np.mean(noises))}
         checkpoints.append(
             {
-                "label": info.label,
-                "load": info.root,
-                "iteration": info.iteration,
-                "architecture": info.architecture,
+                **info.identity(),
                 "by_depth": {str(d): v for d, v in per_depth.items()},
                 "answer_mass": float(np.mean([v["answer"] for v in per_depth.values()])),
                 "noise_mass": float(np.mean([v["noise"] for v in per_depth.values()])),

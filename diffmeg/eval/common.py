@@ -14,13 +14,12 @@ import gc
 import glob
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import TextIO
 
 import torch
 
+from diffmeg import storage
 from diffmeg.checkpoints import DTYPES
 from diffmeg.data.tiktoken_cl100k import EOD_ID
 from diffmeg.data.tokenizers import text_tokenizer
@@ -28,12 +27,9 @@ from diffmeg.errors import DiffmegError
 from diffmeg.eval.plotting import require_matplotlib
 from diffmeg.model_source import CheckpointInfo, load_checkpoint_model, read_checkpoint_info
 from diffmeg.runtime import single_process
+from diffmeg.storage import atomic_write
 
 Log = Callable[[str], None]
-
-
-def stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,6 +118,13 @@ class EvalConfig:
         if self.dtype not in DTYPES:
             raise DiffmegError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype}")
 
+    def require_positive(self, *names: str) -> None:
+        """Each named field, where set, is >= 1; else one line naming its flag."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise DiffmegError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
 
 def loaded_models(
     infos: Sequence[CheckpointInfo], dtype: str = "float32", seed: int = 1234
@@ -202,39 +205,20 @@ def start_outputs(output_dir: str, plot: bool) -> None:
 
 
 def write_json(path: str, data: dict) -> None:
-    """`data` as indented JSON, written atomically (a crash leaves the previous file)."""
-
-    def write(f) -> None:
-        json.dump(data, f, indent=2, default=str)
-        f.write("\n")
-
-    _write_whole(path, write)
+    """`data` as indented JSON, written atomically (a crash or Ctrl-C leaves the previous file and no
+    temporary: the tools' Ctrl-C line says so)."""
+    storage.write_json(path, data, default=str)
 
 
 def write_jsonl(path: str, records: Sequence[dict]) -> None:
     """One JSON object per line, written atomically."""
-    _write_whole(path, lambda f: f.writelines(json.dumps(r, default=str) + "\n" for r in records))
+    with atomic_write(path) as f:
+        f.writelines(json.dumps(r, default=str) + "\n" for r in records)
 
 
 def write_rows(path: str, rows: Sequence[dict]) -> None:
     """A CSV with the keys of the first row as header (written atomically)."""
-
-    def write(f) -> None:
+    with atomic_write(path, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
         writer.writeheader()
         writer.writerows(rows)
-
-    _write_whole(path, write)
-
-
-def _write_whole(path: str, write: Callable[[TextIO], None]) -> None:
-    """`write` into a temporary beside `path`, then rename: a crash or Ctrl-C leaves the previous file and
-    no temporary (the tools' Ctrl-C line says so)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", newline="") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.remove(tmp)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffmeg.data.tokenizers import text_tokenizer
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.eval import common
 from diffmeg.eval.long_context import final_hidden_states
 from diffmeg.generation import SamplingConfig, generate
@@ -212,10 +212,7 @@ class HarnessConfig(common.EvalConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("batch_size", "max_length", "max_gen_toks"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise DiffmegError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        self.require_positive("batch_size", "max_length", "max_gen_toks")
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise DiffmegError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
         if self.limit is not None and (
@@ -243,7 +240,7 @@ def _metrics(task_results: dict) -> dict[str, float]:
     return out
 
 
-def run_harness(cfg: HarnessConfig, log: common.Log = common.stderr) -> dict:
+def run_harness(cfg: HarnessConfig, log: common.Log = stderr) -> dict:
     """Every checkpoint on every task through lm-eval's `simple_evaluate`; writes harness_results.json,
     harness_results.csv (label, task, metric, value) and, with `log_samples`, harness_samples.jsonl."""
     from lm_eval.tasks import TaskManager  # optional dependency; its task index loads slowly

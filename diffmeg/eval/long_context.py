@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,9 +24,10 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 
 from diffmeg.checkpoints import first_line
+from diffmeg.data.indexed import strip_ext
 from diffmeg.data.tiktoken_cl100k import PADDED_VOCAB_SIZE
 from diffmeg.data.tokenizers import text_tokenizer
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.eval.common import (
     EvalConfig,
     Log,
@@ -36,12 +36,12 @@ from diffmeg.eval.common import (
     loaded_models,
     read_text_file,
     start_outputs,
-    stderr,
     write_json,
 )
 from diffmeg.eval.plotting import Curve, plot_curves
 from diffmeg.model import output_logits
 from diffmeg.model_source import CheckpointInfo
+from diffmeg.storage import atomic_write
 
 CSV_NAME = "long_context_nll.csv"
 PLOT_NAME = "long_context_nll.png"
@@ -126,8 +126,7 @@ class IndexedDocuments(DocumentSource):
     """A megatron-core indexed dataset (`{prefix}.bin/.idx`), read lazily through its memory map."""
 
     def __init__(self, prefix: str) -> None:
-        if prefix.endswith((".bin", ".idx")):
-            prefix = prefix[:-4]
+        prefix = strip_ext(prefix)
         missing = [p for p in (get_bin_path(prefix), get_idx_path(prefix)) if not os.path.isfile(p)]
         if missing:
             raise DiffmegError(f"--data-prefix {prefix}: missing {' and '.join(missing)}")
@@ -224,30 +223,22 @@ def resolve_length(infos: Sequence[CheckpointInfo], max_length: int | None, log:
 # The model side
 
 
-@contextmanager
-def _hidden_states_only(model: torch.nn.Module) -> Iterator[None]:
-    """Make GPTModel.forward return the final (normed) hidden states instead of logits or loss.
-
-    GPTModel's `_postprocess` returns the decoder output when `post_process` is off; the decoder keeps
-    its own final norm, so only the output projection is skipped and can be done in chunks here.
-    """
-    saved = model.post_process
-    model.post_process = False
-    try:
-        yield
-    finally:
-        model.post_process = saved
-
-
 @torch.no_grad()
 def final_hidden_states(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     """The final normed hidden states [s, b, h] of inputs [b, s] at positions 0..s-1: what the output
     projection (`diffmeg.model.output_logits`) turns into logits, for callers that need only some
-    positions."""
+    positions.
+
+    GPTModel's `_postprocess` returns the decoder output when `post_process` is off; the decoder keeps
+    its own final norm, so only the output projection is skipped (and can be done in chunks).
+    """
     b, s = inputs.shape
     position_ids = torch.arange(s, device=inputs.device).unsqueeze(0).expand(b, s)
-    with _hidden_states_only(model):
+    saved, model.post_process = model.post_process, False
+    try:
         return model(input_ids=inputs, position_ids=position_ids, attention_mask=None)
+    finally:
+        model.post_process = saved
 
 
 @torch.no_grad()
@@ -293,11 +284,6 @@ def check_token_ids(source: DocumentSource, indices: np.ndarray, count: int, voc
         _check_token_ids(source, int(i), source.read(int(i), count), vocab_size)
 
 
-def _batches(indices: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
-    for start in range(0, len(indices), batch_size):
-        yield indices[start : start + batch_size]
-
-
 def evaluate_model(
     model: torch.nn.Module,
     source: DocumentSource,
@@ -317,7 +303,8 @@ def evaluate_model(
     device = next(model.parameters()).device
     stats = PositionStats(length)
     started = last_log = time.monotonic()
-    for batch in _batches(indices, batch_size):
+    for start in range(0, len(indices), batch_size):
+        batch = indices[start : start + batch_size]
         docs = [source.read(int(i), length + (prefix is None)) for i in batch]
         for i, doc in zip(batch, docs, strict=True):
             _check_token_ids(source, int(i), doc, vocab_size)
@@ -357,12 +344,10 @@ def csv_positions(length: int, every: int) -> np.ndarray:
 def write_csv(path: str, columns: dict[str, np.ndarray], every: int = 1) -> None:
     """`position,label1,label2,...` with the cumulative average NLL, atomically."""
     length = min(len(v) for v in columns.values())
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with atomic_write(path) as f:
         f.write(",".join(["position", *(_csv_field(k) for k in columns)]) + "\n")
         for p in csv_positions(length, every):
             f.write(",".join([str(p), *(f"{v[p]:.6f}" for v in columns.values())]) + "\n")
-    os.replace(tmp, path)
 
 
 def _csv_field(text: str) -> str:
@@ -394,10 +379,7 @@ class LongContextConfig(EvalConfig):
         super().__post_init__()
         if (self.data_prefix is None) == (not self.text_files):
             raise DiffmegError("give exactly one of --data-prefix or --text-files")
-        for name in ("max_length", "num_docs", "batch_size", "loss_chunk_size", "csv_every"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise DiffmegError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        self.require_positive("max_length", "num_docs", "batch_size", "loss_chunk_size", "csv_every")
         if self.min_doc_length is not None and self.min_doc_length < 2:
             raise DiffmegError(
                 f"--min-doc-length must be >= 2 (one prediction needs two tokens), got {self.min_doc_length}"
@@ -485,10 +467,7 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
         "prefix_eod": prefix,
         "checkpoints": [
             {
-                "label": info.label,
-                "load": info.root,
-                "iteration": info.iteration,
-                "architecture": info.architecture,
+                **info.identity(),
                 "trained_seq_length": info.seq_length,
                 "extrapolated": length > info.seq_length,
                 "docs_used": stats.documents,
@@ -504,21 +483,3 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
     write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     return summary
 
-
-__all__ = [
-    "CSV_NAME",
-    "PLOT_NAME",
-    "SUMMARY_NAME",
-    "DocumentSource",
-    "IndexedDocuments",
-    "LongContextConfig",
-    "PositionStats",
-    "TextDocuments",
-    "check_token_ids",
-    "cumulative_average",
-    "csv_positions",
-    "evaluate_model",
-    "per_token_nll",
-    "run_long_context_eval",
-    "select_documents",
-]

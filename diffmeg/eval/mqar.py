@@ -12,11 +12,8 @@ the same forward passes also read the attention at the answers (`diffmeg.eval.mq
 
 from __future__ import annotations
 
-import csv
-import json
 import os
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -25,11 +22,11 @@ import torch
 
 from diffmeg.checkpoints import iteration_dirs
 from diffmeg.data.gpt_datasets import parse_data_path
-from diffmeg.data.indexed import has_loss_mask, loss_mask_prefix
+from diffmeg.data.indexed import has_loss_mask, loss_mask_prefix, strip_ext
 from diffmeg.data.loss_mask import MaskedDocuments
 from diffmeg.data.mqar import pair_indices, read_mqar_metadata
-from diffmeg.errors import DiffmegError
-from diffmeg.eval.common import EvalConfig, loaded_models, start_outputs
+from diffmeg.errors import DiffmegError, stderr
+from diffmeg.eval.common import EvalConfig, Log, loaded_models, start_outputs, write_json, write_rows
 from diffmeg.eval.mqar_attention import AttentionTally, write_attention
 from diffmeg.model_source import read_checkpoint_info
 
@@ -126,17 +123,6 @@ def evaluate_documents(
     return tally
 
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _write_atomic(path: str, write: Callable) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", newline="") as f:
-        write(f)
-    os.replace(tmp, path)
-
-
 @dataclass
 class MQAREvalConfig(EvalConfig):
     data_prefixes: list[str] = field(default_factory=list)
@@ -174,13 +160,13 @@ def resolve_checkpoints(cfg: MQAREvalConfig) -> list:
     return expanded
 
 
-def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> dict:
+def run_mqar_eval(cfg: MQAREvalConfig, log: Log = stderr) -> dict:
     """Evaluate every (checkpoint, iteration) on every dataset; write the summary and CSV if asked."""
     if not cfg.data_prefixes:
         raise DiffmegError("give at least one --data-prefix")
     if (cfg.max_documents is not None and cfg.max_documents < 1) or cfg.batch_size < 1:
         raise DiffmegError("--max-documents and --batch-size must be >= 1")
-    prefixes = [p[:-4] if p.endswith((".bin", ".idx")) else p for p in cfg.data_prefixes]
+    prefixes = [strip_ext(p) for p in cfg.data_prefixes]
     for prefix in prefixes:
         parse_data_path([prefix])  # both files present, with a hint for the usual slips
         if not has_loss_mask(prefix):
@@ -210,10 +196,7 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> 
             )
             results.append(
                 {
-                    "label": info.label,
-                    "load": info.root,
-                    "iteration": info.iteration,
-                    "architecture": info.architecture,
+                    **info.identity(),
                     "data_prefix": prefix,
                     "setting": meta["name"] if meta else None,
                     **tally.summary(),
@@ -227,15 +210,9 @@ def run_mqar_eval(cfg: MQAREvalConfig, log: Callable[[str], None] = _stderr) -> 
     if cfg.attention:
         summary["attention"] = attention
     if cfg.output_dir:
-        _write_atomic(os.path.join(cfg.output_dir, SUMMARY_NAME), lambda f: json.dump(summary, f, indent=1))
+        write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
         columns = ("label", "iteration", "setting", "data_prefix", "accuracy")
-
-        def write_csv(f) -> None:
-            writer = csv.writer(f)
-            writer.writerow(columns)
-            writer.writerows([r[c] for c in columns] for r in results)
-
-        _write_atomic(os.path.join(cfg.output_dir, CSV_NAME), write_csv)
+        write_rows(os.path.join(cfg.output_dir, CSV_NAME), [{c: r[c] for c in columns} for r in results])
         if cfg.attention:
             write_attention(cfg.output_dir, attention, cfg.max_documents, cfg.plot)
     return summary

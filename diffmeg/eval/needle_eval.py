@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.eval import common
 from diffmeg.eval.needle import NeedlePrompt, build_prompt, needle_vocab
 from diffmeg.eval.plotting import plot_heatmaps
@@ -51,8 +51,7 @@ class NeedlePromptsConfig(common.EvalConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.samples < 1:
-            raise DiffmegError(f"--samples must be >= 1, got {self.samples}")
+        self.require_positive("samples")
         if not self.depths:
             raise DiffmegError("give at least one --depths value")
 
@@ -65,7 +64,7 @@ class NeedleEvalConfig(NeedlePromptsConfig):
     heatmap_needles: int | None = None
 
 
-def run_needle_eval(cfg: NeedleEvalConfig, log: common.Log = common.stderr) -> dict:
+def run_needle_eval(cfg: NeedleEvalConfig, log: common.Log = stderr) -> dict:
     """Accuracy per (checkpoint, N, R, length, depth); the CSV, a summary table and the heatmap."""
     combos = [(n, r) for n in cfg.needles for r in cfg.queries if r <= n]
     if cfg.heatmap_needles is not None and (cfg.heatmap_needles, 1) not in combos:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from diffmeg.data.tokenizers import text_tokenizer
-from diffmeg.errors import DiffmegError
+from diffmeg.errors import DiffmegError, stderr
 from diffmeg.eval import common
 from diffmeg.eval.activation_stats import ActivationStatsConfig, token_windows
 from diffmeg.eval.capture import LogitFn, capture_attention
@@ -147,7 +147,7 @@ def _windows(cfg: QuantizeEvalConfig, vocab_size: int, mock: bool, length: int) 
     return (w for w in token_windows(acfg, vocab_size, mock, length + 1) if len(w) > 1)
 
 
-def run_quantize_eval(cfg: QuantizeEvalConfig, log: common.Log = common.stderr) -> dict:
+def run_quantize_eval(cfg: QuantizeEvalConfig, log: common.Log = stderr) -> dict:
     for b in cfg.bits:
         if b != NO_QUANTIZATION:
             absmax_quantizer(b)

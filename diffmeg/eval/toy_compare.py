@@ -15,6 +15,7 @@ import os
 from collections import defaultdict
 
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import write_json
 
 TARGET = 0.9
 """The accuracy a run must reach to count as having learned the task (the issue's 90%)."""
@@ -33,15 +34,7 @@ def load(path: str) -> dict:
 
 def write_results(path: str, data: dict) -> None:
     """results.json as the committed docs/results/toy_compare.json is written (indent 1), atomically."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:  # a crash or Ctrl-C leaves the previous file and no temporary
-        if os.path.lexists(tmp):
-            os.remove(tmp)
+    write_json(path, data, indent=1)
 
 
 # ----------------------------------------------------------------------------------------------------

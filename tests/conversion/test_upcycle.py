@@ -118,7 +118,7 @@ def test_upcycled_logits_equal_the_source_in_float64(name, tmp_path_factory, sin
 
     theirs = _logits(args, source_blocks(), tokens)
     target_args = (
-        upcycled_args(source, str(tmp_path_factory.getbasetemp() / "unused"))[1]
+        upcycled_args(source)[1]
         if hf
         else resolved_pretrain_args(diff2_layout(layout), {}, ["--mock-data"])
     )

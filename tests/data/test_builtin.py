@@ -100,3 +100,12 @@ def test_first_build_says_so_and_about_how_long(tmp_path, monkeypatch, capsys):
         f"building the builtin corpus (first use: about {builtin.BUILD_CPU_SECONDS} s on an idle"
     )
     assert "later runs reuse it" in err and steps == ["jsonl", "tokenize"]
+
+
+def test_too_little_text_writes_nothing(tmp_path, monkeypatch):
+    """The size check fails inside the atomic write: neither the corpus nor its temporary is left."""
+    monkeypatch.setattr(builtin, "iter_documents", lambda: iter(["a short document"]))
+    target = tmp_path / "corpus.jsonl"
+    with pytest.raises(builtin.DiffmegError, match=r"^this Python install has only 16 bytes of doc"):
+        builtin.write_jsonl(str(target))
+    assert os.listdir(tmp_path) == []

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from diffmeg.errors import DiffmegError
+from diffmeg.eval.common import CheckpointSet
+from diffmeg.eval.harness import HarnessConfig
 from diffmeg.eval.needle import IdVocab, NeedlePrompt, build_prompt
-from diffmeg.eval.needle_eval import score_prompt
+from diffmeg.eval.needle_eval import NeedleEvalConfig, score_prompt
 
 VOCAB = 512
 
@@ -51,3 +55,12 @@ def test_an_oracle_reading_the_needle_from_the_context_retrieves_it():
         (needle,) = prompt.queried
         start, stop = needle.value_span
         assert score_prompt(answering(prompt.tokens[start:stop].tolist()), prompt) == [True]
+
+
+def test_counts_below_one_are_one_line_errors():
+    """`EvalConfig.require_positive`, as each evaluation's config calls it."""
+    with pytest.raises(DiffmegError, match=r"^--samples must be >= 1, got 0$"):
+        NeedleEvalConfig(CheckpointSet(["ckpt"]), samples=0)
+    with pytest.raises(DiffmegError, match=r"^--max-gen-toks must be >= 1, got -2$"):
+        HarnessConfig(CheckpointSet(["ckpt"]), max_gen_toks=-2)
+    HarnessConfig(CheckpointSet(["ckpt"]), max_length=None)  # unset: its default

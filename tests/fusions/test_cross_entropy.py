@@ -105,17 +105,23 @@ def test_bf16_keeps_the_unchunked_dtypes_and_values(single_rank_parallel_state):
     weight's sums the chunks' bf16 products in fp32 and rounds once; on this CPU all others come out
     bit-identical)."""
     whole, chunked = (m.bfloat16() for m in _models(make_config(4, 2, 8, 1), 5))
-    gen = torch.Generator().manual_seed(1)
-    tokens, labels = torch.randint(0, 64, (2, 2, 11), generator=gen)
-    positions = torch.arange(11)[None].expand(2, 11)
+    _assert_same_bf16_loss_and_gradients(whole, chunked, seed=1, seq=11)
+
+
+def _assert_same_bf16_loss_and_gradients(whole, other, seed: int, seq: int) -> None:
+    """`other`'s fp32 per-token loss is `whole`'s to fp32 rounding, and every gradient keeps its dtype and
+    agrees to bf16 rounding at its scale."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, labels = torch.randint(0, 64, (2, 2, seq), generator=gen)
+    positions = torch.arange(seq)[None].expand(2, seq)
     out = []
-    for model in (whole, chunked):
+    for model in (whole, other):
         loss = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=labels)
-        assert loss.dtype == torch.float32
+        assert loss.dtype == torch.float32 and loss.shape == (2, seq)
         loss.mean().backward()
         out.append(loss)
     torch.testing.assert_close(out[1], out[0], rtol=1e-6, atol=1e-6)
-    for (name, a), (_, b) in zip(whole.named_parameters(), chunked.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(whole.named_parameters(), other.named_parameters(), strict=True):
         assert a.grad.dtype == b.grad.dtype == a.dtype, name
         scale = a.grad.float().abs().max().item()
         torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=2**-7, atol=2**-8 * scale, msg=name)
@@ -151,20 +157,7 @@ def test_fused_loss_is_the_unfused_loss_in_bf16(single_rank_parallel_state):
         ).bfloat16()
         for f in (False, True)
     )
-    gen = torch.Generator().manual_seed(2)
-    tokens, labels = torch.randint(0, 64, (2, 2, 9), generator=gen)
-    positions = torch.arange(9)[None].expand(2, 9)
-    out = []
-    for model in (whole, fused):
-        loss = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=labels)
-        assert loss.dtype == torch.float32 and loss.shape == (2, 9)
-        loss.mean().backward()
-        out.append(loss)
-    torch.testing.assert_close(out[1], out[0], rtol=1e-6, atol=1e-6)
-    for (name, a), (_, b) in zip(whole.named_parameters(), fused.named_parameters(), strict=True):
-        assert a.grad.dtype == b.grad.dtype == a.dtype, name
-        scale = a.grad.float().abs().max().item()
-        torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=2**-7, atol=2**-8 * scale, msg=name)
+    _assert_same_bf16_loss_and_gradients(whole, fused, seed=2, seq=9)
     from diffmeg.errors import DiffmegError
 
     with pytest.raises(DiffmegError, match="native fused cross entropy returns bf16 gradients: use it with"):
