@@ -46,24 +46,16 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"  # in the checkout, running its code: root, py
 out=${TOY_OUT:-runs/toy_compare}
 smoke=${TOY_SMOKE:-0}
-if [ "$smoke" = 1 ]; then
-    settings=${TOY_SETTINGS:-4:2:0 4:2:1}
-    lrs=${TOY_LRS:-1e-3 3e-3}
-    iters=${TOY_ITERS:-30}
-    eval_every=${TOY_EVAL_EVERY:-10}
-    lm_iters=${TOY_LM_ITERS:-6}
-    lm_eval_every=${TOY_LM_EVAL_EVERY:-3}
-    eval_docs=${TOY_EVAL_DOCS:-64}
-else
-    settings=${TOY_SETTINGS:-4:4:0 8:4:0 8:4:2}
-    lrs=${TOY_LRS:-1e-3 3e-3}
-    iters=${TOY_ITERS:-3000}
-    eval_every=${TOY_EVAL_EVERY:-150}
-    lm_iters=${TOY_LM_ITERS:-100}
-    lm_eval_every=${TOY_LM_EVAL_EVERY:-20}
-    eval_docs=${TOY_EVAL_DOCS:-512}
-fi
-read -r -a seeds <<<"${TOY_SEEDS:-$([ "$smoke" = 1 ] && echo "1 2" || echo "1 2 3")}"
+# full() FULL SMOKE: the full run's default, or the smoke run's (the starred variables above)
+full() { if [ "$smoke" = 1 ]; then echo "$2"; else echo "$1"; fi; }
+settings=${TOY_SETTINGS:-$(full "4:4:0 8:4:0 8:4:2" "4:2:0 4:2:1")}
+lrs=${TOY_LRS:-1e-3 3e-3}
+iters=${TOY_ITERS:-$(full 3000 30)}
+eval_every=${TOY_EVAL_EVERY:-$(full 150 10)}
+lm_iters=${TOY_LM_ITERS:-$(full 100 6)}
+lm_eval_every=${TOY_LM_EVAL_EVERY:-$(full 20 3)}
+eval_docs=${TOY_EVAL_DOCS:-$(full 512 64)}
+read -r -a seeds <<<"${TOY_SEEDS:-$(full "1 2 3" "1 2")}"
 read -r -a settings <<<"$settings"
 read -r -a lrs <<<"$lrs"
 batch=${TOY_BATCH:-64}
