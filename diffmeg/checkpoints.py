@@ -383,9 +383,14 @@ def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argpa
     """The resolved arguments a checkpoint was trained with, and its directory (no weights are read)."""
     if not os.path.isdir(root):
         raise DiffmegError(f"--load {root} is not a directory")
-    path = checkpoint_path(root, resolve_iteration(root, iteration))
-    with open(os.path.join(path, ARGS_FILE)) as f:
-        return argparse.Namespace(**locate_tokenizer(root, json.load(f))), path
+    iteration = resolve_iteration(root, iteration)
+    return saved_args(root, iteration), checkpoint_path(root, iteration)
+
+
+def saved_args(root: str, iteration: int) -> argparse.Namespace:
+    """The resolved arguments complete iteration `iteration` of `root` was trained with (its args.json)."""
+    with open(os.path.join(checkpoint_path(root, iteration), ARGS_FILE)) as f:
+        return argparse.Namespace(**locate_tokenizer(root, json.load(f)))
 
 
 def first_line(exc: BaseException) -> str:

@@ -18,7 +18,6 @@ and twice more; docs/recipes.md counts them).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,26 +29,15 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from diffmeg import collectives
 from diffmeg.compat import model_parallel_manual_seed
-from diffmeg.data.tokenizers import (
-    NULL,
-    TokenizerRecord,
-    build_tokenizer,
-    check_checkpoint,
-    record_of,
-)
 from diffmeg.errors import DiffmegError
 from diffmeg.model import lambda_parameters
 from diffmeg.run_config import RunConfig
 from diffmeg.training import ddp
-from diffmeg.training.arguments import args_to_json
 from diffmeg.training.builders import build_training_objects
 from diffmeg.training.callbacks import Callback, LogRecord, StepOutput, default_callbacks
-from diffmeg.training.checkpointing import ARGUMENTS_FILE, CheckpointManager, model_chunks
+from diffmeg.training.checkpointing import CheckpointManager, model_chunks
 from diffmeg.training.data import build_datasets, microbatches, to_device
 from diffmeg.training.distributed import initialize_distributed
-from diffmeg.training.flops import train_flops_per_iteration
-from diffmeg.training.hardware import model_flops_utilization, peak_tflops
-from diffmeg.training.logger import run_summary
 from diffmeg.training.memory import estimate_memory
 from diffmeg.training.memory_guard import check_memory_plan
 
@@ -145,12 +133,9 @@ class Trainer:
         model_parallel_manual_seed(run.training.seed, cuda_graphs=run.training.cuda_graph_impl == "local")
         self.checkpoints = CheckpointManager(run, log=self.log)
         self.checkpoints.lock_save_target()  # one run per --save folder, before anything is written there
-        self.checkpoints.resolve()  # every bad --load / --ckpt-step fails here, before anything is built
-        self.checkpoints.check_output_layer()
-        self.checkpoints.check_schedule()
-        tokenizer = self._tokenizer()
-
+        self.checkpoints.resolve()  # a bad --load, or a checkpoint this run cannot start from, stops here
         check_memory_plan(run)  # a plan the device cannot hold stops here, before the first allocation
+        self.train_ds, self.valid_ds, _ = build_datasets(run)  # data of another vocabulary: before the model
         self._rss_before_model = _rss_bytes("VmRSS")
         # `model`: the DDP-wrapped chunks, one per virtual pipeline stage (one without interleaving)
         self.model_config, self.model, self.optimizer, self.scheduler = build_training_objects(run)
@@ -161,22 +146,16 @@ class Trainer:
         self.checkpoints.check_room(self.num_parameters)
         loaded = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
         self.state = TrainState(loaded.iteration, loaded.consumed_samples)
-        self.train_ds, self.valid_ds, _ = build_datasets(run, tokenizer)
 
         self.is_logging_rank = self.rank == self.world - 1  # the last rank holds the loss, as in Megatron-LM
         self.callbacks = (
             list(callbacks) if callbacks is not None else default_callbacks(run, self.is_logging_rank)
         )
-        self.flops_per_iteration = train_flops_per_iteration(run)
-        training = run.training  # the matmuls' precision picks MFU's peak
-        precision = "fp8" if training.fp8_format else training.precision
-        self.peak_tflops = peak_tflops(self.device, precision)  # None on a CPU: the log shows no MFU
         self.stop_reason: str | None = None
         self.interrupted = False
         self.last_loss = math.nan
         self._lambdas: dict[str, float] = {}
         self._pending: list[tuple[int, torch.Tensor | None]] = []  # losses not yet on the host
-        self._announce()  # last: a run refused above leaves no arguments.json
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -184,29 +163,6 @@ class Trainer:
         """Print on rank 0."""
         if self.rank == 0:
             print(line, flush=True)
-
-    def _tokenizer(self):
-        """The run's tokenizer (None with mock data), after checking that the checkpoint it starts from
-        was trained on the same vocabulary (the datasets are checked when they are built)."""
-        data, vocab_size = self.run.data, self.run.model.vocab_size
-        tokenizer = None
-        if not data.mock_data:
-            tokenizer = build_tokenizer(
-                data.tokenizer_type,
-                tokenizer_file=data.tokenizer_file,
-                tokenizer_model=data.tokenizer_model,
-                vocab_size=vocab_size,
-            )
-        source = self.checkpoints.source_args()
-        if source is not None:  # first: a checkpoint of another tokenizer is the mistake to name
-            where, args = source
-            record = record_of(tokenizer) if tokenizer is not None else TokenizerRecord(NULL)
-            check_checkpoint(args, record, where)
-        if tokenizer is not None and tokenizer.vocab_size > vocab_size:
-            raise DiffmegError(
-                f"--vocab-size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
-            )
-        return tokenizer
 
     def _count_parameters(self) -> int:
         """Parameters of the whole model: each model-parallel rank's share, counted once over DP x CP (a tied
@@ -220,36 +176,6 @@ class Trainer:
         )
         first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
         return int(collectives.all_reduce([float(local if first_replica else 0)]).item())
-
-    def _announce(self) -> None:
-        """The run in one line; the full arguments into the run directory (and on stdout with --verbose)."""
-        if self.rank != 0:
-            return
-        arguments = args_to_json(self.run.to_args())
-        path = self._write_arguments(arguments)
-        print(run_summary(self.run, self.num_parameters, path), flush=True)
-        if self.run.logging.verbose:
-            print("------------------------ arguments ------------------------", flush=True)
-            print(arguments, flush=True)
-            print("-------------------- end of arguments ---------------------", flush=True)
-
-    def _write_arguments(self, text: str) -> str | None:
-        """`arguments.json` beside the checkpoints (--save), else beside --metrics-file; its path or None."""
-        if self.run.checkpoint.save is not None:
-            directory = self.run.checkpoint.save
-        elif self.run.logging.metrics_file is not None:
-            directory = os.path.dirname(os.path.abspath(self.run.logging.metrics_file))
-        else:
-            return None
-        path = os.path.join(directory, ARGUMENTS_FILE)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(text + "\n")
-        except OSError as exc:
-            print(f" could not write the arguments to {path}: {exc.strerror or exc}", flush=True)
-            return None
-        return path
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -388,14 +314,11 @@ class Trainer:
     def _log(self, out: StepOutput, loss_scale: float, seconds: float, iterations: int, early: bool) -> None:
         """The callbacks' `on_log` for `out`'s iteration, timed over the `iterations` since the last one."""
         run, state = self.run, self.state
-        elapsed = seconds / iterations
-        tflops = self.flops_per_iteration / elapsed / self.world / 1e12
         record = LogRecord(
             iteration=out.iteration,
             train_iters=run.training.train_iters,
             consumed_samples=state.consumed_samples,
-            elapsed_ms=elapsed * 1000,
-            tflops=tflops,
+            elapsed_ms=seconds / iterations * 1000,
             lr=self.optimizer.param_groups[0]["lr"],
             global_batch_size=run.training.global_batch_size,
             loss=self.last_loss,
@@ -403,7 +326,6 @@ class Trainer:
             loss_scale=loss_scale,
             lambdas=self._lambdas,
             skipped=state.skipped_iterations,
-            mfu=model_flops_utilization(tflops, self.peak_tflops),
             early=early,
         )
         self._call("on_log", record)
