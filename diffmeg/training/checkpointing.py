@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -28,26 +28,26 @@ from diffmeg import collectives
 from diffmeg.checkpoints import (
     TRACKER_FILE,
     WEIGHTS_ONLY_KEY,
+    StartPoint,
     abandon_save,
     begin_checkpoint,
     checkpoint_path,
-    damaged_checkpoint_message,
+    holds_only_run_files,
     holds_saves,
     leftovers,
     load_sharded,
     not_a_checkpoint_message,
+    read_start_point,
     read_tracker,
     resolve_iteration,
-    saved_args,
-    upgrade_saved_args,
 )
 from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite, run_now
 from diffmeg.data.tokenizers import check_checkpoint, record_of_args
 from diffmeg.errors import DiffmegError
-from diffmeg.folder_lock import LOCK_FILE, FolderLock
-from diffmeg.run_config import SHAPE_FIELDS, ModelConfig, RunConfig, TrainingConfig
+from diffmeg.folder_lock import FolderLock
+from diffmeg.run_config import SHAPE_FIELDS, ModelConfig, RunConfig
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
-from diffmeg.training.logger import ARGUMENTS_FILE
+from diffmeg.training.memory import model_parameters
 
 STALL_ASYNC_SAVE_ENV = "DIFFMEG_TEST_STALL_ASYNC_SAVE"
 """Test hook, never for real runs: "N" or "N:PATH". With --async-save, rank 0's background writer of
@@ -73,26 +73,6 @@ class PendingSave:
 class LoadedState:
     iteration: int = 0
     consumed_samples: int = 0
-
-
-@dataclass(frozen=True)
-class StartPoint:
-    """The checkpoint a run starts from, read once before anything is built (`CheckpointManager.resolve`):
-    --load's iteration (a resume), else --pretrained-checkpoint's latest (its weights only). The start-up
-    checks and the load read it here, never the checkpoint's files again."""
-
-    path: str
-    """Its `iter_N` directory."""
-    iteration: int
-    args: dict
-    """Its args.json, upgraded (`upgrade_saved_args`): the model's shape, the tied output layer, the
-    tokenizer it was trained on."""
-    common: dict | None = None
-    """A resume's common state (counters, scheduler state, layout); None: weights only."""
-
-    @property
-    def where(self) -> str:
-        return f"checkpoint {self.path}"
 
 
 def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -265,16 +245,12 @@ def _state_dict(
     return state
 
 
-def checkpoint_bytes(num_parameters: int, training: TrainingConfig) -> int:
-    """About how many bytes one checkpoint of a model of `num_parameters` takes: the weights in their dtype,
-    plus Adam's two fp32 moments and (bf16/fp16) the fp32 main copy of the weights."""
-    weight = torch.tensor([], dtype=training.params_dtype).element_size()
+def checkpoint_bytes(run: RunConfig) -> int:
+    """About how many bytes one checkpoint of the run's model takes: the weights in their dtype, plus Adam's
+    two fp32 moments and (bf16/fp16) the fp32 main copy of the weights."""
+    weight = torch.tensor([], dtype=run.training.params_dtype).element_size()
     main_copy = 4 if weight < 4 else 0
-    return num_parameters * (weight + main_copy + 8)
-
-
-def _saved_args(root: str, iteration: int) -> dict:
-    return vars(upgrade_saved_args(saved_args(root, iteration)))
+    return model_parameters(run) * (weight + main_copy + 8)
 
 
 def _rank0_print(line: str) -> None:
@@ -284,15 +260,6 @@ def _rank0_print(line: str) -> None:
 
 def _same_path(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
-
-
-def _holds_only_run_files(root: str) -> bool:
-    """Empty, or only what a run writes before its first checkpoint (its lock, the argument dump,
-    temporaries)."""
-    return all(
-        name in (ARGUMENTS_FILE, LOCK_FILE) or name.startswith(f"{TRACKER_FILE}.tmp-")
-        for name in os.listdir(root)
-    )
 
 
 def _stall_hook(iteration: int) -> HoldAfterWrite | None:
@@ -312,7 +279,7 @@ def _stall_hook(iteration: int) -> HoldAfterWrite | None:
 
 class CheckpointManager:
     """Resuming and saving for the Trainer: --save made this run's alone (`lock_save_target`), where the run
-    starts (`resolve`), whether --save has room for a checkpoint (`check_room`), loading (`load`), and saves
+    starts (`resolve`), loading (`load`), and saves
     (`due`, `save`).
 
     With --async-save a save returns once it is planned and this rank's tensors are copied into a shared
@@ -353,39 +320,9 @@ class CheckpointManager:
         return self.start
 
     def _start_point(self) -> StartPoint | None:
-        root, cfg = self.config.load, self.config
-        if root is None:
-            return self._pretrained()
-        if os.path.exists(root) and not os.path.isdir(root):
-            raise DiffmegError(f"--load {root} is a file, not a checkpoint directory")
-        fresh_ok = _same_path(root, cfg.save) or cfg.pretrained_checkpoint is not None
-        if not os.path.isdir(root):
-            if not fresh_ok:
-                raise DiffmegError(
-                    f"--load {root} does not exist (a typo? to start from scratch and save there, pass it "
-                    f"as --save too)"
-                )
-            return self._fresh(root)
-        if cfg.ckpt_step is None and not holds_saves(root):
-            if not (fresh_ok or _holds_only_run_files(root)):
-                fix = "point --load at a checkpoint directory, or drop it to start from scratch"
-                raise DiffmegError(not_a_checkpoint_message(root, fix))
-            return self._fresh(root)
-        iteration = self._not_past_the_end(resolve_iteration(root, cfg.ckpt_step, "--ckpt-step"))
-        path = checkpoint_path(root, iteration)
-        try:  # a damaged common.pt: one line naming it, never torch's unsafe advice
-            common = dist_checkpointing.load_common_state_dict(path)
-        except Exception as exc:
-            raise DiffmegError(damaged_checkpoint_message(path, exc, "--ckpt-step")) from exc
-        return StartPoint(path, iteration, _saved_args(root, iteration), common)
-
-    def _fresh(self, root: str) -> StartPoint | None:
-        if self.config.pretrained_checkpoint is None:  # else the pretrained weights' line says where from
-            self.log(f" no checkpoint in {root}, starting from scratch")
-        return self._pretrained()
-
-    def _pretrained(self) -> StartPoint | None:
-        """The latest checkpoint of --pretrained-checkpoint (its weights only), if the run names one."""
+        iteration = self._load_iteration()
+        if iteration is not None:
+            return read_start_point(self.config.load, iteration, resume=True, pick_flag="--ckpt-step")
         root = self.config.pretrained_checkpoint
         if root is None:
             return None
@@ -394,16 +331,35 @@ class CheckpointManager:
             raise DiffmegError(
                 f"--pretrained-checkpoint {root} holds no complete checkpoint ({TRACKER_FILE})"
             )
-        return StartPoint(checkpoint_path(root, iteration), iteration, _saved_args(root, iteration))
+        return read_start_point(root, iteration, resume=False)
 
-    def _not_past_the_end(self, iteration: int) -> int:
-        """A checkpoint past --train-iters would load, train nothing and exit 0: one line instead."""
-        train_iters = self.run.training.train_iters
-        if iteration > train_iters and not self.config.finetune:
+    def _load_iteration(self) -> int | None:
+        """The iteration of --load to resume (the rules of the module's docstring); None: none yet."""
+        root, cfg = self.config.load, self.config
+        if root is None:
+            return None
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise DiffmegError(f"--load {root} is a file, not a checkpoint directory")
+        fresh_ok = _same_path(root, cfg.save) or cfg.pretrained_checkpoint is not None
+        if not os.path.isdir(root) and not fresh_ok:
             raise DiffmegError(
-                f"--load {self.config.load} is at iteration {iteration}, past --train-iters {train_iters}: "
-                f"nothing to train; raise --train-iters (or --train-tokens) above {iteration} to continue "
-                f"the run, or add --finetune to train its weights on a new schedule"
+                f"--load {root} does not exist (a typo? to start from scratch and save there, pass it as "
+                f"--save too)"
+            )
+        if not os.path.isdir(root) or (cfg.ckpt_step is None and not holds_saves(root)):
+            if not (fresh_ok or holds_only_run_files(root)):
+                fix = "point --load at a checkpoint directory, or drop it to start from scratch"
+                raise DiffmegError(not_a_checkpoint_message(root, fix))
+            if cfg.pretrained_checkpoint is None:  # else the pretrained weights' line says where from
+                self.log(f" no checkpoint in {root}, starting from scratch")
+            return None
+        iteration = resolve_iteration(root, cfg.ckpt_step, "--ckpt-step")
+        train_iters = self.run.training.train_iters
+        if iteration > train_iters and not cfg.finetune:  # it would load, train nothing and exit 0
+            raise DiffmegError(
+                f"--load {root} is at iteration {iteration}, past --train-iters {train_iters}: nothing to "
+                f"train; raise --train-iters (or --train-tokens) above {iteration} to continue the run, or "
+                f"add --finetune to train its weights on a new schedule"
             )
         return iteration
 
@@ -459,12 +415,14 @@ class CheckpointManager:
         return not (cfg.no_load_optim or cfg.finetune or common.get(WEIGHTS_ONLY_KEY))
 
     def lock_save_target(self) -> None:
-        """Make --save this run's alone before anything is written into it: rank 0 makes it and takes its
-        lock (`diffmeg.folder_lock`); another run holding it, or a folder that cannot be made or written,
-        stops every rank with the same one line. Held until `close`."""
+        """Make --save this run's alone before anything is written into it, with room for a checkpoint:
+        rank 0 makes it, takes its lock (`diffmeg.folder_lock`), names what earlier saves left there and
+        checks its free space; another run holding it, a folder that cannot be made or written, or too
+        little room stops every rank with the same one line, before anything is built. Held until `close`."""
         root = self.config.save
         if root is None:
             return
+        self.checkpoint_bytes = need = checkpoint_bytes(self.run)
 
         def take() -> None:
             lock = FolderLock(root, "--save")
@@ -479,25 +437,13 @@ class CheckpointManager:
                     f" {root} holds what earlier saves left ({size}): {shown}; no run removes what another "
                     f"wrote: delete them to free the space"
                 )
-
-        collectives.on_rank0(take)
-
-    def check_room(self, num_parameters: int) -> None:
-        """--save has room for one checkpoint of this model (rank 0 checks, every rank stops)."""
-        self.checkpoint_bytes = checkpoint_bytes(num_parameters, self.run.training)
-        root, need = self.config.save, self.checkpoint_bytes
-        if root is None:
-            return
-
-        def check() -> None:
-            free = free_bytes(root)
-            if free < need:
+            if (free := free_bytes(root)) < need:
                 raise DiffmegError(
                     f"--save {root} has {format_bytes(free)} free, one checkpoint of this model needs about "
                     f"{format_bytes(need)}; free space or point --save elsewhere"
                 )
 
-        collectives.on_rank0(check)
+        collectives.on_rank0(take)
 
     # ------------------------------------------------------------------------------------------ loading
 

@@ -12,11 +12,9 @@ from collections.abc import Callable
 
 import torch
 
+from diffmeg.checkpoints import ARGUMENTS_FILE, checkpoint_path, read_tracker
 from diffmeg.errors import DiffmegError
 from diffmeg.run_config import RunConfig
-
-ARGUMENTS_FILE = "arguments.json"
-"""The full resolved arguments of the latest run, written at start into the run directory (--save)."""
 
 
 def _device_kind() -> str:
@@ -257,8 +255,6 @@ def run_summary(run: RunConfig, num_parameters: int, arguments_file: str | None)
 def end_summary(args, result: dict, seconds: float) -> str:
     """The run's last line: iterations, tokens, final loss, wall time, and where its checkpoint and logs
     went (or that nothing was saved), so a finished run never ends without a word."""
-    from diffmeg.checkpoints import checkpoint_path, read_tracker
-
     wall = _duration(seconds)
     loss = result.get("lm_loss")
     tokens = result["consumed_samples"] * args.seq_length

@@ -132,7 +132,7 @@ class Trainer:
             )
         model_parallel_manual_seed(run.training.seed, cuda_graphs=run.training.cuda_graph_impl == "local")
         self.checkpoints = CheckpointManager(run, log=self.log)
-        self.checkpoints.lock_save_target()  # one run per --save folder, before anything is written there
+        self.checkpoints.lock_save_target()  # one run per --save folder, with room for a checkpoint
         self.checkpoints.resolve()  # a bad --load, or a checkpoint this run cannot start from, stops here
         check_memory_plan(run)  # a plan the device cannot hold stops here, before the first allocation
         self.train_ds, self.valid_ds, _ = build_datasets(run)  # data of another vocabulary: before the model
@@ -143,7 +143,6 @@ class Trainer:
         self.num_parameters = self._count_parameters()
         if (overlap := ddp.describe(self.model)) is not None:
             self.log(overlap)
-        self.checkpoints.check_room(self.num_parameters)
         loaded = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
         self.state = TrainState(loaded.iteration, loaded.consumed_samples)
 

@@ -16,6 +16,7 @@ from diffmeg.run_config import RunConfig
 from diffmeg.training import checkpointing
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.checkpointing import CheckpointManager
+from diffmeg.training.memory import model_parameters
 from tests.training.helpers import SMALL, fake_checkpoint
 
 
@@ -160,19 +161,25 @@ def test_leftovers_of_earlier_saves_are_named_at_start_never_removed(single_rank
 
 
 def test_a_save_target_needs_room_for_one_checkpoint(single_rank_parallel_state, tmp_path, monkeypatch):
+    """Checked when the run takes --save, before the model is built: from the run's parameter count."""
     manager, _ = _manager("--save", str(tmp_path))
-    manager.check_room(3_000_000)  # 36 MB: fits
-    assert manager.checkpoint_bytes == 3_000_000 * 12  # fp32 weights + two Adam moments
+    manager.lock_save_target()  # diff-tiny: 54.4M parameters, 652 MB in fp32 with two Adam moments: fits
+    manager.close()
+    assert manager.checkpoint_bytes == model_parameters(manager.run) * 12 == 54_365_184 * 12
     monkeypatch.setattr(checkpointing, "free_bytes", lambda path: 10 * 2**20)
-    with pytest.raises(
-        DiffmegError, match=r"has 10.0 MiB free, one checkpoint of this model needs about 34.3 MiB"
-    ):
-        manager.check_room(3_000_000)
+    manager, _ = _manager("--save", str(tmp_path))
+    with pytest.raises(DiffmegError) as err:
+        manager.lock_save_target()
+    manager.close()
+    assert str(err.value) == (
+        f"--save {tmp_path} has 10.0 MiB free, one checkpoint of this model needs about 622.2 MiB; free "
+        "space or point --save elsewhere"
+    )
 
 
 def test_checkpoint_size_follows_precision():
     run = RunConfig.from_args(resolve_args(["--model", "diff-tiny", "--mock-data", "--bf16"], world_size=1))
-    assert checkpointing.checkpoint_bytes(10, run.training) == 10 * (2 + 4 + 8)
+    assert checkpointing.checkpoint_bytes(run) == model_parameters(run) * (2 + 4 + 8)
 
 
 # ------------------------------------------------------------------------------------ RNG across devices
