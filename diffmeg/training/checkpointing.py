@@ -69,12 +69,6 @@ class PendingSave:
     """time.perf_counter() when training went on."""
 
 
-@dataclass
-class LoadedState:
-    iteration: int = 0
-    consumed_samples: int = 0
-
-
 def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
     """Strip DDP / Float16Module wrappers down to the GPTModel."""
     while hasattr(module, "module"):
@@ -452,11 +446,12 @@ class CheckpointManager:
         model: torch.nn.Module | list[torch.nn.Module],
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
-    ) -> LoadedState:
-        """Restore what `resolve` chose (or the --pretrained-checkpoint weights). Returns where to resume."""
+    ) -> tuple[int, int]:
+        """Restore what `resolve` chose (or the --pretrained-checkpoint weights). Returns where to go on: the
+        iteration and the consumed samples."""
         start = self.start
         if start is None:
-            return LoadedState()
+            return 0, 0
         if start.common is None:
             with torch.no_grad():
                 _load_model_state(model, load_sharded(_model_state(model), start.path))
@@ -464,12 +459,12 @@ class CheckpointManager:
                 f" initialised weights from pretrained checkpoint {self.config.pretrained_checkpoint} "
                 f"(iteration {start.iteration}); optimizer, schedule and counters start fresh"
             )
-            return LoadedState()
-        state = self._load(start, model, optimizer, scheduler)
-        self.log(f" loaded checkpoint from {self.config.load} at iteration {state.iteration}")
-        return state
+            return 0, 0
+        iteration, consumed_samples = self._load(start, model, optimizer, scheduler)
+        self.log(f" loaded checkpoint from {self.config.load} at iteration {iteration}")
+        return iteration, consumed_samples
 
-    def _load(self, start: StartPoint, model, optimizer, scheduler) -> LoadedState:
+    def _load(self, start: StartPoint, model, optimizer, scheduler) -> tuple[int, int]:
         cfg, path, common = self.config, start.path, start.common
         saved_layout = {"vp": 1, **common.get("layout", {})}  # no "vp": saved before interleaving existed
         same_model_layout = all(saved_layout.get(k) == _layout()[k] for k in ("tp", "pp", "vp"))
@@ -505,8 +500,8 @@ class CheckpointManager:
         if load_rng:
             restore_rng_state(loaded["rng_state"], self.log)
         if cfg.finetune or weights_only:
-            return LoadedState()
-        return LoadedState(int(common["iteration"]), int(common["consumed_samples"]))
+            return 0, 0
+        return int(common["iteration"]), int(common["consumed_samples"])
 
     # ------------------------------------------------------------------------------------------ saving
 

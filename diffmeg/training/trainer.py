@@ -21,7 +21,6 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from megatron.core import parallel_state
@@ -29,7 +28,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from diffmeg import collectives
 from diffmeg.compat import model_parallel_manual_seed
-from diffmeg.errors import DiffmegError
 from diffmeg.model import lambda_parameters
 from diffmeg.run_config import RunConfig
 from diffmeg.training import ddp
@@ -37,29 +35,9 @@ from diffmeg.training.builders import build_training_objects
 from diffmeg.training.callbacks import Callback, LogRecord, StepOutput, default_callbacks
 from diffmeg.training.checkpointing import CheckpointManager, model_chunks
 from diffmeg.training.data import build_datasets, microbatches, to_device
-from diffmeg.training.distributed import initialize_distributed
-from diffmeg.training.memory import estimate_memory
+from diffmeg.training.distributed import initialize_model_parallel
+from diffmeg.training.memory import estimate_memory, model_parameters
 from diffmeg.training.memory_guard import check_memory_plan
-
-
-class ModelParallelSizes(NamedTuple):
-    """megatron-core's model-parallel layout: the run's, or the one a process has set up already."""
-
-    tensor: int
-    pipeline: int
-    context: int
-    virtual_pipeline: int | None
-    """Model chunks per pipeline rank of the interleaved schedule (None: no interleaving)."""
-
-    @classmethod
-    def set_up(cls) -> ModelParallelSizes:
-        """The layout megatron-core's parallel state holds now."""
-        return cls(
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_context_parallel_world_size(),
-            parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        )
 
 
 @dataclass
@@ -107,29 +85,7 @@ class Trainer:
 
     def __init__(self, run: RunConfig, callbacks: Sequence[Callback] | None = None) -> None:
         self.run = run
-        parallel = run.parallel
-        self.rank, self.world = initialize_distributed(
-            parallel.distributed_backend, parallel.distributed_timeout_minutes
-        )
-        if self.world != parallel.world_size:
-            raise DiffmegError(f"world size {self.world} does not match the layout validated from WORLD_SIZE")
-        sizes = ModelParallelSizes(
-            tensor=parallel.tensor_model_parallel_size,
-            pipeline=parallel.pipeline_model_parallel_size,
-            context=parallel.context_parallel_size,
-            virtual_pipeline=parallel.virtual_pipeline_model_parallel_size,
-        )
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=sizes.tensor,
-                pipeline_model_parallel_size=sizes.pipeline,
-                context_parallel_size=sizes.context,
-                virtual_pipeline_model_parallel_size=sizes.virtual_pipeline,
-            )
-        elif sizes != ModelParallelSizes.set_up():  # a process that already set up megatron-core (tests)
-            raise DiffmegError(
-                f"megatron-core's parallel state is set up for another layout than TP/PP/CP/VP {tuple(sizes)}"
-            )
+        self.rank, self.world = initialize_model_parallel(run.parallel)
         model_parallel_manual_seed(run.training.seed, cuda_graphs=run.training.cuda_graph_impl == "local")
         self.checkpoints = CheckpointManager(run, log=self.log)
         self.checkpoints.lock_save_target()  # one run per --save folder, with room for a checkpoint
@@ -140,11 +96,10 @@ class Trainer:
         # `model`: the DDP-wrapped chunks, one per virtual pipeline stage (one without interleaving)
         self.model_config, self.model, self.optimizer, self.scheduler = build_training_objects(run)
         self.device = next(self.model[0].parameters()).device
-        self.num_parameters = self._count_parameters()
+        self.num_parameters = model_parameters(run)  # of the whole model (a tied output layer once)
         if (overlap := ddp.describe(self.model)) is not None:
             self.log(overlap)
-        loaded = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
-        self.state = TrainState(loaded.iteration, loaded.consumed_samples)
+        self.state = TrainState(*self.checkpoints.load(self.model, self.optimizer, self.scheduler))
 
         self.is_logging_rank = self.rank == self.world - 1  # the last rank holds the loss, as in Megatron-LM
         self.callbacks = (
@@ -162,19 +117,6 @@ class Trainer:
         """Print on rank 0."""
         if self.rank == 0:
             print(line, flush=True)
-
-    def _count_parameters(self) -> int:
-        """Parameters of the whole model: each model-parallel rank's share, counted once over DP x CP (a tied
-        output layer's copy of the embedding on the last pipeline stage, megatron-core's `shared`, is the
-        embedding)."""
-        local = sum(
-            p.numel()
-            for chunk in model_chunks(self.model)
-            for p in chunk.parameters()
-            if not getattr(p, "shared", False)
-        )
-        first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-        return int(collectives.all_reduce([float(local if first_replica else 0)]).item())
 
     # ------------------------------------------------------------------------------------------ steps
 
