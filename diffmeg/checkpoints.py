@@ -23,6 +23,7 @@ import secrets
 import shutil
 import socket
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,7 @@ import torch
 from diffmeg import registry
 from diffmeg.data.hf_tokenizer import HF_TOKENIZER, TOKENIZER_FILES, copy_tokenizer_files, has_tokenizer_files
 from diffmeg.errors import DiffmegError
+from diffmeg.folder_lock import LOCK_FILE
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes, is_disk_full
 
 if TYPE_CHECKING:
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 ARGS_FILE = "args.json"
+ARGUMENTS_FILE = "arguments.json"
+"""The full resolved arguments of a run's latest start, in its run directory (`diffmeg.training.logger`)."""
 HF_CONFIG_FILE = "config.json"
 """What makes a folder a Hugging Face model (`diffmeg.model_source.is_hf_folder`), never a checkpoint."""
 WEIGHTS_ONLY_KEY = "weights_only"
@@ -101,6 +105,14 @@ def iteration_dirs(root: str) -> list[int]:
 def holds_saves(root: str) -> bool:
     """`root` has a tracker or an iter_* directory: a checkpoint directory, complete or not."""
     return read_tracker(root) is not None or any(name.startswith("iter_") for name in os.listdir(root))
+
+
+def holds_only_run_files(root: str) -> bool:
+    """Empty, or only what a run writes before its first checkpoint (its lock, its arguments, temporaries)."""
+    return all(
+        name in (ARGUMENTS_FILE, LOCK_FILE) or name.startswith(f"{TRACKER_FILE}.tmp-")
+        for name in os.listdir(root)
+    )
 
 
 def resolve_iteration(root: str, iteration: int | None = None, pick_flag: str = "--iteration") -> int:
@@ -383,9 +395,48 @@ def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argpa
     """The resolved arguments a checkpoint was trained with, and its directory (no weights are read)."""
     if not os.path.isdir(root):
         raise DiffmegError(f"--load {root} is not a directory")
-    path = checkpoint_path(root, resolve_iteration(root, iteration))
-    with open(os.path.join(path, ARGS_FILE)) as f:
-        return argparse.Namespace(**locate_tokenizer(root, json.load(f))), path
+    iteration = resolve_iteration(root, iteration)
+    return saved_args(root, iteration), checkpoint_path(root, iteration)
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """The checkpoint a training run starts from, read once before anything is built
+    (`diffmeg.training.checkpointing.CheckpointManager.resolve`): every start-up check and the load read it
+    here, never the checkpoint's files again."""
+
+    path: str
+    """Its `iter_N` directory."""
+    iteration: int
+    args: dict
+    """Its args.json, upgraded (`upgrade_saved_args`): the model's shape, the tied output layer, the
+    tokenizer it was trained on."""
+    common: dict | None = None
+    """A resume's common state (counters, scheduler state, layout); None: its weights only."""
+
+    @property
+    def where(self) -> str:
+        return f"checkpoint {self.path}"
+
+
+def read_start_point(root: str, iteration: int, resume: bool, pick_flag: str = "--iteration") -> StartPoint:
+    """Complete iteration `iteration` of `root` as a run starts from it: its arguments and, to `resume`, its
+    common state (a damaged one is one line naming it and the other iterations `pick_flag` selects)."""
+    path, common = checkpoint_path(root, iteration), None
+    if resume:
+        from megatron.core import dist_checkpointing
+
+        try:
+            common = dist_checkpointing.load_common_state_dict(path)
+        except Exception as exc:  # a damaged common.pt: one line naming it, never torch's unsafe advice
+            raise DiffmegError(damaged_checkpoint_message(path, exc, pick_flag)) from exc
+    return StartPoint(path, iteration, vars(upgrade_saved_args(saved_args(root, iteration))), common)
+
+
+def saved_args(root: str, iteration: int) -> argparse.Namespace:
+    """The resolved arguments complete iteration `iteration` of `root` was trained with (its args.json)."""
+    with open(os.path.join(checkpoint_path(root, iteration), ARGS_FILE)) as f:
+        return argparse.Namespace(**locate_tokenizer(root, json.load(f)))
 
 
 def first_line(exc: BaseException) -> str:

@@ -240,9 +240,8 @@ def test_every_reader_names_a_truncated_file_and_a_corrupt_common_pt_the_same_wa
     (root / "iter_0000001" / "common.pt").write_bytes(b"not a pickle")
     args = resolve_args(["--model", "diff-tiny", "--mock-data", "--load", str(root), "--ckpt-step", "1"], 1)
     manager = CheckpointManager(RunConfig.from_args(args), log=lambda line: None)
-    assert manager.resolve() == 1
     with pytest.raises(DiffmegError) as err:
-        manager._load(1, None, None, None)  # the common state is read first
+        manager.resolve()  # the common state is read at start
     message = str(err.value)
     assert message.startswith(f"cannot load checkpoint iteration 1 of {root}: iter_0000001/common.pt cannot")
     assert "weights_only" not in message and "\n" not in message

@@ -7,7 +7,6 @@ Flags covered by presets therefore default to `None` in the parser and are fille
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -810,10 +809,6 @@ def _validate_overlap(args: argparse.Namespace) -> None:
             )
         if not args.overlap_grad_reduce:
             raise DiffmegError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
-
-
-def args_to_json(args: argparse.Namespace) -> str:
-    return json.dumps({k: v for k, v in sorted(vars(args).items())}, indent=2, default=str)
 
 
 def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list[str]:

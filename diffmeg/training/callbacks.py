@@ -28,6 +28,8 @@ import torch
 from diffmeg import collectives
 from diffmeg.errors import DiffmegError
 from diffmeg.run_config import RunConfig
+from diffmeg.training.flops import train_flops_per_iteration
+from diffmeg.training.hardware import model_flops_utilization, peak_tflops
 from diffmeg.training.logger import TrainingLogger
 
 
@@ -45,6 +47,10 @@ class TrainerControl(Protocol):
     """The Trainer as its callbacks see it (`diffmeg.training.trainer.Trainer` implements this)."""
 
     checkpoints: BackgroundWrites
+    device: torch.device
+    """Where the model is (the logs' MFU reads its peak)."""
+    num_parameters: int
+    """Of the whole model, over every rank."""
 
     def request_stop(self, reason: str, interrupted: bool = False) -> None:
         """Save (with --save) and stop after this step; `interrupted`: Ctrl-C (the exit status says so)."""
@@ -70,7 +76,7 @@ class LogRecord:
     train_iters: int
     consumed_samples: int
     elapsed_ms: float
-    tflops: float
+    """Per iteration, over the iterations since the last record."""
     lr: float
     global_batch_size: int
     loss: float
@@ -78,9 +84,6 @@ class LogRecord:
     loss_scale: float
     lambdas: dict[str, float]
     skipped: int
-    mfu: float | None = None
-    """`tflops` over the device's dense peak (`diffmeg.training.hardware`); None where the peak is unknown
-    (a CPU, a GPU the table lacks, an fp32 run)."""
     early: bool = False
     """The line after the run's first iteration, before its first --log-interval: stdout only (no metrics
     or tensorboard record), so a slow start is not minutes of silence."""
@@ -121,25 +124,30 @@ class NanGuard(Callback):
 
 
 class MetricsLogger(Callback):
-    """Megatron-style stdout lines, tensorboard scalars and --metrics-file, on the logging rank.
+    """The logs of a run, on the logging rank: at the start the run in one line and its arguments
+    (`TrainingLogger.arguments`: once every start-up check passed, so a refused run writes none); then
+    Megatron-style stdout lines, tensorboard scalars and --metrics-file, with the model's FLOP/s and their
+    share of the device's dense peak (MFU, `diffmeg.training.hardware`; none where the peak is unknown: a
+    CPU, a GPU the table lacks, an fp32 run).
 
     A log that cannot be written (a full disk under --metrics-file or --tensorboard-dir) stops the run:
     every rank saves after the next step (the ranks agree in `SignalHandler`), then the error is one line
     saying where that checkpoint went.
     """
 
-    def __init__(
-        self,
-        tensorboard_dir: str | None,
-        metrics_file: str | None,
-        enabled: bool,
-        save: str | None = None,
-        stop: Callable[[str], None] | None = None,
-    ) -> None:
-        self.logger = TrainingLogger(tensorboard_dir, metrics_file, enabled=enabled)
-        self.save = save
+    def __init__(self, run: RunConfig, enabled: bool, stop: Callable[[str], None] | None = None) -> None:
+        self.run = run
+        self.logger = TrainingLogger(run.logging.tensorboard_dir, run.logging.metrics_file, enabled=enabled)
         self.stop = stop
         self.failure: DiffmegError | None = None
+        self.flops_per_iteration = 0.0
+        self.peak_tflops: float | None = None
+
+    def on_train_start(self, trainer: TrainerControl) -> None:
+        training = self.run.training  # the matmuls' precision picks MFU's peak
+        self.flops_per_iteration = train_flops_per_iteration(self.run)
+        self.peak_tflops = peak_tflops(trainer.device, "fp8" if training.fp8_format else training.precision)
+        self.logger.arguments(self.run, trainer.num_parameters)
 
     def _write(self, trainer: TrainerControl, write: Callable[[], None]) -> None:
         try:
@@ -154,7 +162,9 @@ class MetricsLogger(Callback):
             trainer.request_stop("a log write failed")
 
     def on_log(self, trainer: TrainerControl, record: LogRecord) -> None:
-        self._write(trainer, lambda: self.logger.training(**vars(record)))
+        tflops = self.flops_per_iteration / record.elapsed_ms * 1e3 / self.run.parallel.world_size / 1e12
+        mfu = model_flops_utilization(tflops, self.peak_tflops)
+        self._write(trainer, lambda: self.logger.training(**vars(record), tflops=tflops, mfu=mfu))
 
     def on_evaluation(self, trainer: TrainerControl, iteration: int, loss: float) -> None:
         self._write(trainer, lambda: self.logger.validation(iteration, loss))
@@ -165,9 +175,10 @@ class MetricsLogger(Callback):
         except DiffmegError as exc:  # the last write, at close
             self.failure = self.failure or exc
         if self.failure is not None:
+            save = self.run.checkpoint.save
             saved = (
-                f"the last step is saved in {self.save}: resume with --load {self.save}"
-                if self.save
+                f"the last step is saved in {save}: resume with --load {save}"
+                if save
                 else "nothing saved (no --save)"
             )
             raise DiffmegError(f"{self.failure}; {saved}") from self.failure
@@ -248,16 +259,9 @@ class BackgroundSaves(Callback):
 def default_callbacks(run: RunConfig, is_logging_rank: bool) -> list[Callback]:
     """The callbacks of a pretrain_diff.py run; the NaN guard comes before the logger (no NaN is logged)."""
     signals = SignalHandler()
-    logging = run.logging
     callbacks = [
         NanGuard(),
-        MetricsLogger(
-            logging.tensorboard_dir,
-            logging.metrics_file,
-            enabled=is_logging_rank,
-            save=run.checkpoint.save,
-            stop=signals.stop_soon,
-        ),
+        MetricsLogger(run, enabled=is_logging_rank, stop=signals.stop_soon),
         signals,
         ExitInterval(run.training.exit_interval),
     ]

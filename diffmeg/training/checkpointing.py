@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -28,27 +28,26 @@ from diffmeg import collectives
 from diffmeg.checkpoints import (
     TRACKER_FILE,
     WEIGHTS_ONLY_KEY,
+    StartPoint,
     abandon_save,
     begin_checkpoint,
     checkpoint_path,
-    damaged_checkpoint_message,
+    holds_only_run_files,
     holds_saves,
     leftovers,
     load_sharded,
     not_a_checkpoint_message,
-    read_checkpoint_args,
+    read_start_point,
     read_tracker,
     resolve_iteration,
-    upgrade_saved_args,
 )
 from diffmeg.compat.checkpoint_writer import AsyncSaves, HoldAfterWrite, run_now
+from diffmeg.data.tokenizers import check_checkpoint, record_of_args
 from diffmeg.errors import DiffmegError
-from diffmeg.folder_lock import LOCK_FILE, FolderLock
-from diffmeg.run_config import SHAPE_FIELDS, RunConfig, TrainingConfig
+from diffmeg.folder_lock import FolderLock
+from diffmeg.run_config import SHAPE_FIELDS, ModelConfig, RunConfig
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
-
-ARGUMENTS_FILE = "arguments.json"
-"""The full resolved arguments of the latest run, written at start into the run directory (--save)."""
+from diffmeg.training.memory import model_parameters
 
 STALL_ASYNC_SAVE_ENV = "DIFFMEG_TEST_STALL_ASYNC_SAVE"
 """Test hook, never for real runs: "N" or "N:PATH". With --async-save, rank 0's background writer of
@@ -68,13 +67,6 @@ class PendingSave:
     path: str
     started: float
     """time.perf_counter() when training went on."""
-
-
-@dataclass
-class LoadedState:
-    iteration: int = 0
-    consumed_samples: int = 0
-    loaded: bool = False
 
 
 def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -247,12 +239,12 @@ def _state_dict(
     return state
 
 
-def checkpoint_bytes(num_parameters: int, training: TrainingConfig) -> int:
-    """About how many bytes one checkpoint of a model of `num_parameters` takes: the weights in their dtype,
-    plus Adam's two fp32 moments and (bf16/fp16) the fp32 main copy of the weights."""
-    weight = torch.tensor([], dtype=training.params_dtype).element_size()
+def checkpoint_bytes(run: RunConfig) -> int:
+    """About how many bytes one checkpoint of the run's model takes: the weights in their dtype, plus Adam's
+    two fp32 moments and (bf16/fp16) the fp32 main copy of the weights."""
+    weight = torch.tensor([], dtype=run.training.params_dtype).element_size()
     main_copy = 4 if weight < 4 else 0
-    return num_parameters * (weight + main_copy + 8)
+    return model_parameters(run) * (weight + main_copy + 8)
 
 
 def _rank0_print(line: str) -> None:
@@ -262,15 +254,6 @@ def _rank0_print(line: str) -> None:
 
 def _same_path(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
-
-
-def _holds_only_run_files(root: str) -> bool:
-    """Empty, or only what a run writes before its first checkpoint (its lock, the argument dump,
-    temporaries)."""
-    return all(
-        name in (ARGUMENTS_FILE, LOCK_FILE) or name.startswith(f"{TRACKER_FILE}.tmp-")
-        for name in os.listdir(root)
-    )
 
 
 def _stall_hook(iteration: int) -> HoldAfterWrite | None:
@@ -290,7 +273,7 @@ def _stall_hook(iteration: int) -> HoldAfterWrite | None:
 
 class CheckpointManager:
     """Resuming and saving for the Trainer: --save made this run's alone (`lock_save_target`), where the run
-    starts (`resolve`), whether --save has room for a checkpoint (`check_room`), loading (`load`), and saves
+    starts (`resolve`), loading (`load`), and saves
     (`due`, `save`).
 
     With --async-save a save returns once it is planned and this rank's tensors are copied into a shared
@@ -306,8 +289,8 @@ class CheckpointManager:
         self.run = run
         self.config = run.checkpoint
         self.log = log
-        self.load_iteration: int | None = None
-        """The iteration of --load to resume from; None: start from scratch (or --pretrained-checkpoint)."""
+        self.start: StartPoint | None = None
+        """The checkpoint the run starts from (`resolve`); None: from scratch."""
         self.checkpoint_bytes: int | None = None
         """About one checkpoint's size (from the model size, then measured): for disk-full messages."""
         self.pending: PendingSave | None = None
@@ -321,90 +304,91 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------ start
 
-    def resolve(self) -> int | None:
-        """Decide where the run starts, before anything is built; every bad --load is one line here."""
+    def resolve(self) -> StartPoint | None:
+        """Decide where the run starts, read that checkpoint once (`StartPoint`) and check it against the
+        run, before anything is built: every bad --load, and every checkpoint this run cannot start from,
+        is one line here. None: the run starts from scratch."""
+        self.start = self._start_point()
+        if self.start is not None:
+            self._check_start(self.start)
+        return self.start
+
+    def _start_point(self) -> StartPoint | None:
+        iteration = self._load_iteration()
+        if iteration is not None:
+            return read_start_point(self.config.load, iteration, resume=True, pick_flag="--ckpt-step")
+        root = self.config.pretrained_checkpoint
+        if root is None:
+            return None
+        iteration = read_tracker(root) if os.path.isdir(root) else None
+        if iteration is None:
+            raise DiffmegError(
+                f"--pretrained-checkpoint {root} holds no complete checkpoint ({TRACKER_FILE})"
+            )
+        return read_start_point(root, iteration, resume=False)
+
+    def _load_iteration(self) -> int | None:
+        """The iteration of --load to resume (the rules of the module's docstring); None: none yet."""
         root, cfg = self.config.load, self.config
         if root is None:
             return None
         if os.path.exists(root) and not os.path.isdir(root):
             raise DiffmegError(f"--load {root} is a file, not a checkpoint directory")
         fresh_ok = _same_path(root, cfg.save) or cfg.pretrained_checkpoint is not None
-        if not os.path.isdir(root):
-            if not fresh_ok:
-                raise DiffmegError(
-                    f"--load {root} does not exist (a typo? to start from scratch and save there, pass it "
-                    f"as --save too)"
-                )
-            return self._fresh(root)
-        if cfg.ckpt_step is None and not holds_saves(root):
-            if not (fresh_ok or _holds_only_run_files(root)):
+        if not os.path.isdir(root) and not fresh_ok:
+            raise DiffmegError(
+                f"--load {root} does not exist (a typo? to start from scratch and save there, pass it as "
+                f"--save too)"
+            )
+        if not os.path.isdir(root) or (cfg.ckpt_step is None and not holds_saves(root)):
+            if not (fresh_ok or holds_only_run_files(root)):
                 fix = "point --load at a checkpoint directory, or drop it to start from scratch"
                 raise DiffmegError(not_a_checkpoint_message(root, fix))
-            return self._fresh(root)
-        self.load_iteration = self._not_past_the_end(resolve_iteration(root, cfg.ckpt_step, "--ckpt-step"))
-        return self.load_iteration
-
-    def _not_past_the_end(self, iteration: int) -> int:
-        """A checkpoint past --train-iters would load, train nothing and exit 0: one line instead."""
+            if cfg.pretrained_checkpoint is None:  # else the pretrained weights' line says where from
+                self.log(f" no checkpoint in {root}, starting from scratch")
+            return None
+        iteration = resolve_iteration(root, cfg.ckpt_step, "--ckpt-step")
         train_iters = self.run.training.train_iters
-        if iteration > train_iters and not self.config.finetune:
+        if iteration > train_iters and not cfg.finetune:  # it would load, train nothing and exit 0
             raise DiffmegError(
-                f"--load {self.config.load} is at iteration {iteration}, past --train-iters {train_iters}: "
-                f"nothing to train; raise --train-iters (or --train-tokens) above {iteration} to continue "
-                f"the run, or add --finetune to train its weights on a new schedule"
+                f"--load {root} is at iteration {iteration}, past --train-iters {train_iters}: nothing to "
+                f"train; raise --train-iters (or --train-tokens) above {iteration} to continue the run, or "
+                f"add --finetune to train its weights on a new schedule"
             )
         return iteration
 
-    def source_args(self) -> tuple[str, dict] | None:
-        """(where, args.json upgraded) of the checkpoint `load` will read: --load's iteration, else the latest
-        of --pretrained-checkpoint; None when the run starts from scratch."""
-        pretrained = self.config.pretrained_checkpoint
-        if self.load_iteration is not None:
-            args, path = read_checkpoint_args(self.config.load, self.load_iteration)
-        elif pretrained is not None and read_tracker(pretrained) is not None:
-            args, path = read_checkpoint_args(pretrained)
-        else:
-            return None
-        return f"checkpoint {path}", vars(upgrade_saved_args(args))
-
-    def check_output_layer(self) -> None:
-        """The checkpoint the run starts from has this run's model shape (`check_shape`) and ties (or
-        unties) its output layer as this run does: a tied checkpoint has no output-layer tensor to load,
-        an untied one's would be dropped unseen."""
-        source = self.source_args()
-        if source is None:
-            return
-        where, args = source
-        check_shape(where, args, vars(self.run.to_args()))
-        saved = bool(args["tie_embeddings_and_output_weights"])
-        if saved == self.run.model.tie_embeddings_and_output_weights:
-            return
-        if saved:
+    def _check_start(self, start: StartPoint) -> None:
+        """The checkpoint the run starts from has this run's model shape (`check_shape`), ties (or unties)
+        its output layer as this run does (a tied checkpoint has no output-layer tensor to load, an untied
+        one's would be dropped unseen), holds ids of this run's tokenizer, and (a resume that loads the
+        optimizer) has this run's learning-rate schedule (`_check_schedule`)."""
+        model = self.run.model
+        check_shape(start.where, start.args, model)
+        saved = bool(start.args["tie_embeddings_and_output_weights"])
+        if saved and not model.tie_embeddings_and_output_weights:
             raise DiffmegError(
-                f"{where} holds a model whose output layer is tied to its word embedding, but this run "
+                f"{start.where} holds a model whose output layer is tied to its word embedding, but this run "
                 f"unties them; add --tie-embeddings-and-output-weights (or --use-checkpoint-args) and drop "
                 f"--untie-embeddings-and-output-weights"
             )
-        raise DiffmegError(
-            f"{where} holds a model with an output layer of its own, but this run ties it to the word "
-            f"embedding; drop --tie-embeddings-and-output-weights"
-        )
+        if model.tie_embeddings_and_output_weights and not saved:
+            raise DiffmegError(
+                f"{start.where} holds a model with an output layer of its own, but this run ties it to the "
+                f"word embedding; drop --tie-embeddings-and-output-weights"
+            )
+        check_checkpoint(start.args, record_of_args(vars(self.run.data)), start.where)
+        if start.common is not None and self._loads_optimizer(start.common):
+            self._check_schedule(start)
 
-    def check_schedule(self) -> None:
+    def _check_schedule(self, start: StartPoint) -> None:
         """The checkpoint the run resumes has this run's learning-rate schedule, or one line naming each
-        difference and the two flags that settle it (Megatron-LM's rule; before anything is built).
+        difference and the two flags that settle it (Megatron-LM's rule).
 
         `--override-opt-param-scheduler`: this run's schedule from the checkpoint's iteration on;
         `--use-checkpoint-opt-param-scheduler`: the checkpoint's, whatever the flags say. A run that does
         not load the optimizer (--no-load-optim, --finetune, a weights-only checkpoint) starts its own."""
-        if self.load_iteration is None:
-            return
-        path = checkpoint_path(self.config.load, self.load_iteration)
-        common = self._common_state(path)
-        saved = common.get("opt_param_scheduler")
-        if saved is None or not self._loads_optimizer(common):
-            return
-        differences = schedule_differences(saved, self.run)
+        saved = start.common.get("opt_param_scheduler")
+        differences = [] if saved is None else schedule_differences(saved, self.run)
         optim = self.run.optim
         if not differences:
             return
@@ -413,17 +397,10 @@ class CheckpointManager:
             self.log(f" learning-rate schedule: {'; '.join(differences)}: {whose} is used")
             return
         raise DiffmegError(
-            f"checkpoint {path} was trained on another learning-rate schedule: {'; '.join(differences)}; "
+            f"{start.where} was trained on another learning-rate schedule: {'; '.join(differences)}; "
             f"add --override-opt-param-scheduler to go on with this run's schedule from iteration "
-            f"{self.load_iteration}, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's"
+            f"{start.iteration}, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's"
         )
-
-    def _common_state(self, path: str) -> dict:
-        """A checkpoint's common state (iteration, counters, scheduler, layout), or one line naming it."""
-        try:
-            return dist_checkpointing.load_common_state_dict(path)
-        except Exception as exc:  # a damaged common.pt: one line naming it, never torch's unsafe advice
-            raise DiffmegError(damaged_checkpoint_message(path, exc, "--ckpt-step")) from exc
 
     def _loads_optimizer(self, common: dict) -> bool:
         """Whether resuming from the checkpoint of `common` restores its optimizer and schedule: not with
@@ -431,18 +408,15 @@ class CheckpointManager:
         cfg = self.config
         return not (cfg.no_load_optim or cfg.finetune or common.get(WEIGHTS_ONLY_KEY))
 
-    def _fresh(self, root: str) -> None:
-        if self.config.pretrained_checkpoint is None:  # else the pretrained weights' line says where from
-            self.log(f" no checkpoint in {root}, starting from scratch")
-        self.load_iteration = None
-
     def lock_save_target(self) -> None:
-        """Make --save this run's alone before anything is written into it: rank 0 makes it and takes its
-        lock (`diffmeg.folder_lock`); another run holding it, or a folder that cannot be made or written,
-        stops every rank with the same one line. Held until `close`."""
+        """Make --save this run's alone before anything is written into it, with room for a checkpoint:
+        rank 0 makes it, takes its lock (`diffmeg.folder_lock`), names what earlier saves left there and
+        checks its free space; another run holding it, a folder that cannot be made or written, or too
+        little room stops every rank with the same one line, before anything is built. Held until `close`."""
         root = self.config.save
         if root is None:
             return
+        self.checkpoint_bytes = need = checkpoint_bytes(self.run)
 
         def take() -> None:
             lock = FolderLock(root, "--save")
@@ -457,25 +431,13 @@ class CheckpointManager:
                     f" {root} holds what earlier saves left ({size}): {shown}; no run removes what another "
                     f"wrote: delete them to free the space"
                 )
-
-        collectives.on_rank0(take)
-
-    def check_room(self, num_parameters: int) -> None:
-        """--save has room for one checkpoint of this model (rank 0 checks, every rank stops)."""
-        self.checkpoint_bytes = checkpoint_bytes(num_parameters, self.run.training)
-        root, need = self.config.save, self.checkpoint_bytes
-        if root is None:
-            return
-
-        def check() -> None:
-            free = free_bytes(root)
-            if free < need:
+            if (free := free_bytes(root)) < need:
                 raise DiffmegError(
                     f"--save {root} has {format_bytes(free)} free, one checkpoint of this model needs about "
                     f"{format_bytes(need)}; free space or point --save elsewhere"
                 )
 
-        collectives.on_rank0(check)
+        collectives.on_rank0(take)
 
     # ------------------------------------------------------------------------------------------ loading
 
@@ -484,23 +446,26 @@ class CheckpointManager:
         model: torch.nn.Module | list[torch.nn.Module],
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
-    ) -> LoadedState:
-        """Restore what `resolve` chose (or the --pretrained-checkpoint weights). Returns where to resume."""
-        state = LoadedState()
-        if self.load_iteration is not None:
-            state = self._load(self.load_iteration, model, optimizer, scheduler)
-            self.log(f" loaded checkpoint from {self.config.load} at iteration {state.iteration}")
-        elif self.config.pretrained_checkpoint is not None:
-            source = load_pretrained_weights(self.config.pretrained_checkpoint, model)
+    ) -> tuple[int, int]:
+        """Restore what `resolve` chose (or the --pretrained-checkpoint weights). Returns where to go on: the
+        iteration and the consumed samples."""
+        start = self.start
+        if start is None:
+            return 0, 0
+        if start.common is None:
+            with torch.no_grad():
+                _load_model_state(model, load_sharded(_model_state(model), start.path))
             self.log(
                 f" initialised weights from pretrained checkpoint {self.config.pretrained_checkpoint} "
-                f"(iteration {source}); optimizer, schedule and counters start fresh"
+                f"(iteration {start.iteration}); optimizer, schedule and counters start fresh"
             )
-        return state
+            return 0, 0
+        iteration, consumed_samples = self._load(start, model, optimizer, scheduler)
+        self.log(f" loaded checkpoint from {self.config.load} at iteration {iteration}")
+        return iteration, consumed_samples
 
-    def _load(self, iteration: int, model, optimizer, scheduler) -> LoadedState:
-        cfg, path = self.config, checkpoint_path(self.config.load, iteration)
-        common = self._common_state(path)
+    def _load(self, start: StartPoint, model, optimizer, scheduler) -> tuple[int, int]:
+        cfg, path, common = self.config, start.path, start.common
         saved_layout = {"vp": 1, **common.get("layout", {})}  # no "vp": saved before interleaving existed
         same_model_layout = all(saved_layout.get(k) == _layout()[k] for k in ("tp", "pp", "vp"))
         # A weights-only checkpoint (an HF import) has no optimizer/scheduler/RNG state to resume.
@@ -535,10 +500,8 @@ class CheckpointManager:
         if load_rng:
             restore_rng_state(loaded["rng_state"], self.log)
         if cfg.finetune or weights_only:
-            return LoadedState(loaded=True)
-        return LoadedState(
-            iteration=int(common["iteration"]), consumed_samples=int(common["consumed_samples"]), loaded=True
-        )
+            return 0, 0
+        return int(common["iteration"]), int(common["consumed_samples"])
 
     # ------------------------------------------------------------------------------------------ saving
 
@@ -667,14 +630,13 @@ def _set_lr_bounds(optimizer: MegatronOptimizer, bounds: list[tuple[float, float
             group["min_lr"] = min_lr
 
 
-def check_shape(where: str, saved: dict, run: dict) -> None:
+def check_shape(where: str, saved: dict, model: ModelConfig) -> None:
     """A checkpoint's model (its args.json, `saved`) has the run's shape, or one line naming each flag that
     differs and the fix: another iteration of the same run cannot help, every one has that shape."""
-    defaults = {"diff_attention": True, "diff_version": 1}  # args.json files from before the flags
     differ = []
     for name in SHAPE_FIELDS:
-        theirs, ours = saved.get(name, defaults.get(name)), run.get(name, defaults.get(name))
-        if name == "diff_version" and not (saved.get("diff_attention", True) and run.get("diff_attention")):
+        theirs, ours = saved.get(name, True if name == "diff_attention" else None), getattr(model, name)
+        if name == "diff_version" and not (saved.get("diff_attention", True) and model.diff_attention):
             continue  # the Transformer baseline has no DIFF version
         if theirs is None or ours is None or theirs == ours:
             continue
@@ -688,18 +650,3 @@ def check_shape(where: str, saved: dict, run: dict) -> None:
             f"{where} holds a model of another shape: {', '.join(differ)}; pass the checkpoint's values, or "
             f"--use-checkpoint-args to take its shape from its args.json"
         )
-
-
-def load_pretrained_weights(root: str, model: torch.nn.Module | list[torch.nn.Module]) -> int:
-    """Weights only (no optimizer, scheduler, RNG or counters) from `root`'s latest checkpoint.
-
-    The checkpoint may have been trained at another sequence length, RoPE base, LR schedule or parallel
-    layout: weights are layout-free and none of those change their shapes. Returns its iteration.
-    """
-    iteration = read_tracker(root) if os.path.isdir(root) else None
-    if iteration is None:
-        raise DiffmegError(f"--pretrained-checkpoint {root} holds no complete checkpoint ({TRACKER_FILE})")
-    path = checkpoint_path(root, iteration)
-    with torch.no_grad():
-        _load_model_state(model, load_sharded(_model_state(model), path))
-    return iteration

@@ -17,6 +17,8 @@ from megatron.core import parallel_state
 from diffmeg.data.gpt_datasets import build_gpt_datasets, parse_data_path
 from diffmeg.data.indexed import has_loss_mask
 from diffmeg.data.loss_mask import build_loss_mask_datasets
+from diffmeg.data.tokenizers import build_tokenizer
+from diffmeg.errors import DiffmegError
 from diffmeg.parallel import slice_sequence_for_cp
 from diffmeg.run_config import RunConfig
 
@@ -44,8 +46,10 @@ class MockTokenDataset(torch.utils.data.Dataset):
         }
 
 
-def build_datasets(run: RunConfig, tokenizer=None):
-    """(train, valid, test) datasets for the run; valid/test may be None."""
+def build_datasets(run: RunConfig):
+    """(train, valid, test) datasets for the run; valid/test may be None. Data whose ids are not the run's
+    (another tokenizer's, or ids past its vocabulary) is one line here: the Trainer builds the datasets
+    before the model."""
     m, t, d, log = run.model, run.training, run.data, run.logging
     if d.mock_data:
         return (
@@ -63,6 +67,17 @@ def build_datasets(run: RunConfig, tokenizer=None):
     prefixes, _ = parse_data_path(d.data_path)
     if any(has_loss_mask(p) for p in prefixes):  # one whole document per sample, loss on masked tokens
         return build_loss_mask_datasets(prefixes, d.split, m.seq_length, t.seed, num_samples, m.vocab_size)
+    tokenizer = build_tokenizer(
+        d.tokenizer_type,
+        tokenizer_file=d.tokenizer_file,
+        tokenizer_model=d.tokenizer_model,
+        vocab_size=m.vocab_size,
+    )
+    if tokenizer.vocab_size > m.vocab_size:
+        raise DiffmegError(
+            f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids; pass a "
+            f"--vocab-size of at least {tokenizer.vocab_size}"
+        )
     return build_gpt_datasets(
         data_path=d.data_path,
         split=d.split,

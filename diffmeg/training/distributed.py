@@ -1,4 +1,5 @@
-"""Process-group start-up under torchrun, srun (SLURM_* variables) or a single plain process."""
+"""Process-group start-up under torchrun, srun (SLURM_* variables) or a single plain process, and
+megatron-core's model-parallel state for a run's layout."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import datetime
 import os
 import re
 import socket
+from typing import NamedTuple
 
 import torch
+from megatron.core import parallel_state
 
 from diffmeg.errors import DiffmegError
+from diffmeg.run_config import ParallelConfig
 
 
 def slurm_master_port(job_id: str) -> int:
@@ -83,4 +87,50 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10) -> 
             "this node, or a MASTER_PORT inherited from the shell): unset MASTER_PORT (under Slurm each job "
             "takes one from its job id) or set a free one"
         ) from None
+    return rank, world
+
+
+class ModelParallelSizes(NamedTuple):
+    """megatron-core's model-parallel layout: the run's, or the one a process has set up already."""
+
+    tensor: int
+    pipeline: int
+    context: int
+    virtual_pipeline: int | None
+    """Model chunks per pipeline rank of the interleaved schedule (None: no interleaving)."""
+
+    @classmethod
+    def set_up(cls) -> ModelParallelSizes:
+        """The layout megatron-core's parallel state holds now."""
+        return cls(
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        )
+
+
+def initialize_model_parallel(parallel: ParallelConfig) -> tuple[int, int]:
+    """Process groups (`initialize_distributed`) and megatron-core's model-parallel state for the run's
+    layout; (rank, world size)."""
+    rank, world = initialize_distributed(parallel.distributed_backend, parallel.distributed_timeout_minutes)
+    if world != parallel.world_size:
+        raise DiffmegError(f"world size {world} does not match the layout validated from WORLD_SIZE")
+    sizes = ModelParallelSizes(
+        tensor=parallel.tensor_model_parallel_size,
+        pipeline=parallel.pipeline_model_parallel_size,
+        context=parallel.context_parallel_size,
+        virtual_pipeline=parallel.virtual_pipeline_model_parallel_size,
+    )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes.tensor,
+            pipeline_model_parallel_size=sizes.pipeline,
+            context_parallel_size=sizes.context,
+            virtual_pipeline_model_parallel_size=sizes.virtual_pipeline,
+        )
+    elif sizes != ModelParallelSizes.set_up():  # a process that already set up megatron-core (tests)
+        raise DiffmegError(
+            f"megatron-core's parallel state is set up for another layout than TP/PP/CP/VP {tuple(sizes)}"
+        )
     return rank, world

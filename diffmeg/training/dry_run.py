@@ -24,13 +24,13 @@ from diffmeg.data.gpt_datasets import BUILTIN, parse_data_path
 from diffmeg.data.indexed import check_dataset
 from diffmeg.data.tokenizers import check_datasets, check_vocabulary, record_of_args
 from diffmeg.errors import DiffmegError
-from diffmeg.presets import count_parameters
 from diffmeg.run_config import DataConfig, RunConfig
 from diffmeg.training.flops import train_flops_per_iteration
 from diffmeg.training.memory import (
     GIB,
     estimate_memory,
     loss_peak_bytes,
+    model_parameters,
     parameters_per_rank,
     shrink_options,
 )
@@ -96,18 +96,7 @@ def dry_run_summary(run: RunConfig) -> dict:
             "precision": training.precision,
             "fp8_format": training.fp8_format,
         },
-        "num_parameters": count_parameters(
-            model.num_layers,
-            model.hidden_size,
-            model.ffn_hidden_size,
-            model.vocab_size,
-            model.num_attention_heads,
-            model.kv_channels,
-            model.num_query_groups,
-            diff_attention=model.diff_attention,
-            untie_embeddings=not model.tie_embeddings_and_output_weights,
-            diff_version=model.diff_version,
-        ),
+        "num_parameters": model_parameters(run),
         "flops_per_step": train_flops_per_iteration(run),
         "memory_per_gpu_gib": estimate_memory(run, on_gpu=True).as_gib(),
         "features": features(run),

@@ -1,5 +1,5 @@
-"""Megatron-style log lines, tensorboard scalars and an optional JSON-lines metrics file; the one-line run
-summary printed at start."""
+"""Megatron-style log lines, tensorboard scalars and an optional JSON-lines metrics file; at start the
+one-line run summary and the run's arguments (arguments.json)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from diffmeg.checkpoints import ARGUMENTS_FILE, checkpoint_path, read_tracker
 from diffmeg.errors import DiffmegError
 from diffmeg.run_config import RunConfig
 
@@ -45,6 +46,31 @@ class TrainingLogger:
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             self.metrics = open(metrics_file, "a")
+
+    def arguments(self, run: RunConfig, num_parameters: int) -> None:
+        """The run in one line; its full arguments into `ARGUMENTS_FILE` beside the checkpoints (--save),
+        else beside --metrics-file (a write that fails is a note: the run goes on), and with --verbose on
+        stdout."""
+        if not self.enabled:
+            return
+        text = json.dumps(dict(sorted(vars(run.to_args()).items())), indent=2, default=str)
+        directory = run.checkpoint.save
+        if directory is None and self.metrics_file is not None:
+            directory = os.path.dirname(os.path.abspath(self.metrics_file))
+        path = None if directory is None else os.path.join(directory, ARGUMENTS_FILE)
+        try:
+            if path is not None:
+                os.makedirs(directory, exist_ok=True)
+                with open(path, "w") as f:
+                    f.write(text + "\n")
+        except OSError as exc:
+            print(f" could not write the arguments to {path}: {exc.strerror or exc}", flush=True)
+            path = None
+        print(run_summary(run, num_parameters, path), flush=True)
+        if run.logging.verbose:
+            print("------------------------ arguments ------------------------", flush=True)
+            print(text, flush=True)
+            print("-------------------- end of arguments ---------------------", flush=True)
 
     def training(
         self,
@@ -229,8 +255,6 @@ def run_summary(run: RunConfig, num_parameters: int, arguments_file: str | None)
 def end_summary(args, result: dict, seconds: float) -> str:
     """The run's last line: iterations, tokens, final loss, wall time, and where its checkpoint and logs
     went (or that nothing was saved), so a finished run never ends without a word."""
-    from diffmeg.checkpoints import checkpoint_path, read_tracker
-
     wall = _duration(seconds)
     loss = result.get("lm_loss")
     tokens = result["consumed_samples"] * args.seq_length

@@ -38,6 +38,7 @@ import torch
 
 from diffmeg import registry
 from diffmeg.config import megatron_head_counts
+from diffmeg.presets import count_parameters
 from diffmeg.run_config import RunConfig
 
 GIB = 1024**3
@@ -70,6 +71,23 @@ class MemoryEstimate:
 
 def _param_bytes(run: RunConfig) -> int:
     return 2 if (run.training.bf16 or run.training.fp16) else 4
+
+
+def model_parameters(run: RunConfig) -> int:
+    """The whole model's parameters (a tied output layer counted once), from the run's sizes."""
+    m = run.model
+    return count_parameters(
+        m.num_layers,
+        m.hidden_size,
+        m.ffn_hidden_size,
+        m.vocab_size,
+        m.num_attention_heads,
+        m.kv_channels,
+        m.num_query_groups,
+        diff_attention=m.diff_attention,
+        untie_embeddings=not m.tie_embeddings_and_output_weights,
+        diff_version=m.diff_version,
+    )
 
 
 def parameters_per_rank(run: RunConfig) -> int:

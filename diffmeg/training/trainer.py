@@ -18,11 +18,9 @@ and twice more; docs/recipes.md counts them).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from megatron.core import parallel_state
@@ -30,48 +28,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from diffmeg import collectives
 from diffmeg.compat import model_parallel_manual_seed
-from diffmeg.data.tokenizers import (
-    NULL,
-    TokenizerRecord,
-    build_tokenizer,
-    check_checkpoint,
-    record_of,
-)
-from diffmeg.errors import DiffmegError
 from diffmeg.model import lambda_parameters
 from diffmeg.run_config import RunConfig
 from diffmeg.training import ddp
-from diffmeg.training.arguments import args_to_json
 from diffmeg.training.builders import build_training_objects
 from diffmeg.training.callbacks import Callback, LogRecord, StepOutput, default_callbacks
-from diffmeg.training.checkpointing import ARGUMENTS_FILE, CheckpointManager, model_chunks
+from diffmeg.training.checkpointing import CheckpointManager, model_chunks
 from diffmeg.training.data import build_datasets, microbatches, to_device
-from diffmeg.training.distributed import initialize_distributed
-from diffmeg.training.flops import train_flops_per_iteration
-from diffmeg.training.hardware import model_flops_utilization, peak_tflops
-from diffmeg.training.logger import run_summary
-from diffmeg.training.memory import estimate_memory
+from diffmeg.training.distributed import initialize_model_parallel
+from diffmeg.training.memory import estimate_memory, model_parameters
 from diffmeg.training.memory_guard import check_memory_plan
-
-
-class ModelParallelSizes(NamedTuple):
-    """megatron-core's model-parallel layout: the run's, or the one a process has set up already."""
-
-    tensor: int
-    pipeline: int
-    context: int
-    virtual_pipeline: int | None
-    """Model chunks per pipeline rank of the interleaved schedule (None: no interleaving)."""
-
-    @classmethod
-    def set_up(cls) -> ModelParallelSizes:
-        """The layout megatron-core's parallel state holds now."""
-        return cls(
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_context_parallel_world_size(),
-            parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        )
 
 
 @dataclass
@@ -119,64 +85,31 @@ class Trainer:
 
     def __init__(self, run: RunConfig, callbacks: Sequence[Callback] | None = None) -> None:
         self.run = run
-        parallel = run.parallel
-        self.rank, self.world = initialize_distributed(
-            parallel.distributed_backend, parallel.distributed_timeout_minutes
-        )
-        if self.world != parallel.world_size:
-            raise DiffmegError(f"world size {self.world} does not match the layout validated from WORLD_SIZE")
-        sizes = ModelParallelSizes(
-            tensor=parallel.tensor_model_parallel_size,
-            pipeline=parallel.pipeline_model_parallel_size,
-            context=parallel.context_parallel_size,
-            virtual_pipeline=parallel.virtual_pipeline_model_parallel_size,
-        )
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=sizes.tensor,
-                pipeline_model_parallel_size=sizes.pipeline,
-                context_parallel_size=sizes.context,
-                virtual_pipeline_model_parallel_size=sizes.virtual_pipeline,
-            )
-        elif sizes != ModelParallelSizes.set_up():  # a process that already set up megatron-core (tests)
-            raise DiffmegError(
-                f"megatron-core's parallel state is set up for another layout than TP/PP/CP/VP {tuple(sizes)}"
-            )
+        self.rank, self.world = initialize_model_parallel(run.parallel)
         model_parallel_manual_seed(run.training.seed, cuda_graphs=run.training.cuda_graph_impl == "local")
         self.checkpoints = CheckpointManager(run, log=self.log)
-        self.checkpoints.lock_save_target()  # one run per --save folder, before anything is written there
-        self.checkpoints.resolve()  # every bad --load / --ckpt-step fails here, before anything is built
-        self.checkpoints.check_output_layer()
-        self.checkpoints.check_schedule()
-        tokenizer = self._tokenizer()
-
+        self.checkpoints.lock_save_target()  # one run per --save folder, with room for a checkpoint
+        self.checkpoints.resolve()  # a bad --load, or a checkpoint this run cannot start from, stops here
         check_memory_plan(run)  # a plan the device cannot hold stops here, before the first allocation
+        self.train_ds, self.valid_ds, _ = build_datasets(run)  # data of another vocabulary: before the model
         self._rss_before_model = _rss_bytes("VmRSS")
         # `model`: the DDP-wrapped chunks, one per virtual pipeline stage (one without interleaving)
         self.model_config, self.model, self.optimizer, self.scheduler = build_training_objects(run)
         self.device = next(self.model[0].parameters()).device
-        self.num_parameters = self._count_parameters()
+        self.num_parameters = model_parameters(run)  # of the whole model (a tied output layer once)
         if (overlap := ddp.describe(self.model)) is not None:
             self.log(overlap)
-        self.checkpoints.check_room(self.num_parameters)
-        loaded = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
-        self.state = TrainState(loaded.iteration, loaded.consumed_samples)
-        self.train_ds, self.valid_ds, _ = build_datasets(run, tokenizer)
+        self.state = TrainState(*self.checkpoints.load(self.model, self.optimizer, self.scheduler))
 
         self.is_logging_rank = self.rank == self.world - 1  # the last rank holds the loss, as in Megatron-LM
         self.callbacks = (
             list(callbacks) if callbacks is not None else default_callbacks(run, self.is_logging_rank)
         )
-        self.flops_per_iteration = train_flops_per_iteration(run)
-        training = run.training  # the matmuls' precision picks MFU's peak
-        precision = "fp8" if training.fp8_format else training.precision
-        self.peak_tflops = peak_tflops(self.device, precision)  # None on a CPU: the log shows no MFU
         self.stop_reason: str | None = None
         self.interrupted = False
         self.last_loss = math.nan
         self._lambdas: dict[str, float] = {}
         self._pending: list[tuple[int, torch.Tensor | None]] = []  # losses not yet on the host
-        self._announce()  # last: a run refused above leaves no arguments.json
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -184,72 +117,6 @@ class Trainer:
         """Print on rank 0."""
         if self.rank == 0:
             print(line, flush=True)
-
-    def _tokenizer(self):
-        """The run's tokenizer (None with mock data), after checking that the checkpoint it starts from
-        was trained on the same vocabulary (the datasets are checked when they are built)."""
-        data, vocab_size = self.run.data, self.run.model.vocab_size
-        tokenizer = None
-        if not data.mock_data:
-            tokenizer = build_tokenizer(
-                data.tokenizer_type,
-                tokenizer_file=data.tokenizer_file,
-                tokenizer_model=data.tokenizer_model,
-                vocab_size=vocab_size,
-            )
-        source = self.checkpoints.source_args()
-        if source is not None:  # first: a checkpoint of another tokenizer is the mistake to name
-            where, args = source
-            record = record_of(tokenizer) if tokenizer is not None else TokenizerRecord(NULL)
-            check_checkpoint(args, record, where)
-        if tokenizer is not None and tokenizer.vocab_size > vocab_size:
-            raise DiffmegError(
-                f"--vocab-size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
-            )
-        return tokenizer
-
-    def _count_parameters(self) -> int:
-        """Parameters of the whole model: each model-parallel rank's share, counted once over DP x CP (a tied
-        output layer's copy of the embedding on the last pipeline stage, megatron-core's `shared`, is the
-        embedding)."""
-        local = sum(
-            p.numel()
-            for chunk in model_chunks(self.model)
-            for p in chunk.parameters()
-            if not getattr(p, "shared", False)
-        )
-        first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-        return int(collectives.all_reduce([float(local if first_replica else 0)]).item())
-
-    def _announce(self) -> None:
-        """The run in one line; the full arguments into the run directory (and on stdout with --verbose)."""
-        if self.rank != 0:
-            return
-        arguments = args_to_json(self.run.to_args())
-        path = self._write_arguments(arguments)
-        print(run_summary(self.run, self.num_parameters, path), flush=True)
-        if self.run.logging.verbose:
-            print("------------------------ arguments ------------------------", flush=True)
-            print(arguments, flush=True)
-            print("-------------------- end of arguments ---------------------", flush=True)
-
-    def _write_arguments(self, text: str) -> str | None:
-        """`arguments.json` beside the checkpoints (--save), else beside --metrics-file; its path or None."""
-        if self.run.checkpoint.save is not None:
-            directory = self.run.checkpoint.save
-        elif self.run.logging.metrics_file is not None:
-            directory = os.path.dirname(os.path.abspath(self.run.logging.metrics_file))
-        else:
-            return None
-        path = os.path.join(directory, ARGUMENTS_FILE)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(text + "\n")
-        except OSError as exc:
-            print(f" could not write the arguments to {path}: {exc.strerror or exc}", flush=True)
-            return None
-        return path
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -388,14 +255,11 @@ class Trainer:
     def _log(self, out: StepOutput, loss_scale: float, seconds: float, iterations: int, early: bool) -> None:
         """The callbacks' `on_log` for `out`'s iteration, timed over the `iterations` since the last one."""
         run, state = self.run, self.state
-        elapsed = seconds / iterations
-        tflops = self.flops_per_iteration / elapsed / self.world / 1e12
         record = LogRecord(
             iteration=out.iteration,
             train_iters=run.training.train_iters,
             consumed_samples=state.consumed_samples,
-            elapsed_ms=elapsed * 1000,
-            tflops=tflops,
+            elapsed_ms=seconds / iterations * 1000,
             lr=self.optimizer.param_groups[0]["lr"],
             global_batch_size=run.training.global_batch_size,
             loss=self.last_loss,
@@ -403,7 +267,6 @@ class Trainer:
             loss_scale=loss_scale,
             lambdas=self._lambdas,
             skipped=state.skipped_iterations,
-            mfu=model_flops_utilization(tflops, self.peak_tflops),
             early=early,
         )
         self._call("on_log", record)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from diffmeg.run_config import RunConfig
@@ -45,3 +48,16 @@ def main_weights(trainer) -> dict[str, torch.Tensor]:
         for model_group, main_group in pairs:
             main.update({id(p): m for p, m in zip(model_group, main_group, strict=True)})
     return {n: main.get(id(p), p).detach().clone() for n, p in trainer.model[0].named_parameters()}
+
+
+def fake_checkpoint(root: Path, iteration: int, args: dict, common: dict | None = None) -> str:
+    """`root/iter_N` as a run reads it at start, without weights: `args` as its args.json and megatron-core's
+    common state (the counters, plus `common`); `root`."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    path = root / f"iter_{iteration:07d}"
+    path.mkdir(parents=True)
+    save_config(CheckpointingConfig("torch_dist"), str(path))
+    torch.save({"iteration": iteration, "consumed_samples": 0, **(common or {})}, path / "common.pt")
+    (path / "args.json").write_text(json.dumps(args))
+    return str(root)

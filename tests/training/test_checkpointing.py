@@ -9,13 +9,15 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from diffmeg.checkpoints import ARGS_FILE, TRACKER_FILE
+from diffmeg.checkpoints import TRACKER_FILE
 from diffmeg.errors import DiffmegError
 from diffmeg.folder_lock import LOCK_FILE
 from diffmeg.run_config import RunConfig
 from diffmeg.training import checkpointing
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.checkpointing import CheckpointManager
+from diffmeg.training.memory import model_parameters
+from tests.training.helpers import SMALL, fake_checkpoint
 
 
 def _manager(*flags: str) -> tuple[CheckpointManager, list[str]]:
@@ -26,8 +28,7 @@ def _manager(*flags: str) -> tuple[CheckpointManager, list[str]]:
 
 def _fake_checkpoints(root, iterations, tracker=None) -> str:
     for it in iterations:
-        os.makedirs(root / f"iter_{it:07d}")
-        (root / f"iter_{it:07d}" / ARGS_FILE).write_text("{}")
+        fake_checkpoint(root, it, {})
     if tracker is not None:
         (root / TRACKER_FILE).write_text(str(tracker))
     return str(root)
@@ -78,8 +79,8 @@ def test_a_load_that_is_not_a_checkpoint_is_one_line(tmp_path, make, flags, matc
 
 def test_ckpt_step_picks_any_complete_iteration(tmp_path):
     root = _fake_checkpoints(tmp_path / "c", [2, 4], tracker=4)
-    assert _manager("--load", root)[0].resolve() == 4
-    assert _manager("--load", root, "--ckpt-step", "2")[0].resolve() == 2
+    assert _manager("--load", root)[0].resolve().iteration == 4
+    assert _manager("--load", root, "--ckpt-step", "2")[0].resolve().iteration == 2
     with pytest.raises(DiffmegError) as err:
         _manager("--load", root, "--ckpt-step", "3")[0].resolve()
     assert str(err.value) == (
@@ -100,8 +101,8 @@ def test_a_checkpoint_past_train_iters_is_one_line_not_a_silent_exit(tmp_path):
         "--train-tokens) above 20 to continue the run, or add --finetune to train its weights on a new "
         "schedule"
     )
-    assert _manager("--load", root, "--train-iters", "20")[0].resolve() == 20  # a finished job requeued
-    assert _manager("--load", root, "--train-iters", "15", "--finetune")[0].resolve() == 20
+    assert _manager("--load", root, "--train-iters", "20")[0].resolve().iteration == 20  # requeued when done
+    assert _manager("--load", root, "--train-iters", "15", "--finetune")[0].resolve().iteration == 20
 
 
 def test_checkpoints_without_tracker_list_what_can_be_resumed(tmp_path):
@@ -160,19 +161,25 @@ def test_leftovers_of_earlier_saves_are_named_at_start_never_removed(single_rank
 
 
 def test_a_save_target_needs_room_for_one_checkpoint(single_rank_parallel_state, tmp_path, monkeypatch):
+    """Checked when the run takes --save, before the model is built: from the run's parameter count."""
     manager, _ = _manager("--save", str(tmp_path))
-    manager.check_room(3_000_000)  # 36 MB: fits
-    assert manager.checkpoint_bytes == 3_000_000 * 12  # fp32 weights + two Adam moments
+    manager.lock_save_target()  # diff-tiny: 54.4M parameters, 652 MB in fp32 with two Adam moments: fits
+    manager.close()
+    assert manager.checkpoint_bytes == model_parameters(manager.run) * 12 == 54_365_184 * 12
     monkeypatch.setattr(checkpointing, "free_bytes", lambda path: 10 * 2**20)
-    with pytest.raises(
-        DiffmegError, match=r"has 10.0 MiB free, one checkpoint of this model needs about 34.3 MiB"
-    ):
-        manager.check_room(3_000_000)
+    manager, _ = _manager("--save", str(tmp_path))
+    with pytest.raises(DiffmegError) as err:
+        manager.lock_save_target()
+    manager.close()
+    assert str(err.value) == (
+        f"--save {tmp_path} has 10.0 MiB free, one checkpoint of this model needs about 622.2 MiB; free "
+        "space or point --save elsewhere"
+    )
 
 
 def test_checkpoint_size_follows_precision():
     run = RunConfig.from_args(resolve_args(["--model", "diff-tiny", "--mock-data", "--bf16"], world_size=1))
-    assert checkpointing.checkpoint_bytes(10, run.training) == 10 * (2 + 4 + 8)
+    assert checkpointing.checkpoint_bytes(run) == model_parameters(run) * (2 + 4 + 8)
 
 
 # ------------------------------------------------------------------------------------ RNG across devices
@@ -240,8 +247,6 @@ def test_same_device_rng_state_is_restored_exactly(single_rank_parallel_state):
 @pytest.fixture(scope="module")
 def four_iterations(single_rank_parallel_state, tmp_path_factory) -> str:
     """A checkpoint of SMALL's schedule over 4 iterations (linear from 3e-3 to 3e-4 after 1 of warmup)."""
-    from tests.training.helpers import SMALL
-
     root = str(tmp_path_factory.mktemp("schedule") / "ckpt")
     trainer = _trainer(SMALL, "--min-lr", "3e-4", "--train-iters", "4", "--save", root)
     try:
@@ -266,8 +271,6 @@ def _release(trainer) -> None:
 
 def _first_resumed_lr(root: str, *flags: str) -> float:
     """The learning rate iteration 5 trains with when SMALL resumes `root` with `flags`."""
-    from tests.training.helpers import SMALL
-
     trainer = _trainer(SMALL, "--min-lr", "3e-4", "--load", root, *flags)
     try:
         assert trainer.state.iteration == 4
@@ -278,13 +281,10 @@ def _first_resumed_lr(root: str, *flags: str) -> float:
 
 def test_a_longer_run_is_refused_naming_the_decay_iterations_and_both_flags(four_iterations):
     """--train-iters 8 moves --lr-decay-iters (its default) from 4 to 8: Megatron-LM's mismatch."""
-    from tests.training.helpers import SMALL
-
     flags = [*SMALL, "--min-lr", "3e-4", "--load", four_iterations, "--train-iters", "8", "--lr", "6e-3"]
     manager = CheckpointManager(RunConfig.from_args(resolve_args(flags, world_size=1)))
-    manager.resolve()
     with pytest.raises(DiffmegError) as err:
-        manager.check_schedule()
+        manager.resolve()
     assert str(err.value) == (
         f"checkpoint {four_iterations}/iter_0000004 was trained on another learning-rate schedule: "
         "--lr 0.006 (checkpoint: 0.003); --lr-decay-iters 8 (checkpoint: 4; it follows --train-iters 8 "
