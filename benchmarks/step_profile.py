@@ -15,8 +15,8 @@ import re
 from collections.abc import Callable
 
 KINDS = ("matmul", "attention", "loss", "optimizer", "communication", "other")
-"""The kinds of a step's work. `attention` is the fused attention kernels (SDPA's, flash, cuDNN's,
-FlexAttention's); an unfused path's score and value products count as `matmul`, its softmax as `other`."""
+"""The kinds of a step's work. `attention` is the fused attention kernels (SDPA's: flash, cuDNN's,
+memory-efficient); an unfused path's score and value products count as `matmul`, its softmax as `other`."""
 
 _PATTERNS = {
     "communication": r"nccl|all_?reduce|reduce_?scatter|all_?gather|c10d|gloo|broadcast",

@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--vocab-size", type=int, default=None, help="default: the preset's (100288)")
-    p.add_argument("--diff-attn-backend", default=None, help="e.g. sdpa, flash, flex (default: auto)")
+    p.add_argument("--diff-attn-backend", default=None, help="e.g. sdpa, sdpa_split_v (default: auto)")
     p.add_argument("--fp8", action="store_true", help="FP8 hybrid linears via Transformer Engine (GPU)")
     p.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
     p.add_argument("--recompute", choices=["selective", "full"], default=None, help="not counted in MFU")

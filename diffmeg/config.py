@@ -66,7 +66,7 @@ class DiffTransformerConfig(TransformerConfig):
 
     diff_attn_backend: str = "auto"
     """Differential attention backend (`--diff-attn-backend`), a name of `diffmeg.registry`'s
-    `diff_attention` slot: reference (plain math), sdpa (torch), flash / flex on GPU, or auto."""
+    `diff_attention` slot: reference (plain math), sdpa (torch) or one of its paths, or auto."""
 
     norm_impl: str = "auto"
     """RMSNorm implementation (`--norm-impl`), a name of `diffmeg.registry`'s `norm` slot of the local

@@ -97,7 +97,7 @@ SLOTS = (
         "DIFF V1's attention kernels",
         ("sdpa",),
         f"the fastest DIFF backend an H100 measured ({H100_RESULTS}, against the Triton kernel since "
-        "removed; flex not yet timed); its path per key length: `kernels/sdpa_paths.py`",
+        "removed); its path per key length: `kernels/sdpa_paths.py`",
         "--diff-attn-backend",
     ),
     Slot(
@@ -160,12 +160,6 @@ ENTRIES = (
     Entry("diff_attention", "sdpa_split_v", f"{_SDPA}:diff_attention_split_v",
           "torch SDPA, always four calls over V's d-wide halves (equal head sizes: flash kernels on a GPU)",
           lever="attention sdpa_split_v vs sdpa"),
-    Entry("diff_attention", "flash", f"{_SDPA}:diff_attention_flash",
-          "flash-attn, four calls over V's halves (GPU, the flash-attn package)",
-          f"{_SDPA}:flash_unavailable"),
-    Entry("diff_attention", "flex", "diffmeg.kernels.flex:diff_attention_flex",
-          "FlexAttention, two calls over V of width 2d, torch.compile'd (GPU; a measured candidate)",
-          "diffmeg.kernels.flex:flex_unavailable"),
     Entry("sdpa_kernel", "torch", "contextlib:nullcontext",
           "torch's own order (torch 2.13: flash, memory-efficient, math, cuDNN)"),
     Entry("sdpa_kernel", "cudnn", f"{_SDPA_KERNELS}:cudnn_first",
@@ -205,6 +199,14 @@ ENTRIES = (
 )  # fmt: skip
 
 
+RETIRED_AT = "e01f101"
+"""The commit that last holds the names in `RETIRED` (`git show e01f101:diffmeg/kernels/flex.py`)."""
+RETIRED: dict[str, tuple[str, ...]] = {"diff_attention": ("flash", "flex")}
+"""Names that left their slot because no measurement picked them (flash-attn: not on the lent GPUs, whose
+flash kernel `sdpa_split_v` runs through torch; FlexAttention: never timed): a config or a saved args.json
+naming one is refused in one line saying so."""
+
+
 def slot(name: str) -> Slot:
     """The slot called `name`."""
     for s in SLOTS:
@@ -240,7 +242,10 @@ def check_name(slot_name: str, name: str) -> None:
         return
     s = slot(slot_name)
     problem = f"unknown {s.what} {name!r} (not available in this build)"
-    if name in names(s.name):
+    if name in RETIRED.get(s.name, ()):
+        problem = f"{s.what} {name!r} left the package (no measurement picked it; git keeps it at "
+        problem += f"{RETIRED_AT})"
+    elif name in names(s.name):
         problem = f"{s.what} {name!r} is the Transformer Engine spec's own (--transformer-impl chooses it)"
     raise DiffmegError(f"{problem}; choose one of {', '.join(choices(s.name))}")
 

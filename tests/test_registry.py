@@ -41,20 +41,17 @@ def test_every_row_that_can_run_here_imports_a_callable():
 
 
 def _nothing_installed(monkeypatch) -> None:
-    """Every check's fault at once: no CUDA, no flash-attn, TE or torchao, no FlexAttention, and
-    megatron-core stepping a fused Adam of its own."""
+    """Every check's fault at once: no CUDA, no TE or torchao, and megatron-core stepping a fused Adam of
+    its own."""
     import torch
 
     from diffmeg import runtime
     from diffmeg.fusions import optimizer_step, torchao_fp8
-    from diffmeg.kernels import flex, sdpa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for module, name, value in (
-        (sdpa, "flash_attn_available", False),
         (runtime, "transformer_engine_available", False),
         (torchao_fp8, "torchao_available", False),
-        (flex, "flex_attention_available", False),
         (optimizer_step, "megatron_has_fused_adam", True),
     ):
         monkeypatch.setattr(module, name, lambda value=value: value)
@@ -76,7 +73,7 @@ def test_every_check_answers_none_or_one_line_naming_the_way_out(installed, monk
             if device_type is None:
                 with pytest.raises(DiffmegError, match=re.escape(reason)):
                     registry.select(e.slot, e.name)
-    assert refused  # CPU: flex and the GPU SDPA kernels are refused for CPU tensors at least
+    assert refused  # CPU: the GPU SDPA kernels are refused for CPU tensors at least
     if not installed:
         checked = [e for e in registry.ENTRIES if e.check]
         assert all(e.unavailable(None) or e.unavailable("cpu") for e in checked)
@@ -137,6 +134,29 @@ def test_the_gpu_candidates_wait_for_a_measurement_and_are_checked_by_name():
         make_config(norm_impl="compiled")
     with pytest.raises(DiffmegError, match="^norm 'transformer_engine' is the Transformer Engine spec's own"):
         make_config(norm_impl="transformer_engine")
+
+
+@pytest.mark.parametrize("name", ["flash", "flex"])
+def test_a_backend_that_left_is_refused_in_one_line_saying_so(name, monkeypatch, capsys):
+    """flash and flex left (no measurement picked them): the command line refuses them among its choices,
+    and a saved args.json naming one reads as one line saying it left and where git keeps it."""
+    from diffmeg import model
+    from diffmeg.checkpoints import single_rank_args
+    from diffmeg.run_config import RunConfig
+    from diffmeg.training.arguments import resolve_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--model", "diff-tiny", "--mock-data"]
+    with pytest.raises(SystemExit):
+        resolve_args([*argv, "--diff-attn-backend", name])
+    assert f"invalid choice: '{name}'" in capsys.readouterr().err
+    saved = {**vars(resolve_args(argv)), "diff_attn_backend": name}
+    left = (
+        f"^differential attention backend '{name}' left the package \\(no measurement picked it; git keeps "
+        f"it at {registry.RETIRED_AT}\\); choose one of auto, reference, sdpa,"
+    )
+    with pytest.raises(DiffmegError, match=left):
+        model.transformer_config(RunConfig.from_args(single_rank_args(saved), partial=True))
 
 
 def test_each_flag_offers_its_slots_choices_and_reaches_the_run_config():

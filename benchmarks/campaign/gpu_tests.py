@@ -1,9 +1,8 @@
 """Phase `tests`: `pytest -m gpu` on the GPU test paths, counted as it runs.
 
-The CUDA-path confirmations (tests/test_gpu_readiness.py) run first and the kernel tests, which compile
-FlexAttention's kernels from a cold cache, last. On a GPU machine with pytest-xdist the tests run in
-GPU_TEST_WORKERS processes: the kernels compile in parallel, and a test that crashes its process (a CUDA
-fault) is one failed test instead of the end of the run. Counts come from the per-test lines as they
+The CUDA-path confirmations (tests/test_gpu_readiness.py) run first and the kernel tests last. On a GPU
+machine with pytest-xdist the tests run in GPU_TEST_WORKERS processes, and a test that crashes its process
+(a CUDA fault) is one failed test instead of the end of the run. Counts come from the per-test lines as they
 arrive (a run cut short by the budget keeps what it got through), collection errors included; pytest's
 closing summary line, where it is reached, is the final count.
 """

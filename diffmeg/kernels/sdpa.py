@@ -1,15 +1,13 @@
 """Differential attention from fused-attention calls: `A1 V - lam * A2 V`.
 
-torch's SDPA (and flash-attn) compute softmax(QK^T)V without materialising the map, so DIFF costs two
-calls that share V. Kernels that need equal q/k/v head sizes (FlashAttention on GPU) get V split into
-its two d-wide halves: four calls, or those four stacked into one batched call. Which path a length
-takes is `diffmeg.kernels.sdpa_paths` (measured crossovers).
+torch's SDPA computes softmax(QK^T)V without materialising the map, so DIFF costs two calls that share
+V. Kernels that need equal q/k/v head sizes (FlashAttention on GPU) get V split into its two d-wide
+halves: four calls, or those four stacked into one batched call. Which path a length takes is
+`diffmeg.kernels.sdpa_paths` (measured crossovers).
 """
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -18,20 +16,6 @@ import torch.nn.functional as F
 from diffmeg.fusions.diff_combine import diff_combine
 from diffmeg.kernels.reference import causal_keep_mask
 from diffmeg.kernels.sdpa_paths import check_path, path_for_length
-
-
-def flash_attn_available() -> bool:
-    """True when the flash-attn package is importable (GPU builds only)."""
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def flash_unavailable(device_type: str | None) -> str | None:
-    """The registry's check of the `flash` backend: the package at build time, and CUDA tensors."""
-    if device_type is None and not flash_attn_available():
-        return "attention backend 'flash' needs the flash-attn package (GPU builds); use 'sdpa'"
-    if device_type is not None and (device_type != "cuda" or not flash_attn_available()):
-        return "attention backend 'flash' needs a CUDA GPU and the flash-attn package; use 'sdpa'"
-    return None
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float) -> torch.Tensor:
@@ -48,21 +32,6 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropo
     )
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float) -> torch.Tensor:
-    from flash_attn import flash_attn_func  # optional GPU dependency
-
-    # flash-attn is [b, s, heads, d] and aligns causal queries to the end of the keys, as we need.
-    out = flash_attn_func(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        dropout_p=dropout_p,
-        softmax_scale=scale,
-        causal=True,
-    )
-    return out.transpose(1, 2)
-
-
 def _split_v_batched(
     q1: torch.Tensor,
     q2: torch.Tensor,
@@ -71,14 +40,13 @@ def _split_v_batched(
     v: torch.Tensor,
     scale: float,
     dropout_p: float,
-    call: Callable,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-V's four (d, d) products as one call: (map 1, half a), (1, b), (2, a), (2, b) on the batch."""
     b, d = q1.shape[0], v.shape[-1] // 2
     q = torch.cat([q1, q1, q2, q2])  # [4b, h, sq, d]
     k = torch.cat([k1, k1, k2, k2])  # [4b, g, sk, d]
     va, vb = v[..., :d], v[..., d:]
-    out = call(q, k, torch.cat([va, vb, va, vb]), scale, dropout_p)  # [4b, h, sq, d]
+    out = _sdpa(q, k, torch.cat([va, vb, va, vb]), scale, dropout_p)  # [4b, h, sq, d]
     o1a, o1b, o2a, o2b = out.split(b)
     return torch.cat([o1a, o1b], dim=-1), torch.cat([o2a, o2b], dim=-1)  # [b, h, sq, 2d] each
 
@@ -96,34 +64,31 @@ def diff_attention_sdpa(
     attention_mask: torch.Tensor | None = None,
     split_v: bool | None = None,
     path: str | None = None,
-    use_flash_attn: bool = False,
 ) -> torch.Tensor:
     """Same contract as `diff_attention_reference`. `path` (`sdpa_paths.PATHS`) forces one; `split_v`
-    True/False means `split_v`/`two_call`; neither: flash-attn takes split-V (equal head sizes), torch's
-    SDPA the measured path for this many keys on this device (`sdpa_paths.path_for_length`)."""
+    True/False means `split_v`/`two_call`; neither: the measured path for this many keys on this device
+    (`sdpa_paths.path_for_length`)."""
     if attention_mask is not None:
         raise ValueError("the sdpa backend is causal-only; use the reference backend for custom masks")
-    call = _flash if use_flash_attn else _sdpa
     if path is None and split_v is not None:
         path = "split_v" if split_v else "two_call"
     if path is None:
-        path = "split_v" if use_flash_attn else path_for_length(k1.shape[-2], q1.device.type)
+        path = path_for_length(k1.shape[-2], q1.device.type)
     check_path(path)
     if path == "split_v":
         d = v.shape[-1] // 2
         halves = (v[..., :d], v[..., d:])  # [b, g, sk, d] each
-        o1 = torch.cat([call(q1, k1, vh, scale, dropout_p) for vh in halves], dim=-1)  # [b, h, sq, 2d]
-        o2 = torch.cat([call(q2, k2, vh, scale, dropout_p) for vh in halves], dim=-1)
+        o1 = torch.cat([_sdpa(q1, k1, vh, scale, dropout_p) for vh in halves], dim=-1)  # [b, h, sq, 2d]
+        o2 = torch.cat([_sdpa(q2, k2, vh, scale, dropout_p) for vh in halves], dim=-1)
     elif path == "split_v_batched":
-        o1, o2 = _split_v_batched(q1, q2, k1, k2, v, scale, dropout_p, call)
+        o1, o2 = _split_v_batched(q1, q2, k1, k2, v, scale, dropout_p)
     else:
-        o1 = call(q1, k1, v, scale, dropout_p)  # [b, h, sq, 2d]
-        o2 = call(q2, k2, v, scale, dropout_p)
+        o1 = _sdpa(q1, k1, v, scale, dropout_p)  # [b, h, sq, 2d]
+        o2 = _sdpa(q2, k2, v, scale, dropout_p)
     return diff_combine(o1, o2, lam)
 
 
-# The registry's rows that force one path (candidates `sdpa` chooses among) or flash-attn's kernels.
+# The registry's rows that force one path (candidates `sdpa` chooses among).
 diff_attention_two_call = partial(diff_attention_sdpa, path="two_call")
 diff_attention_split_v = partial(diff_attention_sdpa, path="split_v")
 diff_attention_split_v_batched = partial(diff_attention_sdpa, path="split_v_batched")
-diff_attention_flash = partial(diff_attention_sdpa, use_flash_attn=True)

@@ -1,9 +1,9 @@
 """Ulysses-style context parallelism for differential attention over megatron-core's CP group.
 
 Outside attention each CP rank holds a slice of the sequence; inside, an all-to-all trades it for a
-slice of the heads over the whole sequence, so any attention backend (reference, SDPA, flash, the fused
-kernel) sees complete causal sequences. The token layout is megatron-core's load-balanced one (which its
-RoPE slicing assumes): the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r.
+slice of the heads over the whole sequence, so any attention backend (reference, each SDPA path) sees
+complete causal sequences. The token layout is megatron-core's load-balanced one (which its RoPE
+slicing assumes): the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r.
 Heads are split in whole differential heads (and whole K1/K2 pairs), so a head's two maps and its V
 never straddle ranks.
 """

@@ -124,15 +124,14 @@ def attention_kernel(run: RunConfig, on_gpu: bool) -> str:
     output and a log-sum-exp) or "maps" (both probability maps, the math path).
 
     The Transformer baseline and DIFF V2 always run fused attention (the local spec's SDPA core, or TE's);
-    DIFF V1 follows its backend (diffmeg.kernels): flash is fused, sdpa (each path) and flex
-    are fused on a GPU (flash, cuDNN, memory-efficient or compiled kernels) but the math path on a CPU
-    (V twice as wide as q), reference keeps the maps.
+    DIFF V1 follows its backend (diffmeg.kernels): sdpa (each path) is fused on a GPU (flash, cuDNN or
+    memory-efficient kernels) but the math path on a CPU (V twice as wide as q), reference keeps the maps.
     """
     model = run.model
     if not model.diff_attention or _is_v2(run):
         return "fused"
     backend = registry.entry("diff_attention", run.impls["diff_attn_backend"]).name  # auto resolved
-    if backend == "flash" or (on_gpu and (backend.startswith("sdpa") or backend == "flex")):
+    if on_gpu and backend.startswith("sdpa"):
         return "fused"
     return "maps"
 

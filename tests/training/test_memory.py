@@ -176,9 +176,9 @@ def test_plan_follows_the_attention_that_is_built(monkeypatch):
 
     base = args("transformer-1.4b")
     assert attention_kernel(base, on_gpu=False) == attention_kernel(base, on_gpu=True) == "fused"
-    sdpa, ref, flash = (args("diff-1.4b", "--diff-attn-backend", b) for b in ("sdpa", "reference", "flash"))
+    sdpa, ref = (args("diff-1.4b", "--diff-attn-backend", b) for b in ("sdpa", "reference"))
     assert attention_kernel(sdpa, on_gpu=True) == "fused" and attention_kernel(sdpa, on_gpu=False) == "maps"
-    assert attention_kernel(ref, on_gpu=True) == "maps" and attention_kernel(flash, on_gpu=False) == "fused"
+    assert attention_kernel(ref, on_gpu=True) == attention_kernel(ref, on_gpu=False) == "maps"
     gib = 1024**3
     assert estimate_memory(base, on_gpu=True).total < 60 * gib
     # the baseline keeps less per token than DIFF (whose core saves o1, o2 and the fp32 head norm)
