@@ -16,7 +16,14 @@ def test_sigint_while_writing_is_one_line_rc_130_and_no_output_left(tmp_path):
     prefix = tmp_path / "mqar"
     cmd = tool_cmd("make_mqar_data", "--output-prefix", prefix, "--pairs", "8", "--documents", "10000000")
     proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        cmd,
+        cwd=REPO_ROOT,
+        env=tool_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        # Ctrl-C's default back: a suite started as a background job of a non-interactive shell (`.ci/run &`)
+        # ignores SIGINT, and an ignored SIGINT is inherited, so Python would never raise KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 240
     while not glob.glob(f"{prefix}*.tmp-*") and proc.poll() is None and time.monotonic() < deadline:
