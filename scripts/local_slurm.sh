@@ -50,6 +50,15 @@ pid_of() {  # the PID recorded for a daemon, if that process is alive and still 
     echo "$pid"
 }
 
+# Whether a daemon this start just launched is still alive. Not pid_of: while the process is between
+# setsid, setpriv and the daemon's own exec, /proc/PID/cmdline can read empty for a moment, and pid_of's
+# identity check (for a PID file left by an earlier run) then took a starting munged for a dead one.
+alive() {
+    local pid
+    pid=$(cat "$D/$1.pid" 2>/dev/null) && kill -0 "$pid" 2>/dev/null || return 1
+    [ "$(cut -d' ' -f3 "/proc/$pid/stat" 2>/dev/null)" != Z ]
+}
+
 node_state() { SLURM_CONF=$CONF timeout 10 sinfo -h -o %T 2>/dev/null | head -n 1; }
 
 install_if_missing() {
@@ -151,7 +160,7 @@ start() {
     local i
     for i in $(seq 50); do
         [ -S "$D/munge/munge.socket.2" ] && munge -n -S "$D/munge/munge.socket.2" >/dev/null 2>&1 && break
-        pid_of munged >/dev/null || fail_start "munged exited; see $D/log/munged.log and $D/log/munged.out"
+        alive munged || fail_start "munged exited; see $D/log/munged.log and $D/log/munged.out"
         sleep 0.2
     done
     [ "$i" -lt 50 ] || fail_start "munged did not come up; see $D/log/munged.log"
@@ -163,7 +172,7 @@ start() {
         state=$(node_state || true)
         case $state in idle | mixed | allocated) break ;; esac
         for name in slurmctld slurmd; do
-            pid_of "$name" >/dev/null || fail_start "$name exited; see $D/log/$name.log and $D/log/$name.out"
+            alive "$name" || fail_start "$name exited; see $D/log/$name.log and $D/log/$name.out"
         done
         sleep 0.5
     done
