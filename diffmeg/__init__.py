@@ -1,5 +1,8 @@
 """diffmeg: Megatron-style pretraining of the Differential Transformer on megatron-core."""
 
+import functools
+import importlib.abc
+import importlib.machinery
 import logging
 import sys
 import warnings
@@ -45,3 +48,51 @@ class _TorchaoImportNoise(logging.Filter):
 for _logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_logger).addFilter(_TorchaoImportNoise())
 del _logger
+
+
+def _compile_on_first_call(fn):
+    """`torch.compile(fn)`, called when `fn` is first called rather than when it is defined."""
+    import torch
+
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if torch.compiler.is_compiling():  # inside an enclosing compiled region: traced inline
+            return fn(*args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(*args, **kwargs)
+
+    call._torchdynamo_inline = fn  # what torch.compile's own wrapper carries: Dynamo inlines `fn`
+    return call
+
+
+class _FusionsCompiledOnFirstCall(importlib.abc.MetaPathFinder):
+    """megatron-core decorates ~40 fusion functions with `megatron.core.jit.jit_fuser`, which is
+    `torch.compile`; calling torch.compile imports TorchDynamo and Inductor on the spot. That was ~4 s of
+    every process's start on 2 cores (`import megatron.core.models.gpt` 8.4 s, 4.1 s without it), paid by
+    every rank, tool and test, though a CPU run never calls these functions and a GPU run compiles each
+    at its first call anyway. This finder hands megatron.core.jit a `jit_fuser` that calls torch.compile
+    at that first call: the same compiled function from the same call on (tests/test_package.py)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "megatron.core.jit":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            if module.jit_fuser is module.torch.compile:
+                module.jit_fuser = _compile_on_first_call
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "megatron.core.jit" not in sys.modules:
+    sys.meta_path.insert(0, _FusionsCompiledOnFirstCall())

@@ -52,3 +52,31 @@ def test_importing_transformers_models_after_diffmeg_is_silent():
     assert "register_constant" not in proc.stderr, proc.stderr
     if torch.version.cuda is None:
         assert "Failed to load" not in proc.stderr, proc.stderr
+
+
+def test_megatron_fusions_compile_at_their_first_call_not_at_import():
+    """Importing the model code imports neither TorchDynamo nor Inductor (megatron-core's `jit_fuser` is
+    torch.compile at a function's first call); that call compiles it and computes what the function does,
+    and an enclosing torch.compile traces it inline, as it does a function torch.compile wrapped."""
+    code = """
+import sys
+import diffmeg.model
+import torch
+import torch.nn.functional as F
+from megatron.core import jit
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu
+
+print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+x, b = torch.randn(4, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+a, c = torch.chunk(x + b, 2, -1)
+torch._dynamo.config.recompile_limit = 8
+outer = torch.compile(lambda t: bias_swiglu(t, b) * 2, backend="eager", fullgraph=True)
+print(torch.equal(outer(x), 2 * F.silu(a) * c))  # fullgraph: no break where bias_swiglu is called
+print(torch.allclose(bias_swiglu(x, b), F.silu(a) * c), "torch._inductor" in sys.modules)
+print(bias_swiglu.__name__, jit.jit_fuser.__name__)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["[]", "True", "True True", "bias_swiglu _compile_on_first_call"]

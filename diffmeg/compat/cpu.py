@@ -10,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import os
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.utils._device
 
 _APPLIED = False
 
@@ -68,8 +71,12 @@ def apply_cpu_compat() -> bool:
     global _APPLIED
     if _APPLIED or torch.cuda.is_available():
         return _APPLIED
-    # megatron-core wraps its fusions in torch.compile at import; on CPU each costs ~20 s to compile.
-    torch._dynamo.config.disable = True
+    # megatron-core's fusions are compiled at their first call (diffmeg/__init__.py); on CPU each would
+    # cost ~20 s to compile, so torch.compile is off for the process.
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.config.disable = True
+    else:  # read by torch._dynamo.config when something imports it (the import alone costs ~2 s)
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
     # ~50 call sites use torch.cuda.current_device() as a device (RoPE, attention buffers, TP mappings).
     torch.cuda.current_device = lambda: torch.device("cpu")
     # `with torch.device(...)` recognises factories by identity from a cached set: fill that cache with
