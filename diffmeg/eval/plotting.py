@@ -8,13 +8,13 @@ the same.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import atomic_write
 
 
 @dataclass
@@ -128,10 +128,5 @@ def _figure(size: tuple[float, float]):
 def save_png(fig, path: str, dpi: float | None = None) -> None:
     """Write the PNG atomically: a crash leaves no half-written file, and an earlier plot of the same name
     stays whole until the new one is complete. `dpi`: the figure's own when None."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        fig.savefig(tmp, format="png", dpi=dpi if dpi is not None else "figure")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi if dpi is not None else "figure")
