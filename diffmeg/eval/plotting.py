@@ -61,7 +61,7 @@ def plot_curves(
 
     `vlines` are labelled dashed vertical markers, e.g. where extrapolation beyond training starts.
     """
-    fig = _figure((7.0, 4.5))
+    fig = figure((7.0, 4.5))
     ax = fig.add_subplot()
     for curve in curves:
         ax.plot(np.asarray(curve.x), np.asarray(curve.y), label=curve.label, linewidth=1.6)
@@ -95,7 +95,7 @@ def plot_heatmaps(
     vmax: float = 1.0,
 ) -> None:
     """One annotated heatmap per (label, [rows, cols] values), side by side, written atomically."""
-    fig = _figure((1.0 + 3.2 * len(grids), 3.6))
+    fig = figure((1.0 + 3.2 * len(grids), 3.6))
     axes = fig.subplots(1, len(grids), squeeze=False)[0]
     image = None
     for ax, (label, values) in zip(axes, grids, strict=True):
@@ -113,7 +113,7 @@ def plot_heatmaps(
     save_png(fig, path)
 
 
-def _figure(size: tuple[float, float]):
+def figure(size: tuple[float, float]):
     """A matplotlib Figure on its own Agg canvas (no pyplot, no global backend)."""
     require_matplotlib()
     # optional dependency (require_matplotlib above names the fix)
