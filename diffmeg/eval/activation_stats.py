@@ -221,9 +221,7 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = stderr) -
             values["kurtosis"] = acc.kurtosis()
             kinds[kind] = values | {"count": acc.count}
             rows.append({"label": info.label, "architecture": info.architecture, "kind": kind} | kinds[kind])
-        checkpoints.append(
-            {"label": info.label, "load": info.root, "architecture": info.architecture, "stats": kinds}
-        )
+        checkpoints.append({**info.identity(), "stats": kinds})
         log(
             f"{info.label}: logits top1 {kinds['attention_logits']['top1']:.3f} median "
             f"{kinds['attention_logits']['median']:.3f}; hidden top1 {kinds['hidden_states']['top1']:.3f} "

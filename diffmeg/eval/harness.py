@@ -278,9 +278,7 @@ def run_harness(cfg: HarnessConfig, log: common.Log = stderr) -> dict:
         )
         per_task = {task: _metrics(values) for task, values in out["results"].items()}
         results[info.label] = {
-            "load": info.root,
-            "iteration": info.iteration,
-            "architecture": info.architecture,
+            **info.identity(),
             "max_length": lm.max_length,
             "results": per_task,
             "n-shot": out.get("n-shot"),

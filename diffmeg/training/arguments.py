@@ -90,8 +90,6 @@ HELP = {
     "clip_grad": "gradient-norm clipping (0: none)",
     "bf16": "bfloat16 mixed precision",
     "fp16": "float16 mixed precision with loss scaling",
-    "fp8_format": "FP8 linears (GPU): Transformer Engine's on its spec, torchao's on the local spec",
-    "fp8_recipe": "FP8 scaling recipe (with --fp8-format)",
     "recompute_granularity": "activation recomputation: full layers or selective (attention only)",
     "recompute_method": "which layers full recomputation covers (default uniform)",
     "recompute_num_layers": "layers per recomputed group (default 1)",
