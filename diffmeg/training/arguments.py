@@ -26,32 +26,20 @@ from diffmeg.runtime import transformer_engine_available
 from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
 
-# Defaults for everything a preset may set (Megatron-LM's defaults where it has one).
+# Defaults of the flags a preset may set (Megatron-LM's where it has one; the others' is None). The parser
+# leaves them unset, so a preset sits between the default and what the user types.
 DEFAULTS: dict[str, object] = {
-    "num_layers": None,
-    "hidden_size": None,
-    "ffn_hidden_size": None,
-    "num_attention_heads": None,
-    "num_query_groups": None,
-    "kv_channels": None,
-    "seq_length": None,
-    "max_position_embeddings": None,
-    "vocab_size": None,
     "diff_attention": True,
     "diff_version": 1,
     "micro_batch_size": 1,
-    "global_batch_size": None,
-    "lr": None,
     "min_lr": 0.0,
     "lr_warmup_iters": 0,
-    "lr_decay_iters": None,
     "lr_decay_style": "linear",
     "adam_beta1": 0.9,
     "adam_beta2": 0.999,
     "weight_decay": 0.01,
-    "train_iters": None,
-    "train_tokens": None,
 }
+
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
