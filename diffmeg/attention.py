@@ -81,29 +81,18 @@ class DiffCoreAttention(CoreAttention):
             raise DiffmegError("DiffCoreAttention needs a DiffTransformerConfig with diff_attention=True")
         super().__init__(config, *args, **kwargs)
         submodules = submodules or DiffCoreAttentionSubmodules()
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
-        self.tp_group = pg_collection.tp
         cp_group = getattr(pg_collection, "cp", None)
         if cp_group is None and config.context_parallel_size > 1:
             cp_group = parallel_state.get_context_parallel_group()
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         # Ulysses all-to-all here, or megatron-core's TE attention doing its own CP (p2p, all_gather, a2a).
         self.cp_comm_type = self.cp_comm_type or config.cp_comm_type or "ulysses"
-        tp = self.tp_group.size()
         self.head_dim = config.kv_channels
-        self.heads_per_partition = config.num_diff_heads // tp
-        self.kv_heads_per_partition = config.num_diff_kv_heads // tp
         self.lambda_init = config.lambda_init_at(self.layer_number)
-        # Checked here (a name this installation can never run fails at build); the tensors' device type
-        # decides per call, so a core built on the CPU runs the GPU kernels once its inputs are on the GPU
-        # (the row loaded and its answers per device type taken here, outside any compiled region).
+        # A name this installation can never run fails at build; every backend left runs on any device
+        # (loaded here, outside any compiled region), so a core built on the CPU runs on the GPU too.
         self.diff_attn_backend = resolve("diff_attention", config.diff_attn_backend)
-        self._backend = entry("diff_attention", self.diff_attn_backend)
-        self._backend_fn: DiffAttentionFn = self._backend.load()
-        self._refusals = {
-            device_type: self._backend.unavailable(device_type) for device_type in ("cpu", "cuda")
-        }
+        self._backend_fn: DiffAttentionFn = entry("diff_attention", self.diff_attn_backend).load()
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else "cuda"
 
         # lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init, vectors of size d shared by the layer's heads.
@@ -130,14 +119,6 @@ class DiffCoreAttention(CoreAttention):
                 pgs,
                 attention_cls=submodules.cp_attention,
             )
-
-    def backend_for(self, device_type: str) -> DiffAttentionFn:
-        """The configured backend for tensors of this device type, or its one-line refusal."""
-        if device_type not in self._refusals:
-            self._refusals[device_type] = self._backend.unavailable(device_type)
-        if self._refusals[device_type] is not None:
-            raise DiffmegError(self._refusals[device_type])
-        return self._backend_fn
 
     def lambda_full(self) -> torch.Tensor:
         """The scalar lambda of this layer (fp32 or wider, differentiable in the four vectors)."""
@@ -178,7 +159,7 @@ class DiffCoreAttention(CoreAttention):
             # The fused paths are causal-only and would drop A1 and A2 separately: use the exact math.
             backend = diff_attention_reference
         else:
-            backend = self.backend_for(query.device.type)
+            backend = self._backend_fn
         kwargs = {"attention_mask": mask} if mask is not None else {}
         with self.dropout_rng(), self.sdpa_context():  # the SDPA backend's calls take the preference
             out = backend(

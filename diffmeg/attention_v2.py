@@ -52,17 +52,9 @@ class DiffV2SelfAttention(SelfAttention):
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
-        super().__init__(
-            config=config,
-            submodules=submodules,
-            layer_number=layer_number,
-            attn_mask_type=attn_mask_type,
-            cp_comm_type=cp_comm_type,
-            pg_collection=pg_collection,
-        )
+        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
         if self.num_attention_heads_per_partition % 2 or config.num_attention_heads % 2:
             raise DiffmegError("DIFF V2 needs whole query-head pairs on every tensor-parallel rank")
-        self.num_output_heads_per_partition = self.num_attention_heads_per_partition // 2
         output_heads = config.num_attention_heads // 2
         # megatron-core sized linear_proj for the 2h query heads; V2 projects the h combined heads.
         self.linear_proj = build_module(

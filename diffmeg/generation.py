@@ -55,16 +55,9 @@ def load_model(root: str, iteration: int | None = None, dtype: torch.dtype = tor
 def _forward(model, tokens: torch.Tensor, start: int, context=None) -> torch.Tensor:
     """Logits of the last position: tokens [1, s] at positions start .. start + s - 1."""
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, s]
-    if context is None:
-        logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
-    else:
-        logits = model(
-            input_ids=tokens,
-            position_ids=positions,
-            attention_mask=None,
-            inference_context=context,
-            runtime_gather_output=True,  # megatron-core requires gathered logits at inference
-        )
+    # with the KV cache: megatron-core requires gathered logits at inference
+    cache = {} if context is None else {"inference_context": context, "runtime_gather_output": True}
+    logits = model(input_ids=tokens, position_ids=positions, attention_mask=None, **cache)
     return logits[0, -1].float()  # [b, s, V] -> [V]
 
 

@@ -1,5 +1,5 @@
-"""Issue 17, items 4 and 5 on CPU: backends resolved from the tensors at call time; the baseline's local
-spec runs torch SDPA (flash kernels) instead of megatron-core's score-materialising core."""
+"""Issue 17, items 4 and 5 on CPU: backend names checked at build; the baseline's local spec runs torch
+SDPA (flash kernels) instead of megatron-core's score-materialising core."""
 
 from __future__ import annotations
 
@@ -17,50 +17,7 @@ def _baseline_config(heads=4, groups=2, d=8, **kw):
 
 
 # ---------------------------------------------------------------------------------------------------
-# item 4: the backend follows the tensors
-
-
-def cuda_only(device_type: str | None) -> str | None:
-    """A GPU-only row's check, as a GPU kernel's would answer."""
-    return "attention backend 'gpu_only' needs a CUDA GPU; use 'sdpa'" if device_type == "cpu" else None
-
-
-@pytest.fixture
-def gpu_only_row(monkeypatch):
-    """A `diff_attention` row that refuses CPU tensors (no package row does since flash and flex left)."""
-    from diffmeg import registry
-
-    sdpa = "diffmeg.kernels.sdpa:diff_attention_sdpa"
-    row = registry.Entry(
-        "diff_attention", "gpu_only", sdpa, "SDPA behind a GPU-only check", f"{__name__}:cuda_only"
-    )
-    monkeypatch.setattr(registry, "ENTRIES", (*registry.ENTRIES, row))
-
-
-def test_backend_is_resolved_per_call_from_the_tensors(single_rank_parallel_state, gpu_only_row):
-    """The inputs' device type decides each call, from the row's answers prepared at build (outside any
-    compiled region): a core built on the CPU runs a GPU backend once its inputs are on the GPU."""
-    from diffmeg.attention import DiffCoreAttention
-
-    cfg = make_config(2, 1, 8, diff_attn_backend="gpu_only")
-    core = DiffCoreAttention(cfg, 1, AttnMaskType.causal, "self")
-    assert core.backend_for("cuda").__name__ == "diff_attention_sdpa"  # built on the CPU all the same
-    with pytest.raises(DiffmegError, match="'gpu_only' needs a CUDA GPU"):
-        core.backend_for("cpu")
-
-
-def test_a_core_built_for_a_gpu_backend_refuses_cpu_tensors_in_one_line(
-    single_rank_parallel_state, gpu_only_row
-):
-    """Building never refuses a backend for the device it happens to be built on (use_cpu_initialization
-    on a GPU machine used to refuse a GPU backend); a call on tensors it cannot run on says why."""
-    from diffmeg.attention import DiffCoreAttention
-
-    cfg = make_config(2, 1, 16, diff_attn_backend="gpu_only")
-    core = DiffCoreAttention(cfg, 1, AttnMaskType.causal, "self").float()  # built on the CPU all the same
-    q, k, v = (torch.randn(20, 1, n, 16) for n in (4, 2, 2))
-    with pytest.raises(DiffmegError, match="'gpu_only' needs a CUDA GPU"):
-        core(q, k, v, None)
+# item 4: backend names are checked at build (every backend left runs on any device)
 
 
 def test_backend_names_this_installation_cannot_run_fail_at_build():

@@ -29,6 +29,7 @@ from diffmeg.checkpoints import damaged_checkpoint_message, damaged_file, first_
 from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.conversion.safetensors_io import INDEX_FILE, SafetensorsFile
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import write_json
 
 # megatron-core stores the local spec's layer norms under the names of Transformer Engine's fused
 # layers (so checkpoints move between the local and TE specs); every other key is the state-dict key.
@@ -301,15 +302,12 @@ def save_hf_tokenizer(tokenizer, directory: str) -> None:
     path = os.path.join(directory, "tokenizer_config.json")
     with open(path) as f:
         config = json.load(f)
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
+    write_json(path, config | {"tokenizer_class": "PreTrainedTokenizerFast"}, ensure_ascii=False)
 
 
 def save_remote_code(layout: ModelLayout, directory: str) -> None:
     """Copy the modeling file a layout's config.json names in `auto_map` (DIFF V2) into the folder."""
     from diffmeg.conversion.hf_config import REMOTE_CODE_FILE
-    from diffmeg.conversion.layout import Diff2Layout
 
     if isinstance(layout, Diff2Layout):
         source = os.path.join(os.path.dirname(os.path.abspath(__file__)), REMOTE_CODE_FILE)

@@ -24,13 +24,10 @@ from typing import Any
 from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
 from diffmeg.errors import DiffmegError
 
-ARCHITECTURE = DiffLayout.architecture
-MODEL_TYPE = DiffLayout.model_type
 LAYOUTS = {layout.model_type: layout for layout in (DiffLayout, LlamaLayout)}
 """The Hugging Face model types we convert, by `model_type` (DIFF V2 is a Llama config: `is_diff2_config`)."""
 OLD_DIFF2_MODEL_TYPE = "diffmeg_diff2"
 """DIFF V2's `model_type` in exports written up to 2026-11-27, whose config class was remote code too."""
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 REMOTE_CODE_FILE = "modeling_diff2.py"
 """DIFF V2's modeling file (diffmeg/conversion/modeling_diff2.py), copied into every V2 export."""
 AUTO_MAP = {"AutoModelForCausalLM": "modeling_diff2.Diff2ForCausalLM"}
@@ -207,7 +204,7 @@ def layout_from_hf_config(config: Mapping[str, Any]) -> ModelLayout:
                 f"DiffTransformerConfig): the head norm of this model cannot be reproduced"
             )
         heads, kv_heads = heads // 2, kv_heads // 2
-    layout = layout_class(
+    return layout_class(
         num_layers=int(config["num_hidden_layers"]),
         hidden_size=hidden,
         ffn_hidden_size=int(config["intermediate_size"]),
@@ -220,7 +217,6 @@ def layout_from_hf_config(config: Mapping[str, Any]) -> ModelLayout:
         norm_eps=eps,
         tied=bool(config.get("tie_word_embeddings", False)),
     )
-    return layout
 
 
 def pretrain_flags(layout: ModelLayout) -> list[str]:

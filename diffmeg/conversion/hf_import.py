@@ -25,6 +25,7 @@ from diffmeg.conversion.mapping import (
     MCORE_LAYER_PREFIX,
     check_shapes,
     hf_layer_to_mcore,
+    hf_model_shapes,
 )
 from diffmeg.errors import DiffmegError
 
@@ -80,10 +81,7 @@ def open_hf_folder(directory: str, config: dict[str, Any] | None = None) -> HFMo
     config = reader.normalized_config() if config is None else config
     layout = layout_from_hf_config(config)
     stored = reader.shapes()
-    expected = dict(layout.hf_global_shapes())
-    for index in range(layout.num_layers):
-        prefix = HF_LAYER_PREFIX.format(index)
-        expected.update({prefix + k: shape for k, shape in layout.hf_layer_shapes().items()})
+    expected = hf_model_shapes(layout)
     check_shapes(stored, expected, directory)
     # A tied folder may store lm_head anyway; transformers ties it to the embedding, and so does our model.
     ignored = {"lm_head.weight"} if layout.tied else set()

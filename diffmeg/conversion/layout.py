@@ -80,15 +80,16 @@ class ModelLayout:
 
     @property
     def attention_width(self) -> int:
-        """Columns of `linear_proj` / `o_proj`: the concatenated head outputs."""
-        raise NotImplementedError
+        """Columns of `linear_proj` / `o_proj`: the concatenated head outputs (h heads of d)."""
+        return self.num_heads * self.head_dim
 
     @property
     def qkv_rows(self) -> int:
-        """Rows of megatron-core's fused QKV weight."""
-        raise NotImplementedError
+        """Rows of megatron-core's fused QKV weight: g groups of (r query + 1 key + 1 value) rows of d."""
+        return self.num_kv_heads * (self.queries_per_group + 2) * self.head_dim
 
-    def _common_mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
+    def mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of one layer's tensors in the TP=1 megatron-core state dict (keys inside the layer)."""
         hidden = self.hidden_size
         return {
             "input_layernorm.weight": (hidden,),
@@ -98,10 +99,6 @@ class ModelLayout:
             "mlp.linear_fc1.weight": (2 * self.ffn_hidden_size, hidden),
             "mlp.linear_fc2.weight": (hidden, self.ffn_hidden_size),
         }
-
-    def mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shapes of one layer's tensors in the TP=1 megatron-core state dict (keys inside the layer)."""
-        return self._common_mcore_layer_shapes()
 
     def mcore_global_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the tensors outside the layers (embedding, final norm, the output layer unless tied)."""
@@ -116,7 +113,7 @@ class ModelLayout:
 
     def hf_attention_heads(self) -> tuple[int, int]:
         """(num_attention_heads, num_key_value_heads) as the Hugging Face config counts them."""
-        raise NotImplementedError
+        return self.num_heads, self.num_kv_heads
 
     def hf_layer_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of one Hugging Face decoder layer's tensors (keys inside `model.layers.N.`)."""
@@ -170,7 +167,7 @@ class DiffLayout(ModelLayout):
 
     def mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
         d = self.head_dim
-        shapes = self._common_mcore_layer_shapes()
+        shapes = super().mcore_layer_shapes()
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             shapes[f"self_attention.core_attention.{name}"] = (d,)
         shapes["self_attention.core_attention.head_norm.weight"] = (2 * d,)
@@ -194,25 +191,14 @@ class LlamaLayout(ModelLayout):
     model_type = "llama"
     hf_name = "Llama"
 
-    @property
-    def attention_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def qkv_rows(self) -> int:
-        """g groups of (r query + 1 key + 1 value) rows of d."""
-        return self.num_kv_heads * (self.queries_per_group + 2) * self.head_dim
-
-    def hf_attention_heads(self) -> tuple[int, int]:
-        return self.num_heads, self.num_kv_heads
-
 
 @dataclass(frozen=True)
 class Diff2Layout(ModelLayout):
     """Sizes of one DIFF V2 model: h output heads (2h query heads of d) over g KV heads, lambda_proj h x H.
 
     megatron-core's fused QKV holds, per KV group, its 2h/g query heads, one key and one value (Llama's
-    layout with 2h query heads); config.json counts `num_attention_heads = h`.
+    layout with 2h query heads); config.json counts `num_attention_heads = h`; `linear_proj` takes the h
+    combined heads (Llama's width).
     """
 
     architecture = "Diff2ForCausalLM"
@@ -227,21 +213,10 @@ class Diff2Layout(ModelLayout):
         """r: the 2h/g query heads of each KV group."""
         return 2 * self.num_heads // self.num_kv_heads
 
-    @property
-    def attention_width(self) -> int:
-        return self.num_heads * self.head_dim  # the h combined heads
-
-    @property
-    def qkv_rows(self) -> int:
-        return self.num_kv_heads * (self.queries_per_group + 2) * self.head_dim
-
     def mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = self._common_mcore_layer_shapes()
+        shapes = super().mcore_layer_shapes()
         shapes["self_attention.linear_lambda.weight"] = (self.num_heads, self.hidden_size)
         return shapes
-
-    def hf_attention_heads(self) -> tuple[int, int]:
-        return self.num_heads, self.num_kv_heads
 
     def hf_layer_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = super().hf_layer_shapes()

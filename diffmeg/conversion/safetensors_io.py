@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import write_json
 
 DTYPES = {
     "F64": torch.float64,
@@ -145,7 +146,6 @@ class _Shard:
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         self.header = struct.pack("<Q", len(text)) + text
-        self.size = len(self.header) + offset
         self.remaining = set(self.planned)
         self._file = None
 
@@ -201,8 +201,6 @@ class SafetensorsShardWriter:
         if len(self._where) != len(planned):
             raise DiffmegError("the shard plan names a tensor twice")
         self.total_bytes = sum(t.nbytes for t in planned)
-        self.file_bytes = sum(shard.size for shard in self._shards)
-        """Bytes the shards take on disk (headers included)."""
 
     def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
@@ -224,8 +222,7 @@ class SafetensorsShardWriter:
                 raise DiffmegError(f"tensor {sorted(shard.remaining)[0]!r} was planned but never written")
         weight_map = {name: os.path.basename(shard.path) for name, shard in self._where.items()}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
-            json.dump(index, f, indent=2)
+        write_json(os.path.join(self.directory, INDEX_FILE), index)
         return list(self.names)
 
     def abort(self) -> None:

@@ -35,11 +35,9 @@ class FolderTokenizer:
     def flags(self) -> list[str]:
         """pretrain_diff.py flags that resolve to this tokenizer now (they name the source folder; the
         checkpoint then records its own copy, `record`)."""
-        return (
-            []
-            if self.source is None
-            else ["--tokenizer-type", HF_TOKENIZER, "--tokenizer-model", self.source]
-        )
+        if self.source is None:
+            return []
+        return ["--tokenizer-type", HF_TOKENIZER, "--tokenizer-model", self.source]
 
     def record(self, args) -> None:
         """Point resolved arguments at the checkpoint's own copy of the tokenizer, by its path relative to

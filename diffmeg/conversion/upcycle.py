@@ -22,6 +22,7 @@ of d rows each (r = h / g); the V2 group t holds [2r query heads, key, value], i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -43,19 +44,7 @@ def diff2_layout(source: LlamaLayout) -> Diff2Layout:
         raise DiffmegError(
             f"upcycling starts from a Transformer (Llama layout), not a {source.hf_name} model"
         )
-    return Diff2Layout(
-        num_layers=source.num_layers,
-        hidden_size=source.hidden_size,
-        ffn_hidden_size=source.ffn_hidden_size,
-        num_heads=source.num_heads,
-        num_kv_heads=source.num_kv_heads,
-        head_dim=source.head_dim,
-        vocab_size=source.vocab_size,
-        max_position_embeddings=source.max_position_embeddings,
-        rotary_base=source.rotary_base,
-        norm_eps=source.norm_eps,
-        tied=source.tied,
-    )
+    return Diff2Layout(**dataclasses.asdict(source))  # every field of the shared ModelLayout
 
 
 def upcycle_qkv(qkv: torch.Tensor, source: LlamaLayout) -> torch.Tensor:

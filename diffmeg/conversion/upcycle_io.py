@@ -50,12 +50,9 @@ class UpcycleSource:
     """A Hugging Face tokenizer folder to keep with the model (None: cl100k_base or no tokenizer)."""
     data_flags: list[str] = field(default_factory=list)
     """pretrain_diff.py flags for the ids the model reads (--mock-data, --tokenizer-type null ...)."""
-    read_blocks: Callable[[torch.dtype], Iterator[dict[str, torch.Tensor]]] | None = None
-
-    def blocks(self, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
-        """The Transformer's TP=1 megatron-core tensors in `dtype`: each tensor outside the layers on its
-        own, then one layer at a time."""
-        return self.read_blocks(dtype)
+    blocks: Callable[[torch.dtype], Iterator[dict[str, torch.Tensor]]] | None = None
+    """`blocks(dtype)`: the Transformer's TP=1 megatron-core tensors in `dtype`, each tensor outside the
+    layers on its own, then one layer at a time."""
 
 
 def llama_family_config(raw: dict[str, Any], where: str) -> dict[str, Any]:
@@ -113,7 +110,7 @@ def _hf_source(path: str) -> UpcycleSource:
         seq_length=folder.layout.max_position_embeddings,
         init_method_std=float(folder.config.get("initializer_range", 0.02)),
         tokenizer=folder_tokenizer(path),
-        read_blocks=folder.mcore_blocks,
+        blocks=folder.mcore_blocks,
     )
 
 
@@ -171,7 +168,7 @@ def _checkpoint_source(path: str) -> UpcycleSource:
         init_method_std=float(getattr(args, "init_method_std", 0.02)),
         tokenizer=tokenizer,
         data_flags=data_flags,
-        read_blocks=blocks,
+        blocks=blocks,
     )
 
 

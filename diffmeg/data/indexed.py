@@ -27,7 +27,6 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import (
     _INDEX_HEADER,
     DType,
-    IndexedDataset,
     IndexedDatasetBuilder,
     _IndexReader,
     get_bin_path,
@@ -412,14 +411,3 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str, overwrite: bool 
     if record is not None:
         write_dataset_record(output_prefix, record)
     return writer
-
-
-def read_documents(prefix: str) -> list[np.ndarray]:
-    """Every document's tokens, in order (tests and small datasets; documents may span sequences)."""
-    dataset = IndexedDataset(prefix)
-    doc_idx = dataset.document_indices
-    out = []
-    for d in range(len(doc_idx) - 1):
-        parts = [dataset.get(s) for s in range(doc_idx[d], doc_idx[d + 1])]
-        out.append(np.concatenate(parts) if parts else np.zeros(0, dtype=dataset.index.dtype))
-    return out

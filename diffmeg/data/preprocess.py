@@ -348,10 +348,10 @@ def preprocess(
                 f"{loss_mask_prefix(prefix)}.bin/.idx is the loss mask of a dataset {prefix}, which "
                 f"preprocessing writes none of; move it away first (or choose another --output-prefix)"
             )
-    remove_stale_temporaries(prefixes.values(), log=lambda line: log(tag_for(rank, world_size) + line))
+    tag = tag_for(rank, world_size)
+    remove_stale_temporaries(prefixes.values(), log=lambda line: log(tag + line))
     tokenizer = text_tokenizer(cfg)  # fail fast, before any process starts
     segments = split_segments([Segment(f, 0, f.size) for f in files], world_size)[rank]
-    tag = tag_for(rank, world_size)
     progress = _Progress(sum(s.nbytes for s in segments), cfg.log_interval, log, tag, cfg.log_seconds)
     start = time.time()
     if cfg.partitions == 1:
@@ -359,11 +359,14 @@ def preprocess(
             skipped = _encode_part(segments, writers, cfg, tokenizer, cfg.workers, progress.update)
             writers.commit(cfg if world_size == 1 else None, skipped)
     else:
-        skipped = _run_partitions(segments, prefixes, cfg, tokenizer, progress, world_size)
+        skipped, writers = _run_partitions(segments, prefixes, cfg, tokenizer, progress, world_size)
     record = record_of(tokenizer)
     for prefix in prefixes.values():  # which ids these are: training checks them against its tokenizer
         write_dataset_record(prefix, record)
-    result = _result(prefixes, skipped, progress.done_bytes, time.time() - start)
+    first = next(iter(writers.by_key.values()))  # what the first key's dataset holds (every key's documents)
+    result = PreprocessResult(
+        dict(prefixes), first.documents, skipped, first.tokens, progress.done_bytes, time.time() - start
+    )
     log(
         f"{tag}done: {result.documents} documents, {result.tokens} tokens, "
         f"{result.input_bytes / 1e6:.1f} MB in {result.seconds:.1f} s "
@@ -399,21 +402,6 @@ def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
 def tag_for(rank: int, world_size: int) -> str:
     """The prefix of this rank's log lines (none in a single process)."""
     return f"[rank {rank}/{world_size}] " if world_size > 1 else ""
-
-
-def _result(prefixes: dict[str, str], skipped: int, nbytes: int, seconds: float) -> PreprocessResult:
-    from megatron.core.datasets.indexed_dataset import _IndexReader
-
-    first = next(iter(prefixes.values()))
-    index = _IndexReader(first + ".idx", multimodal=False)
-    return PreprocessResult(
-        outputs=dict(prefixes),
-        documents=len(index.document_indices) - 1,
-        skipped=skipped,
-        tokens=int(index.sequence_lengths.sum(dtype=np.int64)),
-        input_bytes=nbytes,
-        seconds=seconds,
-    )
 
 
 class _Writers:
@@ -697,8 +685,9 @@ def _run_partitions(
     tokenizer,
     progress: _Progress,
     world_size: int = 1,
-) -> int:
-    """Encode ``cfg.partitions`` slices in parallel processes into scratch shards, then merge."""
+) -> tuple[int, _Writers]:
+    """Encode ``cfg.partitions`` slices in parallel processes into scratch shards, then merge: the lines
+    skipped, and the committed writers."""
     parts = split_segments(segments, cfg.partitions)
     workers = max(1, cfg.workers // cfg.partitions)
     first = next(iter(prefixes.values()))
@@ -741,7 +730,7 @@ def _run_partitions(
                 for part in part_prefixes:
                     writer.add_dataset(part[key])
             writers.commit(cfg if world_size == 1 else None, skipped)
-        return skipped
+        return skipped, writers
     finally:
         for proc in procs:
             if proc.is_alive():

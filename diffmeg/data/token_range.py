@@ -16,10 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import DType, get_bin_path, get_idx_path
+from megatron.core.datasets.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
 
 from diffmeg.storage import default_cache_dir, write_json
 
@@ -28,8 +27,6 @@ RANGE_SUFFIX = ".ids.json"
 CHUNK_TOKENS = 1 << 24
 """Tokens scanned at a time (64 MiB of int32), each chunk mapped on its own and unmapped after, so a scan
 holds one chunk's pages, not the file's."""
-_IDX_HEADER = struct.Struct("<9sQB")
-"""The start of an `.idx`: magic, version, token dtype code."""
 _IN_MEMORY: dict[tuple, tuple[int, int] | None] = {}
 """(realpath, size, mtime) -> range: what this process computed where nothing could be written."""
 
@@ -77,17 +74,10 @@ def _write(path: str, key: dict[str, int], ids: TokenRange) -> bool:
         return False
 
 
-def token_dtype(prefix: str) -> type[np.number]:
-    """The token type the dataset's `.idx` header names."""
-    with open(get_idx_path(prefix), "rb") as f:
-        _, _, code = _IDX_HEADER.unpack(f.read(_IDX_HEADER.size))
-    return DType.dtype_from_code(code)
-
-
 def scan_range(prefix: str, chunk_tokens: int = CHUNK_TOKENS) -> TokenRange:
     """The range of the `.bin`'s tokens, read a chunk at a time through a memory map of that chunk."""
     path = get_bin_path(prefix)
-    dtype = np.dtype(token_dtype(prefix))
+    dtype = np.dtype(_IndexReader(get_idx_path(prefix), multimodal=False).dtype)  # what its `.idx` names
     count = os.path.getsize(path) // dtype.itemsize
     ids: TokenRange = None
     for start in range(0, count, chunk_tokens):

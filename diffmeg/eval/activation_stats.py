@@ -207,10 +207,8 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = stderr) -
     common.start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
     length = cfg.seq_length or min(i.seq_length for i in infos)
-    if cfg.data_prefix is not None:
-        next(
-            token_windows(cfg, infos[0].vocab_size, infos[0].tokenizer == "mock", length), None
-        )  # check early
+    if cfg.data_prefix is not None:  # the first window checks the data before any model loads
+        next(token_windows(cfg, infos[0].vocab_size, infos[0].tokenizer == "mock", length), None)
     rows, checkpoints = [], []
     for info, model in common.loaded_models(infos, cfg.dtype, cfg.seed):
         windows = token_windows(cfg, info.vocab_size, info.tokenizer == "mock", length)
@@ -221,9 +219,7 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = stderr) -
             values["kurtosis"] = acc.kurtosis()
             kinds[kind] = values | {"count": acc.count}
             rows.append({"label": info.label, "architecture": info.architecture, "kind": kind} | kinds[kind])
-        checkpoints.append(
-            {"label": info.label, "load": info.root, "architecture": info.architecture, "stats": kinds}
-        )
+        checkpoints.append({**info.identity(), "stats": kinds})
         log(
             f"{info.label}: logits top1 {kinds['attention_logits']['top1']:.3f} median "
             f"{kinds['attention_logits']['median']:.3f}; hidden top1 {kinds['hidden_states']['top1']:.3f} "
@@ -241,15 +237,12 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = stderr) -
     }
     common.write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
-        curves = []
-        for ckpt in checkpoints:
-            for kind in ("attention_logits", "hidden_states"):
-                s = ckpt["stats"][kind]
-                curves.append(
-                    Curve(
-                        f"{ckpt['label']}: {kind}", np.array(RANKS), np.array([s[f"top{r}"] for r in RANKS])
-                    )
-                )
+        x = np.array(RANKS)
+        curves = [
+            Curve(f"{c['label']}: {kind}", x, np.array([c["stats"][kind][f"top{r}"] for r in RANKS]))
+            for c in checkpoints
+            for kind in ("attention_logits", "hidden_states")
+        ]
         path, title = os.path.join(cfg.output_dir, PLOT_NAME), f"Activation outliers over {cfg.tokens} tokens"
         plot_curves(curves, path, xlabel="rank (top-k)", ylabel="magnitude", title=title, logx=True)
     return summary

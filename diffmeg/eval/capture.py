@@ -25,7 +25,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from diffmeg.attention import override_attention_backend
 from diffmeg.attention_v2 import DiffV2SelfAttention
 from diffmeg.errors import DiffmegError
-from diffmeg.kernels.reference import causal_keep_mask
+from diffmeg.kernels.reference import causal_keep_mask, softmax_map
 
 LogitFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits [b, h, sq, sk], keep [sq, sk] bool) -> logits: a transform applied before the softmax."""
@@ -74,17 +74,6 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(decoder.layers)
 
 
-def _softmax_maps(
-    q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, scale: float, logit_fn: LogitFn | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, maps) [b, h, sq, sk] in fp32 or wider: q [b, h, sq, d] against k [b, h, sk, d]."""
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    logits = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
-    if logit_fn is not None:
-        logits = logit_fn(logits, keep)
-    return logits, torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
-
-
 def _diff_backend(layer: int, sink: Sink | None, logit_fn: LogitFn | None):
     """A DIFF V1 attention backend with the reference math that reports maps and can transform logits."""
 
@@ -92,13 +81,12 @@ def _diff_backend(layer: int, sink: Sink | None, logit_fn: LogitFn | None):
         if dropout_p > 0.0:
             raise DiffmegError("attention analysis needs the model in eval mode (attention dropout is on)")
         rep = q1.shape[1] // k1.shape[1]
-        k1, k2, v = (
-            t.repeat_interleave(rep, dim=1) for t in (k1, k2, v)
-        )  # GQA: [b, g, s, .] -> [b, h, s, .]
+        # GQA: [b, g, s, .] -> [b, h, s, .]
+        k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
         keep = causal_keep_mask(q1.shape[2], k1.shape[2], q1.device)
         if attention_mask is not None:
             keep = keep & ~attention_mask.bool()
-        (l1, a1), (l2, a2) = (_softmax_maps(q, k, keep, scale, logit_fn) for q, k in ((q1, k1), (q2, k2)))
+        (l1, a1), (l2, a2) = (softmax_map(q, k, keep, scale, logit_fn) for q, k in ((q1, k1), (q2, k2)))
         lam = lam.to(a1.dtype)
         if sink is not None:
             sink(AttentionRecord(layer, "diff", [l1, l2], [a1, a2], keep, float(lam)))
@@ -133,7 +121,7 @@ def _sdpa(layer: int, sink: Sink | None, logit_fn: LogitFn | None, pair_lambda: 
         k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))  # query head j reads KV head j // rep
         keep = _sdpa_keep(attn_mask, is_causal, sq, sk, q.device)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
-        logits, maps = _softmax_maps(q, k, keep, scale, logit_fn)
+        logits, maps = softmax_map(q, k, keep, scale, logit_fn)
         if sink is not None:
             if pair_lambda is None:
                 sink(AttentionRecord(layer, "softmax", [logits], [maps], keep))

@@ -130,9 +130,7 @@ def loaded_models(
     infos: Sequence[CheckpointInfo], dtype: str = "float32", seed: int = 1234
 ) -> Iterator[tuple[CheckpointInfo, torch.nn.Module]]:
     """Each checkpoint's (or Hugging Face folder's) single-rank model in eval mode, one at a time (freed
-    before the next loads)."""
-    if dtype not in DTYPES:
-        raise DiffmegError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype}")
+    before the next loads). `dtype` a name of `DTYPES` (`EvalConfig` checked it)."""
     single_process(seed)
     for info in infos:
         model = load_checkpoint_model(info, DTYPES[dtype])

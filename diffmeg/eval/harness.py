@@ -47,6 +47,8 @@ PRESETS = {
 RESULTS_NAME = "harness_results.json"
 CSV_NAME = "harness_results.csv"
 SAMPLES_NAME = "harness_samples.jsonl"
+SEEDS = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
+"""`simple_evaluate`'s seeds, all set to the run's `--seed`."""
 
 
 class IdText:
@@ -271,17 +273,12 @@ def run_harness(cfg: HarnessConfig, log: common.Log = stderr) -> dict:
             limit=limit,
             task_manager=manager,
             log_samples=cfg.log_samples,
-            random_seed=cfg.seed,
-            numpy_random_seed=cfg.seed,
-            torch_random_seed=cfg.seed,
-            fewshot_random_seed=cfg.seed,
             bootstrap_iters=1000,
+            **dict.fromkeys(SEEDS, cfg.seed),
         )
         per_task = {task: _metrics(values) for task, values in out["results"].items()}
         results[info.label] = {
-            "load": info.root,
-            "iteration": info.iteration,
-            "architecture": info.architecture,
+            **info.identity(),
             "max_length": lm.max_length,
             "results": per_task,
             "n-shot": out.get("n-shot"),

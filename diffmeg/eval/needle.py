@@ -76,17 +76,15 @@ class IdVocab:
         self._sep = rng.integers(0, vocab_size, 1).tolist()
         self._seed = seed
 
+    def _ids(self, kind: int, value: int, length: int) -> list[int]:
+        """`length` fixed random ids of a city (`kind` 1) or a number (2)."""
+        return np.random.default_rng([self._seed, kind, value]).integers(0, self.vocab_size, length).tolist()
+
     def city_ids(self, city: int) -> list[int]:
-        return (
-            np.random.default_rng([self._seed, 1, city]).integers(0, self.vocab_size, self.key_len).tolist()
-        )
+        return self._ids(1, city, self.key_len)
 
     def number_ids(self, number: int) -> list[int]:
-        return (
-            np.random.default_rng([self._seed, 2, number])
-            .integers(0, self.vocab_size, self.value_len)
-            .tolist()
-        )
+        return self._ids(2, number, self.value_len)
 
     def needle(self, city: int, number: int) -> tuple[list[int], int]:
         """(ids of the needle sentence, offset of the number inside it)."""
@@ -122,9 +120,7 @@ class TextVocab:
 
     def needle(self, city: int, number: int) -> tuple[list[int], int]:
         head = self.tokenizer.tokenize(f" The special magic number for {CITIES[city]} is:")
-        return head + self.tokenizer.tokenize(f" {self._number(number)}") + self.tokenizer.tokenize("."), len(
-            head
-        )
+        return head + self.number_ids(number) + self.tokenizer.tokenize("."), len(head)
 
     def number_ids(self, number: int) -> list[int]:
         return self.tokenizer.tokenize(f" {self._number(number)}")
@@ -191,15 +187,8 @@ def build_prompt(
         cursor = offsets[i]
         ids, value_at = pieces[i]
         start = len(tokens)
-        value_len = len(vocab.number_ids(numbers[i]))
-        needles[i] = Needle(
-            cities[i],
-            numbers[i],
-            depths[i],
-            start,
-            (start + value_at, start + value_at + value_len),
-            i < num_queries,
-        )
+        value = (start + value_at, start + value_at + len(vocab.number_ids(numbers[i])))  # [start, stop)
+        needles[i] = Needle(cities[i], numbers[i], depths[i], start, value, i < num_queries)
         tokens += ids
     tokens += filler[cursor:]
     context_length = len(tokens)

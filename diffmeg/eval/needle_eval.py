@@ -100,9 +100,7 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: common.Log = stderr) -> dict:
         table = {
             f"N={n},R={r}": float(np.mean([v for k, v in acc.items() if k[:2] == (n, r)])) for n, r in combos
         }
-        checkpoints.append(
-            {"label": info.label, "load": info.root, "architecture": info.architecture, "table": table}
-        )
+        checkpoints.append({**info.identity(), "table": table})
         log(f"{info.label}: " + ", ".join(f"{k} {v:.3f}" for k, v in table.items()))
     common.write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
     heat_n = cfg.heatmap_needles or max(n for n, _ in combos)

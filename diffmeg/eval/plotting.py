@@ -8,13 +8,13 @@ the same.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from diffmeg.errors import DiffmegError
+from diffmeg.storage import atomic_write
 
 
 @dataclass
@@ -61,7 +61,7 @@ def plot_curves(
 
     `vlines` are labelled dashed vertical markers, e.g. where extrapolation beyond training starts.
     """
-    fig = _figure((7.0, 4.5))
+    fig = figure((7.0, 4.5))
     ax = fig.add_subplot()
     for curve in curves:
         ax.plot(np.asarray(curve.x), np.asarray(curve.y), label=curve.label, linewidth=1.6)
@@ -95,7 +95,7 @@ def plot_heatmaps(
     vmax: float = 1.0,
 ) -> None:
     """One annotated heatmap per (label, [rows, cols] values), side by side, written atomically."""
-    fig = _figure((1.0 + 3.2 * len(grids), 3.6))
+    fig = figure((1.0 + 3.2 * len(grids), 3.6))
     axes = fig.subplots(1, len(grids), squeeze=False)[0]
     image = None
     for ax, (label, values) in zip(axes, grids, strict=True):
@@ -113,7 +113,7 @@ def plot_heatmaps(
     save_png(fig, path)
 
 
-def _figure(size: tuple[float, float]):
+def figure(size: tuple[float, float]):
     """A matplotlib Figure on its own Agg canvas (no pyplot, no global backend)."""
     require_matplotlib()
     # optional dependency (require_matplotlib above names the fix)
@@ -128,10 +128,5 @@ def _figure(size: tuple[float, float]):
 def save_png(fig, path: str, dpi: float | None = None) -> None:
     """Write the PNG atomically: a crash leaves no half-written file, and an earlier plot of the same name
     stays whole until the new one is complete. `dpi`: the figure's own when None."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        fig.savefig(tmp, format="png", dpi=dpi if dpi is not None else "figure")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi if dpi is not None else "figure")

@@ -78,10 +78,8 @@ def read_choices(path: str, vocab_size: int, tokenizer) -> list[Choice]:
         try:
             row = json.loads(line)
             if "context_ids" in row:
-                context, choices = (
-                    list(map(int, row["context_ids"])),
-                    [list(map(int, c)) for c in row["choices_ids"]],
-                )
+                context = list(map(int, row["context_ids"]))
+                choices = [list(map(int, c)) for c in row["choices_ids"]]
             else:
                 if tokenizer is None:
                     raise DiffmegError(
@@ -181,9 +179,7 @@ def run_quantize_eval(cfg: QuantizeEvalConfig, log: common.Log = stderr) -> dict
                 | {k: f"{v:.6f}" for k, v in results[str(bits)].items()}
             )
             log(f"{info.label} @ {bits} bits: loss {loss:.4f}, acc {acc:.4f}, acc_norm {acc_norm:.4f}")
-        checkpoints.append(
-            {"label": info.label, "load": info.root, "architecture": info.architecture, "bits": results}
-        )
+        checkpoints.append({**info.identity(), "bits": results})
     common.write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
     summary = {
         "bits": cfg.bits,

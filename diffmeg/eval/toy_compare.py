@@ -1,6 +1,8 @@
 """The toy comparison's results (examples/toy_compare.sh, run through tools/toy_compare_results.py): the
 model shapes it trains, results.json collected from its output directory, the learning rate chosen per model
 and setting, and the markdown tables of docs/results.md. The figures are `diffmeg.eval.toy_compare_plots`.
+The upcycling results (`diffmeg.eval.upcycle_results`) read their file and tabulate their validation loss
+with the functions here.
 
 What results.json holds, how a learning rate is chosen and what "steps to 90%" means: the tool's help
 (`python tools/toy_compare_results.py --help`) and docs/results.md.
@@ -187,15 +189,15 @@ def model_order(names, known=tuple(MODEL_NAMES)) -> list[str]:
     return sorted(set(names), key=lambda n: (known.index(n) if n in known else len(known), n))
 
 
-def setting_order(results: dict) -> list[str]:
-    declared = results.get("meta", {}).get("settings")
-    found = {r["setting"] for r in results["mqar"]}
-    if declared:
-        return [s for s in declared if s in found] + sorted(found - set(declared))
-    return sorted(found)
+def setting_order(results: dict, rows: list[dict] | None = None) -> list[str]:
+    """The settings of `rows` (default: the MQAR rows): those the run declared in its order, then the others
+    sorted."""
+    found = {r["setting"] for r in (results["mqar"] if rows is None else rows)}
+    declared = results.get("meta", {}).get("settings") or []
+    return [s for s in declared if s in found] + sorted(found - set(declared))
 
 
-def _spread(values: list[float], digits: int = 3) -> str:
+def spread(values: list[float], digits: int = 3) -> str:
     """mean (min-max) of the seeds, or the one value."""
     if not values:
         return "-"
@@ -225,7 +227,7 @@ def mqar_table(results: dict) -> str:
             to90 = ", ".join("-" if s is None else str(s) for s in reached)
             name = MODEL_NAMES.get(model, model)
             lr = format_lr(chosen[(model, setting)])
-            lines.append(f"| {setting} | {name} | {lr} | {len(seeds)} | {_spread(finals)} | {to90} |")
+            lines.append(f"| {setting} | {name} | {lr} | {len(seeds)} | {spread(finals)} | {to90} |")
     return "\n".join(lines)
 
 
@@ -243,30 +245,26 @@ def lr_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def lm_table(results: dict, columns: int = 5) -> str:
-    """Validation loss by tokens seen, mean (min-max) over seeds, at up to `columns` evaluation points."""
+def val_loss_table(rows: list[dict], names: dict[str, str] = MODEL_NAMES, columns: int = 5) -> str:
+    """Validation loss by tokens seen, mean (min-max) over seeds, at up to `columns` evaluation points, from
+    rows of model, seed, tokens and val_loss; `names`: how the models are named, in order ("": no rows)."""
     by_model: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in results["lm"]:
+    for r in rows:
         by_model[r["model"]][r["tokens"]].append(r["val_loss"])
     tokens = sorted({t for points in by_model.values() for t in points})
+    if not tokens:
+        return ""
     if len(tokens) > columns:  # evenly spaced, always the last
         step = (len(tokens) - 1) / (columns - 1)
         tokens = sorted({tokens[round(i * step)] for i in range(columns)})
     lines = ["| model | seeds | " + " | ".join(f"{t:,} tokens" for t in tokens) + " |"]
     lines.append("|---|---|" + "---|" * len(tokens))
-    for model in model_order(by_model):
+    for model in model_order(by_model, tuple(names)):
         points = by_model[model]
-        seeds = len({r["seed"] for r in results["lm"] if r["model"] == model})
-        cells = [_spread(points.get(t, [])) for t in tokens]
-        lines.append(f"| {MODEL_NAMES.get(model, model)} | {seeds} | " + " | ".join(cells) + " |")
+        seeds = len({r["seed"] for r in rows if r["model"] == model})
+        cells = [spread(points.get(t, [])) for t in tokens]
+        lines.append(f"| {names.get(model, model)} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def settings_in(results: dict, rows: list[dict]) -> list[str]:
-    """The settings of `rows`, in the run's order."""
-    found = {r["setting"] for r in rows}
-    order = setting_order(results)
-    return [s for s in order if s in found] + sorted(found - set(order))
 
 
 def mean(values: list[float]) -> float:
@@ -284,7 +282,7 @@ def attention_table(results: dict) -> str:
         "| setting | model | layer | seeds | pair | noise | pair / noise | raw pair | raw noise | lambda |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for setting in settings_in(results, results["attention"]):
+    for setting in setting_order(results, results["attention"]):
         for model in model_order(m for s, m, _ in groups if s == setting):
             for layer in sorted(ly for s, m, ly in groups if (s, m) == (setting, model)):
                 scales = groups[(setting, model, layer)]
@@ -296,8 +294,8 @@ def attention_table(results: dict) -> str:
                     MODEL_NAMES.get(model, model),
                     str(layer),
                     str(len({r["seed"] for r in norm})),
-                    _spread([r["pair_mass"] for r in norm]),
-                    _spread([r["noise_mass"] for r in norm]),
+                    spread([r["pair_mass"] for r in norm]),
+                    spread([r["noise_mass"] for r in norm]),
                     f"{pair / noise:.2f}" if noise > 0 else "-",
                     f"{mean([r['pair_mass'] for r in raw]):.3f}" if raw else "-",
                     f"{mean([r['noise_mass'] for r in raw]):.3f}" if raw else "-",
@@ -321,7 +319,7 @@ def outliers_table(results: dict) -> str:
         "| setting | model | kind | seeds | top-1 | top-10 | median | top-1 / median | kurtosis |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for setting in settings_in(results, results["outliers"]):
+    for setting in setting_order(results, results["outliers"]):
         for model in model_order(m for s, m, _ in groups if s == setting):
             for kind in OUTLIER_KINDS:
                 rows = groups.get((setting, model, kind))
@@ -332,11 +330,11 @@ def outliers_table(results: dict) -> str:
                     MODEL_NAMES.get(model, model),
                     kind.replace("_", " "),
                     str(len(rows)),
-                    _spread([r["top1"] for r in rows], 2),
+                    spread([r["top1"] for r in rows], 2),
                     f"{mean([r['top10'] for r in rows]):.2f}",
                     f"{mean([r['median'] for r in rows]):.3f}",
                     f"{mean([r['top1'] / r['median'] if r['median'] > 0 else math.nan for r in rows]):.1f}",
-                    _spread([r["kurtosis"] for r in rows], 1),
+                    spread([r["kurtosis"] for r in rows], 1),
                 ]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -349,7 +347,7 @@ def tables(results: dict) -> str:
         title = f"### MQAR: learning-rate sweep (final validation accuracy, seed {sweep_seed(results)})"
         parts += [title, "", lr_table(results), ""]
     if results["lm"]:
-        parts += ["### Language modelling: validation loss", "", lm_table(results), ""]
+        parts += ["### Language modelling: validation loss", "", val_loss_table(results["lm"]), ""]
     if results.get("attention"):
         title = "### MQAR: attention at the answers on the queried pair vs the rest of the context"
         parts += [title, "", attention_table(results), ""]

@@ -1,20 +1,14 @@
 """The toy comparison's figures (tools/toy_compare_results.py collect): held-out MQAR accuracy and validation
-loss against training, one line per seed, and the attention at the answers per layer."""
+loss against training, one line per seed, and the attention at the answers per layer. `plot_val_loss` draws
+the upcycling results' validation loss too (`diffmeg.eval.upcycle_results`)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
-from diffmeg.eval.plotting import save_png
-from diffmeg.eval.toy_compare import (
-    MODEL_NAMES,
-    TARGET,
-    curves,
-    mean,
-    model_order,
-    setting_order,
-    settings_in,
-)
+from diffmeg.eval.plotting import figure, save_png
+from diffmeg.eval.toy_compare import MODEL_NAMES, TARGET, curves, mean, model_order, setting_order
 
 
 def _color(model: str) -> str:
@@ -22,24 +16,20 @@ def _color(model: str) -> str:
     return f"C{model_order(MODEL_NAMES).index(model) if model in MODEL_NAMES else 9}"
 
 
-def _seed_line(model: str, first: bool) -> dict:
+def _seed_line(model: str, first: bool, names: dict[str, str] = MODEL_NAMES, color=_color) -> dict:
     """matplotlib keywords of one seed's curve: the model's colour, its name on the first seed only."""
-    return {"color": _color(model), "alpha": 0.8, "label": MODEL_NAMES.get(model, model) if first else None}
+    return {"color": color(model), "alpha": 0.8, "label": names.get(model, model) if first else None}
 
 
 def plot(results: dict, out_dir: str) -> list[str]:
     """mqar_accuracy.png (held-out accuracy vs step, a panel per setting), lm_val_loss.png and, with the
     analyses, mqar_attention.png (normalised pair and noise masses per layer, a panel per setting)."""
-    import matplotlib  # optional dependency, for the plots only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
-
     written = []
     runs = curves(results)
     settings = setting_order(results)
     if settings:
-        fig, axes = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.6), squeeze=False)
+        fig = figure((4.5 * len(settings), 3.6))
+        axes = fig.subplots(1, len(settings), squeeze=False)
         for ax, setting in zip(axes[0], settings, strict=True):
             for model in model_order(m for m, s in runs if s == setting):
                 for k, (_, rows) in enumerate(sorted(runs[(model, setting)].items())):
@@ -52,47 +42,52 @@ def plot(results: dict, out_dir: str) -> list[str]:
             ax.set(title=setting, xlabel="step", ylim=(0, 1.02))
             ax.legend(fontsize=8)
         axes[0][0].set_ylabel("held-out accuracy (one line per seed)")
-        fig.tight_layout()
         written.append(os.path.join(out_dir, "mqar_accuracy.png"))
         save_png(fig, written[-1], dpi=110)
-        plt.close(fig)
     if results["lm"]:
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for model in model_order({r["model"] for r in results["lm"]}):
-            seeds = sorted({r["seed"] for r in results["lm"] if r["model"] == model})
-            for k, seed in enumerate(seeds):
-                rows = sorted(
-                    (r for r in results["lm"] if r["model"] == model and r["seed"] == seed),
-                    key=lambda r: r["tokens"],
-                )
-                ax.plot(
-                    [r["tokens"] for r in rows],
-                    [r["val_loss"] for r in rows],
-                    **_seed_line(model, first=k == 0),
-                )
-        ax.set(xlabel="training tokens", ylabel="validation loss (one line per seed)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
         written.append(os.path.join(out_dir, "lm_val_loss.png"))
-        save_png(fig, written[-1], dpi=110)
-        plt.close(fig)
+        plot_val_loss(results["lm"], written[-1], xlabel="training tokens")
     if results.get("attention"):
         written.append(os.path.join(out_dir, "mqar_attention.png"))
         plot_attention(results, written[-1])
     return written
 
 
+def plot_val_loss(
+    rows: list[dict],
+    path: str,
+    *,
+    xlabel: str,
+    names: dict[str, str] = MODEL_NAMES,
+    color: Callable[[str], str] = _color,
+) -> None:
+    """Validation loss against tokens from rows of model, seed, tokens and val_loss: one line per seed, a
+    colour per model (`names` names them, in order)."""
+    fig = figure((5.5, 3.6))
+    ax = fig.add_subplot()
+    for model in model_order({r["model"] for r in rows}, tuple(names)):
+        seeds = sorted({r["seed"] for r in rows if r["model"] == model})
+        for k, seed in enumerate(seeds):
+            mine = sorted(
+                (r for r in rows if (r["model"], r["seed"]) == (model, seed)), key=lambda r: r["tokens"]
+            )
+            ax.plot(
+                [r["tokens"] for r in mine],
+                [r["val_loss"] for r in mine],
+                **_seed_line(model, k == 0, names, color),
+            )
+    ax.set(xlabel=xlabel, ylabel="validation loss (one line per seed)")
+    ax.legend(fontsize=8)
+    save_png(fig, path, dpi=110)
+
+
 def plot_attention(results: dict, path: str) -> None:
     """Per setting, the normalised mass on the queried pair (solid) and on the rest of the context
     (dashed) against the layer, mean over seeds, a colour per model."""
-    import matplotlib  # optional dependency, for the plots only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
-
     rows = [r for r in results["attention"] if r["normalised"]]
-    settings = settings_in(results, rows)
-    fig, axes = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.6), squeeze=False)
+    settings = setting_order(results, rows)
+    fig = figure((4.5 * len(settings), 3.6))
+    axes = fig.subplots(1, len(settings), squeeze=False)
     for ax, setting in zip(axes[0], settings, strict=True):
         here = [r for r in rows if r["setting"] == setting]
         for model in model_order(r["model"] for r in here):
@@ -106,6 +101,4 @@ def plot_attention(results: dict, path: str) -> None:
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("attention mass at the answers (normalised)")
-    fig.tight_layout()
     save_png(fig, path, dpi=110)
-    plt.close(fig)

@@ -15,22 +15,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-import statistics
 
 from diffmeg.errors import DiffmegError
-from diffmeg.eval.plotting import save_png
+from diffmeg.eval.toy_compare import load, val_loss_table
 
 MODELS = {"transformer": "Transformer (continued)", "diff2": "DIFF V2 (upcycled)"}
 """Run names and how the tables and plots name them, in order."""
 COLORS = {"transformer": "tab:gray", "diff2": "tab:blue"}
-
-
-def _load(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise DiffmegError(f"cannot read {path}: {exc}") from None
 
 
 def _metrics(path: str) -> list[dict]:
@@ -43,12 +34,12 @@ def collect(out: str) -> dict:
     meta_path = os.path.join(out, "meta.json")
     if not os.path.isfile(meta_path):
         raise DiffmegError(f"{out} has no meta.json: not an examples/upcycle.sh output directory")
-    meta = _load(meta_path)
+    meta = load(meta_path)
     pretrain = _metrics(os.path.join(out, "pretrain", "metrics.jsonl"))
     validation = [r["validation_lm_loss"] for r in pretrain if "validation_lm_loss" in r]
     val, first, runs = [], [], []
     for path in sorted(glob.glob(os.path.join(out, "continue", "*", "run.json"))):
-        run = _load(path)
+        run = load(path)
         records = _metrics(os.path.join(os.path.dirname(path), "metrics.jsonl"))
         key = {"model": run["model"], "seed": run["seed"]}
         for record in records:
@@ -66,41 +57,12 @@ def collect(out: str) -> dict:
     }
 
 
-def _spread(values: list[float], digits: int = 3) -> str:
-    """`mean (min-max)` over seeds, or the value alone for one seed."""
-    mean = statistics.fmean(values)
-    if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def _curves(results: dict) -> dict[str, dict[int, dict[int, float]]]:
     """model -> seed -> tokens -> validation loss."""
     curves: dict[str, dict[int, dict[int, float]]] = {}
     for row in results["val"]:
         curves.setdefault(row["model"], {}).setdefault(row["seed"], {})[row["tokens"]] = row["val_loss"]
     return curves
-
-
-def val_table(results: dict, columns: int = 5) -> str:
-    """Validation loss at up to `columns` token counts (evenly spaced, the last included), mean over seeds."""
-    curves = _curves(results)
-    tokens = sorted({t for seeds in curves.values() for curve in seeds.values() for t in curve})
-    if not tokens:
-        return ""
-    picked = sorted({tokens[round(i * (len(tokens) - 1) / max(columns - 1, 1))] for i in range(columns)})
-    lines = [
-        "| model | seeds | " + " | ".join(f"{t:,} tokens" for t in picked) + " |",
-        "|---|---|" + "---|" * len(picked),
-    ]
-    for model in (m for m in MODELS if m in curves):
-        seeds = curves[model]
-        cells = []
-        for t in picked:
-            values = [c[t] for c in seeds.values() if t in c]
-            cells.append(_spread(values) if values else "-")
-        lines.append(f"| {MODELS[model]} | {len(seeds)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def paired_table(results: dict) -> str:
@@ -131,7 +93,10 @@ def tables(results: dict) -> str:
         if key not in results:
             raise DiffmegError(f"not an upcycle results file: no {key!r}")
     sections = [
-        ("Upcycling: validation loss while continuing (mean (min-max) over seeds)", val_table(results)),
+        (
+            "Upcycling: validation loss while continuing (mean (min-max) over seeds)",
+            val_loss_table(results["val"], MODELS),
+        ),
         ("Upcycling: per seed, first step and final validation loss", paired_table(results)),
     ]
     return "\n\n".join(f"### {title}\n\n{body}" for title, body in sections if body) + "\n"
@@ -139,26 +104,7 @@ def tables(results: dict) -> str:
 
 def plot(results: dict, path: str) -> str:
     """Validation loss vs tokens of continued training, one line per seed, a colour per model."""
-    import matplotlib  # optional dependency, for the plots only
+    from diffmeg.eval.toy_compare_plots import plot_val_loss  # matplotlib: only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for model, seeds in sorted(_curves(results).items(), key=lambda kv: list(MODELS).index(kv[0])):
-        for k, (_, curve) in enumerate(sorted(seeds.items())):
-            tokens = sorted(curve)
-            ax.plot(
-                tokens,
-                [curve[t] for t in tokens],
-                color=COLORS.get(model),
-                linewidth=1.2,
-                alpha=0.85,
-                label=MODELS.get(model, model) if k == 0 else None,
-            )
-    ax.set(xlabel="tokens of continued training", ylabel="validation loss (one line per seed)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_png(fig, path, dpi=110)
-    plt.close(fig)
+    plot_val_loss(results["val"], path, xlabel="tokens of continued training", names=MODELS, color=COLORS.get)
     return path

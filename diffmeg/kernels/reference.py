@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -10,6 +12,23 @@ def causal_keep_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
     q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)  # [sq, 1]
     k_pos = torch.arange(sk, device=device).unsqueeze(0)  # [1, sk]
     return k_pos <= q_pos
+
+
+def softmax_map(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float,
+    logit_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, softmax map) [b, h, sq, sk] in fp32 or wider: q [b, h, sq, d] against k [b, h, sk, d],
+    entries outside `keep` [sq, sk] masked; `logit_fn(logits, keep)` transforms the logits first (the
+    evaluation's quantization)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
+    if logit_fn is not None:
+        logits = logit_fn(logits, keep)
+    return logits, torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
 
 
 def diff_attention_reference(
@@ -34,30 +53,14 @@ def diff_attention_reference(
     rep = h // g
     # GQA: differential head i reads KV head i // rep.  [b, g, sk, *] -> [b, h, sk, *]
     k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
-    compute_dtype = torch.promote_types(q1.dtype, torch.float32)
     keep = causal_keep_mask(sq, sk, q1.device)  # [sq, sk]
     if attention_mask is not None:
         keep = keep & ~attention_mask.bool()
-
-    def attention_map(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        scores = (
-            torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-1, -2)) * scale
-        )  # [b,h,sq,sk]
-        scores = scores.masked_fill(~keep, float("-inf"))
-        return torch.softmax(scores, dim=-1)
-
-    diff_map = attention_map(q1, k1) - lam.to(compute_dtype) * attention_map(q2, k2)  # [b, h, sq, sk]
+    (_, a1), (_, a2) = softmax_map(q1, k1, keep, scale), softmax_map(q2, k2, keep, scale)  # [b, h, sq, sk]
+    diff_map = a1 - lam.to(a1.dtype) * a2
     if dropout_p > 0.0:
         diff_map = torch.nn.functional.dropout(diff_map, p=dropout_p)
-    return torch.matmul(diff_map, v.to(compute_dtype)).to(q1.dtype)  # [b, h, sq, 2d]
-
-
-def single_map_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """softmax(Q K^T * scale, causal) V in float64: one map of DIFF's pair (A2 V, which lambda multiplies),
-    as `diff_attention_reference` computes it: its output with lambda = 0 is A1 V, here with A1 = A2."""
-    q, k, v = (t.detach().double() for t in (q, k, v))
-    zero = torch.zeros((), dtype=torch.float64, device=q.device)
-    return diff_attention_reference(q, q, k, k, v, zero, scale=scale)
+    return torch.matmul(diff_map, v.to(diff_map.dtype)).to(q1.dtype)  # [b, h, sq, 2d]
 
 
 def lambda_grad_scale(
@@ -71,7 +74,9 @@ def lambda_grad_scale(
     relative to dlambda between draws; benchmarks/results/lambda-grad-precision-*.jsonl).
     A dot product's rounding error is bounded by a multiple of sum(|x| |y|): that is the scale here.
     """
-    a2v = single_map_reference(q2, k2, v, scale=scale)
+    q2, k2, v = (t.detach().double() for t in (q2, k2, v))
+    zero = torch.zeros((), dtype=torch.float64, device=q2.device)
+    a2v = diff_attention_reference(q2, q2, k2, k2, v, zero, scale=scale)  # lambda 0: A1 V, here A1 = A2
     return (dout.detach().double().abs() * a2v.abs()).sum().item()
 
 

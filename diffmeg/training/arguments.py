@@ -26,38 +26,22 @@ from diffmeg.runtime import transformer_engine_available
 from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
 
-# Defaults for everything a preset may set (Megatron-LM's defaults where it has one).
+# Defaults of the flags a preset may set (Megatron-LM's where it has one; the others' is None). The parser
+# leaves them unset, so a preset sits between the default and what the user types.
 DEFAULTS: dict[str, object] = {
-    "num_layers": None,
-    "hidden_size": None,
-    "ffn_hidden_size": None,
-    "num_attention_heads": None,
-    "num_query_groups": None,
-    "kv_channels": None,
-    "seq_length": None,
-    "max_position_embeddings": None,
-    "vocab_size": None,
     "diff_attention": True,
     "diff_version": 1,
     "micro_batch_size": 1,
-    "global_batch_size": None,
-    "lr": None,
     "min_lr": 0.0,
     "lr_warmup_iters": 0,
-    "lr_decay_iters": None,
     "lr_decay_style": "linear",
     "adam_beta1": 0.9,
     "adam_beta2": 0.999,
     "weight_decay": 0.01,
-    "train_iters": None,
-    "train_tokens": None,
 }
 
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-
-
-def _bool_flag(parser: argparse.ArgumentParser, name: str, dest: str, help: str) -> None:
-    parser.add_argument(name, dest=dest, action="store_true", default=None, help=help)
 
 
 HELP = {
@@ -94,8 +78,6 @@ HELP = {
     "clip_grad": "gradient-norm clipping (0: none)",
     "bf16": "bfloat16 mixed precision",
     "fp16": "float16 mixed precision with loss scaling",
-    "fp8_format": "FP8 linears (GPU): Transformer Engine's on its spec, torchao's on the local spec",
-    "fp8_recipe": "FP8 scaling recipe (with --fp8-format)",
     "recompute_granularity": "activation recomputation: full layers or selective (attention only)",
     "recompute_method": "which layers full recomputation covers (default uniform)",
     "recompute_num_layers": "layers per recomputed group (default 1)",
@@ -594,10 +576,7 @@ def _derive(args: argparse.Namespace, placeholders: bool = False) -> None:
         raise DiffmegError("--tokenizer-type null needs --vocab-size (one more than the largest token id)")
     resolve_tokenizer_args(args)  # HuggingFaceTokenizer: the folder loads; its fingerprint, its vocab size
     if args.vocab_size is None:
-        if args.mock_data:
-            args.vocab_size = 1024
-        else:
-            args.vocab_size = PADDED_VOCAB_SIZE
+        args.vocab_size = 1024 if args.mock_data else PADDED_VOCAB_SIZE
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size
     if args.train_iters is None:
@@ -652,7 +631,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         te_ok = args.transformer_impl == "transformer_engine"
     args.cp_comm_type = validate_cp(
         cp_size=cp,
-        comm_type=getattr(args, "cp_comm_type", None),
+        comm_type=args.cp_comm_type,
         diff_attention=args.diff_attention,
         heads=2 * heads if v2 else heads,  # V2 shards its 2h query heads inside attention
         kv_heads=args.num_query_groups,
@@ -679,24 +658,37 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_virtual_pipeline(args, pp, dp)
     if args.bf16 and args.fp16:
         raise DiffmegError("choose one of --bf16 and --fp16")
-    if getattr(args, "tie_embeddings_and_output_weights", False) and getattr(
-        args, "untie_embeddings_and_output_weights", False
-    ):
+    if args.tie_embeddings_and_output_weights and args.untie_embeddings_and_output_weights:
         raise DiffmegError(
             "--tie-embeddings-and-output-weights and --untie-embeddings-and-output-weights contradict each "
             "other; keep one (untied is the default)"
         )
-    if getattr(args, "override_opt_param_scheduler", False) and getattr(
-        args, "use_checkpoint_opt_param_scheduler", False
-    ):
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise DiffmegError(
             "--override-opt-param-scheduler (this run's learning-rate schedule) and "
             "--use-checkpoint-opt-param-scheduler (the checkpoint's) contradict each other; keep one"
         )
-    _validate_overlap(args)
-    _validate_fp8(args)
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise DiffmegError(
+            "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather: add "
+            "--use-distributed-optimizer"
+        )
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise DiffmegError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
+    if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
+        # TE's FP8 on its spec is megatron-core's own; torchao's on the local spec has `check_fp8`'s rules
+        from diffmeg.fusions.torchao_fp8 import check_fp8
+
+        check_fp8(
+            args.fp8_recipe,
+            args.recompute_granularity,
+            None,
+            args.gradient_accumulation_fusion,
+            emulate=False,
+        )
     _validate_graphs(args)
-    _validate_grad_accum_fusion(args)
+    if args.gradient_accumulation_fusion and (reason := grad_accum.unsupported_reason()) is not None:
+        raise DiffmegError(reason)
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise DiffmegError(
             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay horizon {args.lr_decay_iters}"
@@ -713,21 +705,21 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise DiffmegError("--ckpt-step needs --load (the checkpoint directory whose iteration it names)")
     from diffmeg.storage import check_output  # the logs' outputs, before anything is built (--save: later)
 
-    if getattr(args, "tensorboard_dir", None):
+    if args.tensorboard_dir:
         check_output(args.tensorboard_dir, "--tensorboard-dir", folder=True)
-    if getattr(args, "metrics_file", None):
+    if args.metrics_file:
         check_output(args.metrics_file, "--metrics-file", folder=False)
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int, dp: int) -> None:
     """--num-layers-per-virtual-pipeline-stage -> `virtual_pipeline_model_parallel_size` (None: no
     interleaving), as Megatron-LM derives it, with megatron-core's interleaved-schedule limits as errors."""
-    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    per_stage = args.num_layers_per_virtual_pipeline_stage
     args.virtual_pipeline_model_parallel_size = None
     if per_stage is None:
         return
     layers = args.num_layers // pp
-    if per_stage < 1 or layers % per_stage:
+    if layers % per_stage:  # >= 1: RANGES
         raise DiffmegError(
             f"--num-layers-per-virtual-pipeline-stage {per_stage} must divide the {layers} layers of each of "
             f"the {pp} pipeline stages"
@@ -750,30 +742,13 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int, dp: int) -> No
     args.virtual_pipeline_model_parallel_size = vp
 
 
-def _validate_fp8(args: argparse.Namespace) -> None:
-    """--fp8-format: on the Transformer Engine spec megatron-core's own (the config's `fp8`, TE's linears);
-    on the local spec torchao's, whose rules are `check_fp8`'s (emulation is for tests, set on the model
-    config)."""
-    if args.fp8_format is None or args.transformer_impl == "transformer_engine":
-        return
-    from diffmeg.fusions.torchao_fp8 import check_fp8
-
-    check_fp8(
-        args.fp8_recipe,
-        args.recompute_granularity,
-        None,  # megatron-core's default modules: the attention core
-        getattr(args, "gradient_accumulation_fusion", False),
-        emulate=False,
-    )
-
-
 def _validate_graphs(args: argparse.Namespace) -> None:
     """--sdpa-backend, --cuda-graph-impl and --compile-layers: where they cannot run, and together."""
-    backend = getattr(args, "sdpa_backend", registry.AUTO)
+    backend = args.sdpa_backend
     reason = registry.entry("sdpa_kernel", backend).unavailable()
     if reason is not None:
         raise DiffmegError(f"--sdpa-backend {backend}: {reason}")
-    if getattr(args, "cuda_graph_impl", "none") == "none":
+    if args.cuda_graph_impl == "none":
         return
     reason = graphs.cuda_graphs_unsupported_reason()
     if reason is not None:
@@ -783,32 +758,11 @@ def _validate_graphs(args: argparse.Namespace) -> None:
             "--cuda-graph-impl local cannot capture fully recomputed layers (as in Megatron-LM): drop "
             "--recompute-granularity full, or use selective"
         )
-    if getattr(args, "compile_layers", False):
+    if args.compile_layers:
         raise DiffmegError(
             "--cuda-graph-impl local and --compile-layers both take over each layer's call: measure them one "
             "at a time (keep one of the two flags)"
         )
-
-
-def _validate_grad_accum_fusion(args: argparse.Namespace) -> None:
-    """--gradient-accumulation-fusion: CUDA with torch's fp32-output addmm (or apex's extension)."""
-    if not getattr(args, "gradient_accumulation_fusion", False):
-        return
-    reason = grad_accum.unsupported_reason()
-    if reason is not None:
-        raise DiffmegError(reason)
-
-
-def _validate_overlap(args: argparse.Namespace) -> None:
-    """Megatron-LM's rules for the overlapped data-parallel communication flags."""
-    if getattr(args, "overlap_param_gather", False):
-        if not args.use_distributed_optimizer:
-            raise DiffmegError(
-                "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather: add "
-                "--use-distributed-optimizer"
-            )
-        if not args.overlap_grad_reduce:
-            raise DiffmegError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
 
 
 def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list[str]:

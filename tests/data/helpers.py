@@ -49,3 +49,16 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(
         p.name for p in Path(directory).rglob("*") if p.suffix in (".bin", ".idx") or ".tmp-" in p.name
     )
+
+
+def read_documents(prefix: str) -> list[np.ndarray]:
+    """Every document's tokens of an indexed dataset, in order (documents may span sequences)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    doc_idx = dataset.document_indices
+    out = []
+    for d in range(len(doc_idx) - 1):
+        parts = [dataset.get(s) for s in range(doc_idx[d], doc_idx[d + 1])]
+        out.append(np.concatenate(parts) if parts else np.zeros(0, dtype=dataset.index.dtype))
+    return out

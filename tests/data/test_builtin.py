@@ -8,9 +8,9 @@ import os
 import pytest
 
 from diffmeg.data import builtin
-from diffmeg.data.indexed import read_documents
 from diffmeg.data.tiktoken_cl100k import EOD_ID, load_tokenizer
 from diffmeg.storage import CACHE_DIR_ENV
+from tests.data.helpers import read_documents
 
 
 def _build_in_child(bpe_file: str, cache_dir: str, results) -> None:

@@ -12,11 +12,10 @@ from diffmeg.data.indexed import (
     exists,
     merge_datasets,
     order_shards,
-    read_documents,
     resolve_prefixes,
 )
 from diffmeg.errors import DiffmegError
-from tests.data.helpers import leftovers, write_dataset
+from tests.data.helpers import leftovers, read_documents, write_dataset
 
 
 def test_writer_commits_a_readable_int32_dataset(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from diffmeg.data import indexed
 from diffmeg.data import preprocess as pp
-from diffmeg.data.indexed import merge_datasets, read_documents
+from diffmeg.data.indexed import merge_datasets
 from diffmeg.data.preprocess import (
     PreprocessConfig,
     Segment,
@@ -24,7 +24,7 @@ from diffmeg.data.preprocess import (
 )
 from diffmeg.data.tiktoken_cl100k import EOD_ID
 from diffmeg.errors import DiffmegError
-from tests.data.helpers import leftovers, write_jsonl
+from tests.data.helpers import leftovers, read_documents, write_jsonl
 
 LONG = " ".join(f"word{i % 997} ünïcödé {i}" for i in range(40_000))  # ~1 MB, about 180K tokens
 RECORDS = [

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from diffmeg.data.indexed import IndexedWriter, merge_datasets, read_documents
+from diffmeg.data.indexed import IndexedWriter, merge_datasets
 from diffmeg.data.preprocess import PreprocessConfig, preprocess
 from diffmeg.data.tokenizers import (
     CL100K,
@@ -22,7 +22,7 @@ from diffmeg.data.tokenizers import (
 )
 from diffmeg.errors import DiffmegError
 from tests.conversion.upcycle_helpers import TOKENIZER_IDS, save_tiny_tokenizer
-from tests.data.helpers import write_jsonl
+from tests.data.helpers import read_documents, write_jsonl
 
 TEXTS = ["the quick brown fox", "", "Upcycling keeps the logits.", "def main():\n    return 0\n"]
 

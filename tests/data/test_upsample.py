@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from diffmeg.data.gpt_datasets import parse_data_path
-from diffmeg.data.indexed import IndexedWriter, read_documents
+from diffmeg.data.indexed import IndexedWriter
 from diffmeg.data.upsample import length_upsample, plan_buckets
 from diffmeg.errors import DiffmegError
-from tests.data.helpers import leftovers
+from tests.data.helpers import leftovers, read_documents
 
 T = 100
 LENGTHS = [5, 150, 99, 100, 0, 30, 400, 101]  # documents >= T are "long"

@@ -41,8 +41,7 @@ class _FailingFigure:
     """A figure whose save writes half a file and then fails, as a full disk or a killed process would."""
 
     def savefig(self, target, **_kwargs) -> None:
-        with open(target, "wb") as f:
-            f.write(b"\x89PNG half")
+        target.write(b"\x89PNG half")  # save_png hands it the open temporary, as it does matplotlib
         raise OSError("No space left on device")
 
 

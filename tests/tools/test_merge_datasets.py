@@ -8,7 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from diffmeg.data.indexed import IndexedWriter, read_documents
+from diffmeg.data.indexed import IndexedWriter
+from tests.data.helpers import read_documents
 from tests.tools.helpers import run_tool
 
 

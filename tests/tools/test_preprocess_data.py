@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from diffmeg.data.indexed import merge_datasets, order_shards, read_documents, resolve_prefixes
+from diffmeg.data.indexed import merge_datasets, order_shards, resolve_prefixes
 from diffmeg.data.preprocess import PreprocessConfig, preprocess
 from diffmeg.data.tiktoken_cl100k import EOD_ID
-from tests.data.helpers import REPO_ROOT, leftovers, write_jsonl
+from tests.data.helpers import REPO_ROOT, leftovers, read_documents, write_jsonl
 from tests.tools.helpers import run_tool, tool_cmd, tool_env
 
 RECORDS = [
