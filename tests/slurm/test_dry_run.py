@@ -1,7 +1,11 @@
 """`DRY_RUN=1 bash slurm/<recipe>.sh` at the recipes' defaults resolves to exactly the paper's numbers
 (DESIGN.md "Paper recipes") on the recipe's default cluster, and passes the dry run's checks (datasets
 present, memory plan within the GPU, no ignored flags); knobs that break them are reported. No Slurm
-needed: these always run."""
+needed: these always run.
+
+The recipes' Python (PYTHON) is tests/preloaded_python.py's: each dry run is a process of its own, forked
+from one that imported pretrain_diff.py's modules once (seconds, which twenty real starts would each pay);
+the missing-dataset case starts the real interpreter."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.preloaded_python import preloaded_python
 from tests.slurm.helpers import REPO_ROOT, clean_env
 
 DATA_DIR = Path(tempfile.gettempdir()) / f"diffmeg-dry-run-data-{os.getpid()}"
@@ -83,6 +88,13 @@ CASES += [
 ]
 
 
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """The interpreter the recipes run: pretrain_diff.py's imports done once (tests/preloaded_python.py)."""
+    with preloaded_python(tmp_path_factory.mktemp("python"), ["pretrain_diff"]) as client:
+        yield str(client)
+
+
 def dry_run(script: str, args: list[str], **env: str) -> subprocess.CompletedProcess:
     env = clean_env(**{"DRY_RUN": "1", "DATA_PATH": DATA, "RUNS_ROOT": RUNS, "PYTHON": sys.executable, **env})
     return subprocess.run(
@@ -103,10 +115,13 @@ def split_output(stdout: str) -> tuple[list[str], dict]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, subprocess.CompletedProcess]:
-    """All dry runs at once (each one imports megatron-core: seconds), two at a time."""
+def runs(python) -> dict[str, subprocess.CompletedProcess]:
+    """All dry runs, two at a time."""
     with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
-        futures = {label: pool.submit(dry_run, script, args, **env) for label, script, args, env in CASES}
+        futures = {
+            label: pool.submit(dry_run, script, args, **{"PYTHON": python, **env})
+            for label, script, args, env in CASES
+        }
     return {label: future.result() for label, future in futures.items()}
 
 
@@ -129,7 +144,7 @@ def _srun_line(head: list[str]) -> str:
 
 
 def check_common(
-    config: dict, head: list[str], world: int, run_name: str, decay: str | None = "linear"
+    config: dict, head: list[str], world: int, run_name: str, python: str, decay: str | None = "linear"
 ) -> None:
     assert config["model"]["vocab_size"] == 100288
     assert config["parallel"]["world_size"] == world
@@ -146,7 +161,7 @@ def check_common(
     srun = _srun_line(head)
     nodes, gpus = world // 8, 8
     assert f"srun --kill-on-bad-exit=1 --nodes={nodes} --ntasks={world} --ntasks-per-node={gpus} " in srun
-    assert f" {sys.executable} pretrain_diff.py " in srun
+    assert f" {python} pretrain_diff.py " in srun  # PYTHON
     assert f" --save {ckpt} " in srun
     assert f"--tensorboard-dir {RUNS}/{run_name}/tensorboard" in srun
     # Every recipe has DP > 1: gradient reduce-scatters and weight all-gathers overlap with compute.
@@ -159,9 +174,9 @@ def check_common(
 
 
 @pytest.mark.parametrize("arch", ["diff", "transformer"])
-def test_3b_1T(resolved, arch):
+def test_3b_1T(resolved, python, arch):
     head, c = resolved[f"{arch}_3b_1T"]
-    check_common(c, head, world=128, run_name=f"{arch}-3b-1T")
+    check_common(c, head, world=128, run_name=f"{arch}-3b-1T", python=python)
     m, s, b = c["model"], c["schedule"], c["batch"]
     assert m["architecture"] == arch and m["preset"] == f"{arch}-3b"
     assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"]) == (28, 3072, 8192)
@@ -188,9 +203,9 @@ def test_3b_1T(resolved, arch):
     assert diff_params - base_params == extra
 
 
-def test_3b_1T_on_1024_gpus(resolved):
+def test_3b_1T_on_1024_gpus(resolved, python):
     head, c = resolved["diff_3b_1T_1024gpus"]
-    check_common(c, head, world=1024, run_name="diff-3b-1T")
+    check_common(c, head, world=1024, run_name="diff-3b-1T", python=python)
     assert c["parallel"]["data_parallel_size"] == 1024
     assert c["batch"]["micro_batch_size"] == 1 and c["batch"]["num_microbatches"] == 1
     assert c["batch"]["global_batch_size"] == 1024
@@ -222,9 +237,9 @@ def check_scaling(c: dict, size: str, arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ["diff", "transformer"])
 @pytest.mark.parametrize("size", list(SCALING))
-def test_scaling_sweep(resolved, size, arch):
+def test_scaling_sweep(resolved, python, size, arch):
     head, c = resolved[f"{arch}-{size}"]
-    check_common(c, head, world=8, run_name=f"{arch}-{size}")
+    check_common(c, head, world=8, run_name=f"{arch}-{size}", python=python)
     check_scaling(c, size, arch)
     p = c["parallel"]
     tp = {"830m": 1, "1.4b": 1, "2.8b": 1, "6.8b": 2, "13.1b": 4}[size]
@@ -233,18 +248,18 @@ def test_scaling_sweep(resolved, size, arch):
 
 
 @pytest.mark.parametrize("arch", ["diff", "transformer"])
-def test_13b(resolved, arch):
+def test_13b(resolved, python, arch):
     head, c = resolved[f"{arch}_13b"]
-    check_common(c, head, world=64, run_name=f"{arch}-13.1b")
+    check_common(c, head, world=64, run_name=f"{arch}-13.1b", python=python)
     check_scaling(c, "13.1b", arch)
     p = c["parallel"]
     assert (p["tensor_model_parallel_size"], p["data_parallel_size"], p["sequence_parallel"]) == (4, 16, True)
 
 
 @pytest.mark.parametrize("arch", ["diff", "transformer"])
-def test_3b_64k(resolved, arch):
+def test_3b_64k(resolved, python, arch):
     head, c = resolved[f"{arch}_3b_64k"]
-    check_common(c, head, world=64, run_name=f"{arch}-3b-64k", decay=None)
+    check_common(c, head, world=64, run_name=f"{arch}-3b-64k", python=python, decay=None)
     m, s, b, p = c["model"], c["schedule"], c["batch"], c["parallel"]
     assert m["preset"] == f"{arch}-3b-64k" and m["architecture"] == arch
     assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"]) == (28, 3072, 8192)
