@@ -14,6 +14,7 @@ sequence chunks of the final hidden states, so a 64K-token document never materi
 
 from __future__ import annotations
 
+import csv
 import os
 import time
 from collections.abc import Sequence
@@ -343,14 +344,10 @@ def csv_positions(length: int, every: int) -> np.ndarray:
 def write_csv(path: str, columns: dict[str, np.ndarray], every: int = 1) -> None:
     """`position,label1,label2,...` with the cumulative average NLL, atomically."""
     length = min(len(v) for v in columns.values())
-    with atomic_write(path) as f:
-        f.write(",".join(["position", *(_csv_field(k) for k in columns)]) + "\n")
-        for p in csv_positions(length, every):
-            f.write(",".join([str(p), *(f"{v[p]:.6f}" for v in columns.values())]) + "\n")
-
-
-def _csv_field(text: str) -> str:
-    return '"' + text.replace('"', '""') + '"' if any(c in text for c in ',"\n') else text
+    with atomic_write(path, newline="") as f:
+        rows = csv.writer(f, lineterminator="\n")  # labels quoted where they hold a comma or a quote
+        rows.writerow(["position", *columns])
+        rows.writerows([p, *(f"{v[p]:.6f}" for v in columns.values())] for p in csv_positions(length, every))
 
 
 # ----------------------------------------------------------------------------------------------------
