@@ -120,9 +120,7 @@ class DiffmegLM(TemplateLM):
                 whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
                 rows.append((whole[:-1], whole[-len(continuation) :]))
             width = max(len(inputs) for inputs, _ in rows)
-            ids = torch.zeros(
-                len(rows), width, dtype=torch.long, device=self._device
-            )  # causal: padding unseen
+            ids = torch.zeros(len(rows), width, dtype=torch.long, device=self._device)  # causal: pads unseen
             for r, (inputs, _) in enumerate(rows):
                 ids[r, : len(inputs)] = torch.as_tensor(inputs)
             hidden = final_hidden_states(self.model, ids)  # [s, b, h]

@@ -15,6 +15,7 @@ import json
 import math
 import os
 from collections import defaultdict
+from statistics import fmean as mean
 
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import write_json
@@ -201,10 +202,10 @@ def spread(values: list[float], digits: int = 3) -> str:
     """mean (min-max) of the seeds, or the one value."""
     if not values:
         return "-"
-    mean = sum(values) / len(values)
+    middle = sum(values) / len(values)
     if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+        return f"{middle:.{digits}f}"
+    return f"{middle:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def format_lr(lr: float) -> str:
@@ -265,10 +266,6 @@ def val_loss_table(rows: list[dict], names: dict[str, str] = MODEL_NAMES, column
         cells = [spread(points.get(t, [])) for t in tokens]
         lines.append(f"| {names.get(model, model)} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def attention_table(results: dict) -> str:
