@@ -77,9 +77,7 @@ class UpsampleResult:
 
 
 def bucket_names(n_edges: int) -> list[str]:
-    if n_edges == 1:
-        return ["short", "long"]
-    return ["short"] + [f"mid{i}" for i in range(1, n_edges)] + ["long"]
+    return ["short", *(f"mid{i}" for i in range(1, n_edges)), "long"]
 
 
 def plan_buckets(
