@@ -278,13 +278,6 @@ def _check_token_ids(source: DocumentSource, index: int, tokens: np.ndarray, voc
         )
 
 
-def check_token_ids(source: DocumentSource, indices: np.ndarray, count: int, vocab_size: int) -> None:
-    """Every evaluated token (the first `count` of each document) is a row of the embedding (checked
-    before any model is loaded)."""
-    for i in indices:
-        _check_token_ids(source, int(i), source.read(int(i), count), vocab_size)
-
-
 def evaluate_model(
     model: torch.nn.Module,
     source: DocumentSource,
@@ -414,7 +407,8 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
         f"{length} positions"
     )
 
-    check_token_ids(source, indices, scored, infos[0].vocab_size)
+    for i in indices:  # every evaluated token is a row of the embedding: checked before any model loads
+        _check_token_ids(source, int(i), source.read(int(i), scored), infos[0].vocab_size)
     prefix = eod_id(infos[0]) if cfg.prefix_eod else None
 
     results: list[tuple[CheckpointInfo, PositionStats, float]] = []
