@@ -96,20 +96,13 @@ def collect(out: str) -> dict:
         runs.append(run)
     for path in sorted(glob.glob(os.path.join(out, "lm", "*", "*", "run.json"))):
         run = load(path)
-        tokens_per_step = run["tokens_per_iter"]
-        metrics = os.path.join(os.path.dirname(path), "metrics.jsonl")
-        with open(metrics) as f:
+        key = {k: run[k] for k in ("model", "seed")}
+        with open(os.path.join(os.path.dirname(path), "metrics.jsonl")) as f:
             for line in f:
                 record = json.loads(line)
                 if "validation_lm_loss" in record:
-                    lm.append(
-                        {
-                            "model": run["model"],
-                            "seed": run["seed"],
-                            "tokens": record["iteration"] * tokens_per_step,
-                            "val_loss": record["validation_lm_loss"],
-                        }
-                    )
+                    tokens = record["iteration"] * run["tokens_per_iter"]
+                    lm.append({**key, "tokens": tokens, "val_loss": record["validation_lm_loss"]})
         runs.append(run)
     meta_path = os.path.join(out, "meta.json")
     meta = load(meta_path) if os.path.isfile(meta_path) else {}
