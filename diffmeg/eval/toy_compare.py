@@ -35,6 +35,12 @@ def load(path: str) -> dict:
         raise DiffmegError(f"cannot read results {path}: {exc}") from None
 
 
+def read_metrics(path: str) -> list[dict]:
+    """A run's metrics.jsonl (`--metrics-file`), one record per logged iteration."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def write_results(path: str, data: dict) -> None:
     """results.json as the committed docs/results/toy_compare.json is written (indent 1), atomically."""
     write_json(path, data, indent=1)
@@ -97,12 +103,10 @@ def collect(out: str) -> dict:
     for path in sorted(glob.glob(os.path.join(out, "lm", "*", "*", "run.json"))):
         run = load(path)
         key = {k: run[k] for k in ("model", "seed")}
-        with open(os.path.join(os.path.dirname(path), "metrics.jsonl")) as f:
-            for line in f:
-                record = json.loads(line)
-                if "validation_lm_loss" in record:
-                    tokens = record["iteration"] * run["tokens_per_iter"]
-                    lm.append({**key, "tokens": tokens, "val_loss": record["validation_lm_loss"]})
+        for record in read_metrics(os.path.join(os.path.dirname(path), "metrics.jsonl")):
+            if "validation_lm_loss" in record:
+                tokens = record["iteration"] * run["tokens_per_iter"]
+                lm.append({**key, "tokens": tokens, "val_loss": record["validation_lm_loss"]})
         runs.append(run)
     meta_path = os.path.join(out, "meta.json")
     meta = load(meta_path) if os.path.isfile(meta_path) else {}
