@@ -86,7 +86,9 @@ class DiffV2SelfAttention(SelfAttention):
         # The combination runs on linear_proj's input on every path of SelfAttention.forward (training,
         # KV-cache decoding, selective recompute of the core), with this forward's lambda.
         self.linear_proj.register_forward_pre_hook(self._combine_before_projection)
-        self._lambda: torch.Tensor | None = None
+        self.lam: torch.Tensor | None = None
+        """This forward's lambda, `lambda_values` [s, b, h/tp] (None outside forward): what the combination,
+        and the attention analysis (`diffmeg.eval.capture`), read."""
 
     def lambda_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """sigmoid(lambda_proj(x)) in fp32 or wider: [s, b, hidden] -> [s, b, h/tp] (all tokens under SP)."""
@@ -94,19 +96,19 @@ class DiffV2SelfAttention(SelfAttention):
         return torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask, *args, **kwargs):
-        self._lambda = self.lambda_values(hidden_states)
+        self.lam = self.lambda_values(hidden_states)
         try:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         finally:
-            self._lambda = None
+            self.lam = None
 
     def _combine_before_projection(self, module: torch.nn.Module, args: tuple) -> tuple:
-        if self._lambda is None:
+        if self.lam is None:
             raise DiffmegError("DIFF V2's output projection ran outside DiffV2SelfAttention.forward")
         attn = args[0]  # [s, b, 2h/tp * d]
-        if attn.shape[:2] != self._lambda.shape[:2]:
+        if attn.shape[:2] != self.lam.shape[:2]:
             raise DiffmegError(
-                f"DIFF V2: attention output {tuple(attn.shape)} and lambda {tuple(self._lambda.shape)} "
+                f"DIFF V2: attention output {tuple(attn.shape)} and lambda {tuple(self.lam.shape)} "
                 f"cover different tokens (packed sequences are not supported)"
             )
-        return (combine_head_pairs(attn, self._lambda), *args[1:])
+        return (combine_head_pairs(attn, self.lam), *args[1:])

@@ -52,7 +52,6 @@ def parser(
         "--label",
         action="extend",
         nargs="+",
-        default=None,
         help="one label per --load, in order (default: 'DIFF (dirname)' or 'Transformer (dirname)')",
     )
     if iteration:
@@ -60,14 +59,11 @@ def parser(
             "--iteration",
             type=int,
             nargs="+",
-            default=None,
             help="checkpoint iteration (checkpoint directories only): one for all, or one per --load "
             "(default: each checkpoint's latest)",
         )
     if tokenizer:
-        p.add_argument(
-            "--tokenizer-file", default=None, help="cl100k_base BPE file (default: tiktoken's cache)"
-        )
+        p.add_argument("--tokenizer-file", help="cl100k_base BPE file (default: tiktoken's cache)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the sampled inputs and of the model RNG")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     p.add_argument("--output-dir", default=output_dir, help=f"where the outputs go (default: {output_dir})")
@@ -97,7 +93,7 @@ def add_needle_arguments(p: argparse.ArgumentParser, *, samples: int, samples_he
         "--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0], help="queried needle's depth"
     )
     p.add_argument("--samples", type=int, default=samples, help=samples_help)
-    p.add_argument("--text-files", nargs="+", default=None, help="filler text (cl100k checkpoints)")
+    p.add_argument("--text-files", nargs="+", help="filler text (cl100k checkpoints)")
 
 
 def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:

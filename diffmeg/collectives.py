@@ -39,11 +39,7 @@ def collective_device(group=None) -> torch.device:
 
 def _cuda() -> torch.device:
     """This rank's CUDA device (the one `initialize_distributed` selected)."""
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cuda")
-    )
+    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else None)
 
 
 def small_tensor(values: Sequence[float], dtype: torch.dtype = torch.float64, group=None) -> torch.Tensor:

@@ -43,15 +43,6 @@ class GenerationResult:
     """The logits each generated token was chosen from (only with `return_logits=True`)."""
 
 
-def load_model(root: str, iteration: int | None = None, dtype: torch.dtype = torch.float32):
-    """(model, args) of a checkpoint as one TP=PP=1 model in eval mode, whatever layout saved it."""
-    from diffmeg.checkpoints import load_model_weights
-    from diffmeg.runtime import single_process
-
-    single_process()
-    return load_model_weights(root, iteration, dtype)
-
-
 def _forward(model, tokens: torch.Tensor, start: int, context=None) -> torch.Tensor:
     """Logits of the last position: tokens [1, s] at positions start .. start + s - 1."""
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, s]

@@ -60,3 +60,12 @@ def perturbed_model(cfg: DiffTransformerConfig, gen: torch.Generator, lambda_std
             elif "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     return model
+
+
+def load_model(root, iteration: int | None = None, dtype: torch.dtype = torch.float32):
+    """(model, args) of a checkpoint as one TP=PP=1 model in eval mode, whatever layout saved it."""
+    from diffmeg.checkpoints import load_model_weights
+    from diffmeg.runtime import single_process
+
+    single_process()
+    return load_model_weights(root, iteration, dtype)

@@ -30,13 +30,6 @@ def oniguruma_pattern(pattern: str) -> str:
     return re.sub(r"(\{\d+(?:,\d*)?\})\+", r"\1", pattern)
 
 
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte, which the ByteLevel pre-tokenizer emits."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    return bytes_to_unicode()
-
-
 def vocab_and_merges(
     encoding: tiktoken.Encoding,
 ) -> tuple[dict[str, int], list[tuple[str, str]], dict[str, int]]:
@@ -51,7 +44,9 @@ def vocab_and_merges(
             ranks[encoding.decode_single_token_bytes(token_id)] = token_id
         except KeyError:
             continue  # an unused id
-    table = _byte_to_unicode()
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()  # GPT-2's printable stand-in for each byte, which ByteLevel emits
 
     def chars(token: bytes) -> str:
         return "".join(table[b] for b in token)

@@ -153,10 +153,8 @@ def check_format(f: InputFile) -> InputFile:
 
     array = "'.[]'"
 
-    def convert(program: str) -> str:  # jq reads the file, or what its decompressor writes
-        return (
-            f"{tool} -dc {f.path} | jq -c {program} > {out}" if tool else f"jq -c {program} {f.path} > {out}"
-        )
+    def convert(jq: str) -> str:  # the jq program `jq` over the file, or over what its decompressor writes
+        return f"{tool} -dc {f.path} | jq -c {jq} > {out}" if tool else f"jq -c {jq} {f.path} > {out}"
 
     if head.startswith(b"["):
         raise DiffmegError(

@@ -76,12 +76,6 @@ class UpsampleResult:
         return " ".join(self.data_path)
 
 
-def bucket_names(n_edges: int) -> list[str]:
-    if n_edges == 1:
-        return ["short", "long"]
-    return ["short"] + [f"mid{i}" for i in range(1, n_edges)] + ["long"]
-
-
 def plan_buckets(
     output_prefix: str,
     target_length: int,
@@ -103,9 +97,10 @@ def plan_buckets(
     if any(not np.isfinite(f) or f <= 0 for f in factors):
         raise DiffmegError(f"upsampling factors must be > 0, got {factors}")
     bounds = [0, *edges, None]
+    names = ["short", *(f"mid{k}" for k in range(1, len(edges))), "long"]  # short < e1 <= mid1 < e2 ... long
     return [
         Bucket(name, bounds[i], bounds[i + 1], factors[i], f"{output_prefix}_{name}")
-        for i, name in enumerate(bucket_names(len(edges)))
+        for i, name in enumerate(names)
     ]
 
 

@@ -215,9 +215,8 @@ def run_activation_stats(cfg: ActivationStatsConfig, log: common.Log = stderr) -
         stats = collect_stats(model, windows)
         kinds = {}
         for kind, acc in sorted(stats.items()):
-            values = {f"top{r}": acc.top_value(r) for r in RANKS} | {"median": acc.median()}
-            values["kurtosis"] = acc.kurtosis()
-            kinds[kind] = values | {"count": acc.count}
+            kinds[kind] = {f"top{r}": acc.top_value(r) for r in RANKS}
+            kinds[kind] |= {"median": acc.median(), "kurtosis": acc.kurtosis(), "count": acc.count}
             rows.append({"label": info.label, "architecture": info.architecture, "kind": kind} | kinds[kind])
         checkpoints.append({**info.identity(), "stats": kinds})
         log(

@@ -114,15 +114,9 @@ def run_attention_scores(cfg: AttentionScoresConfig, log: common.Log = stderr) -
                 noises.append(n)
                 for head, (ah, nh) in enumerate(zip(a, n, strict=True)):
                     rows.append(
-                        {
-                            "label": info.label,
-                            "architecture": info.architecture,
-                            "depth": depth,
-                            "layer": layer,
-                            "head": head,
-                            "answer_mass": f"{ah:.6f}",
-                            "noise_mass": f"{nh:.6f}",
-                        }
+                        {"label": info.label, "architecture": info.architecture, "depth": depth}
+                        | {"layer": layer, "head": head}
+                        | {"answer_mass": f"{ah:.6f}", "noise_mass": f"{nh:.6f}"}
                     )
             per_depth[depth] = {"answer": float(np.mean(answers)), "noise": float(np.mean(noises))}
         checkpoints.append(

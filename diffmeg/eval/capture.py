@@ -6,8 +6,8 @@ core compute with explicit-softmax math that also hands its maps and logits to a
   maps, both logit tensors and lambda;
 * every other layer whose core is diffmeg's `SDPACoreAttention` (the Transformer baseline of the local
   spec, DIFF V2): torch SDPA's math over the ordinary heads. A DIFF V2 layer's 2h heads are reported as
-  its h pairs (A1 = even heads, A2 = odd heads) with the per-token lambda its `linear_lambda` computed,
-  read by a forward hook on that submodule.
+  its h pairs (A1 = even heads, A2 = odd heads) with the per-token lambda of the layer's forward
+  (`DiffV2SelfAttention.lam`).
 A baseline built with megatron-core's own local `DotProductAttention` is read through hooks on its
 `scale_mask_softmax` module. Layer outputs come from forward hooks on the decoder layers. Everything is
 undone on exit, so the model is usable as before.
@@ -109,9 +109,9 @@ def _sdpa_keep(attn_mask: torch.Tensor | None, is_causal: bool, sq: int, sk: int
     return torch.ones(sq, sk, dtype=torch.bool, device=device)
 
 
-def _sdpa(layer: int, sink: Sink | None, logit_fn: LogitFn | None, pair_lambda: dict | None):
-    """torch SDPA's math, explicit, reporting the maps. With `pair_lambda` (DIFF V2) the 2h heads are
-    reported as h pairs (even heads A1, odd heads A2) with `pair_lambda["lam"]` [s, b, h]."""
+def _sdpa(layer: int, sink: Sink | None, logit_fn: LogitFn | None, v2: DiffV2SelfAttention | None):
+    """torch SDPA's math, explicit, reporting the maps. For a DIFF V2 layer (`v2`, its attention) the 2h
+    heads are reported as h pairs (even heads A1, odd heads A2) with the lambda of its forward [s, b, h]."""
 
     def sdpa(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if dropout_p > 0.0:
@@ -123,12 +123,12 @@ def _sdpa(layer: int, sink: Sink | None, logit_fn: LogitFn | None, pair_lambda: 
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         logits, maps = softmax_map(q, k, keep, scale, logit_fn)
         if sink is not None:
-            if pair_lambda is None:
+            if v2 is None:
                 sink(AttentionRecord(layer, "softmax", [logits], [maps], keep))
             else:
-                if "lam" not in pair_lambda:
+                if v2.lam is None:
                     raise DiffmegError(f"layer {layer}: DIFF V2 attention ran without its lambda projection")
-                lam = pair_lambda.pop("lam").permute(1, 2, 0).unsqueeze(-1)  # [s, b, h] -> [b, h, s, 1]
+                lam = v2.lam.permute(1, 2, 0).unsqueeze(-1)  # [s, b, h] -> [b, h, s, 1]
                 pairs = [[t[:, 0::2], t[:, 1::2]] for t in (logits, maps)]  # heads 2i, 2i+1 -> A1, A2 of i
                 sink(AttentionRecord(layer, "diff", pairs[0], pairs[1], keep, lam.to(maps.dtype)))
         return torch.matmul(maps, v.to(maps.dtype)).to(q.dtype)
@@ -144,18 +144,12 @@ def capture_attention(
     and applies `logit_fn` to its logits before the softmax (both maps for DIFF)."""
 
     with ExitStack() as stack:
-        v2_lambdas: dict[int, dict] = {}
+        v2_layers: dict[int, DiffV2SelfAttention] = {}
         for index, layer in enumerate(decoder_layers(model)):
             attention = layer.self_attention
             core = attention.core_attention
             if isinstance(attention, DiffV2SelfAttention) and hasattr(core, "override"):
-                v2_lambdas[index] = holder = {}  # this forward's per-token lambda, for the SDPA override
-
-                def keep_lambda(mod, args, output, holder=holder):
-                    logits = output[0]  # [s, b, h]: (output, bias) of the column-parallel linear
-                    holder["lam"] = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
-
-                stack.callback(attention.linear_lambda.register_forward_hook(keep_lambda).remove)
+                v2_layers[index] = attention  # its forward holds the per-token lambda the SDPA override reads
             elif isinstance(core, DotProductAttention) and not isinstance(attention, DiffV2SelfAttention):
                 for handle in _softmax_hooks(core.scale_mask_softmax, index, sink, logit_fn):
                     stack.callback(handle.remove)
@@ -165,7 +159,7 @@ def capture_attention(
             override_attention_backend(
                 model,
                 lambda i: _diff_backend(i, sink, logit_fn),
-                lambda i: _sdpa(i, sink, logit_fn, v2_lambdas.get(i)),
+                lambda i: _sdpa(i, sink, logit_fn, v2_layers.get(i)),
             )
         )
         yield

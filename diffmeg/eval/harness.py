@@ -120,9 +120,7 @@ class DiffmegLM(TemplateLM):
                 whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
                 rows.append((whole[:-1], whole[-len(continuation) :]))
             width = max(len(inputs) for inputs, _ in rows)
-            ids = torch.zeros(
-                len(rows), width, dtype=torch.long, device=self._device
-            )  # causal: padding unseen
+            ids = torch.zeros(len(rows), width, dtype=torch.long, device=self._device)  # causal: pads unseen
             for r, (inputs, _) in enumerate(rows):
                 ids[r, : len(inputs)] = torch.as_tensor(inputs)
             hidden = final_hidden_states(self.model, ids)  # [s, b, h]
@@ -223,15 +221,6 @@ class HarnessConfig(common.EvalConfig):
             raise DiffmegError(f"--limit takes a document count or a fraction below 1, got {self.limit}")
 
 
-def text_of(info, tokenizer_file: str | None):
-    """How the checkpoint's ids are written as text: its tokenizer (cl100k_base or its Hugging Face
-    tokenizer), or whitespace-separated ids."""
-    if info.tokenizer == "mock":
-        return IdText(info.vocab_size)
-
-    return text_tokenizer(info.args, tokenizer_file)
-
-
 def _metrics(task_results: dict) -> dict[str, float]:
     """lm-eval's `{"acc,none": 0.5, "acc_stderr,none": ...}` as `{"acc": 0.5, "acc_stderr": ...}`."""
     out = {}
@@ -250,7 +239,12 @@ def run_harness(cfg: HarnessConfig, log: common.Log = stderr) -> dict:
     tasks = resolve_tasks(cfg.tasks)
     common.prepare_output_dir(cfg.output_dir)
     infos = cfg.checkpoints.resolve()
-    texts = {info.root: text_of(info, cfg.tokenizer_file) for info in infos}  # a missing tokenizer: now
+    # How each checkpoint's ids are written as text (a missing tokenizer fails now): its tokenizer
+    # (cl100k_base or its Hugging Face tokenizer), or whitespace-separated ids.
+    texts = {
+        i.root: IdText(i.vocab_size) if i.tokenizer == "mock" else text_tokenizer(i.args, cfg.tokenizer_file)
+        for i in infos
+    }
     # Indexing lm-eval's own ~10k task files takes tens of seconds: skip it when every task is a YAML file.
     own_only = all(os.path.isfile(task) for task in tasks)
     manager = TaskManager(include_path=cfg.include_path, include_defaults=not own_only)

@@ -14,6 +14,7 @@ sequence chunks of the final hidden states, so a 64K-token document never materi
 
 from __future__ import annotations
 
+import csv
 import os
 import time
 from collections.abc import Sequence
@@ -277,13 +278,6 @@ def _check_token_ids(source: DocumentSource, index: int, tokens: np.ndarray, voc
         )
 
 
-def check_token_ids(source: DocumentSource, indices: np.ndarray, count: int, vocab_size: int) -> None:
-    """Every evaluated token (the first `count` of each document) is a row of the embedding (checked
-    before any model is loaded)."""
-    for i in indices:
-        _check_token_ids(source, int(i), source.read(int(i), count), vocab_size)
-
-
 def evaluate_model(
     model: torch.nn.Module,
     source: DocumentSource,
@@ -343,14 +337,10 @@ def csv_positions(length: int, every: int) -> np.ndarray:
 def write_csv(path: str, columns: dict[str, np.ndarray], every: int = 1) -> None:
     """`position,label1,label2,...` with the cumulative average NLL, atomically."""
     length = min(len(v) for v in columns.values())
-    with atomic_write(path) as f:
-        f.write(",".join(["position", *(_csv_field(k) for k in columns)]) + "\n")
-        for p in csv_positions(length, every):
-            f.write(",".join([str(p), *(f"{v[p]:.6f}" for v in columns.values())]) + "\n")
-
-
-def _csv_field(text: str) -> str:
-    return '"' + text.replace('"', '""') + '"' if any(c in text for c in ',"\n') else text
+    with atomic_write(path, newline="") as f:
+        rows = csv.writer(f, lineterminator="\n")  # labels quoted where they hold a comma or a quote
+        rows.writerow(["position", *columns])
+        rows.writerows([p, *(f"{v[p]:.6f}" for v in columns.values())] for p in csv_positions(length, every))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -417,7 +407,8 @@ def run_long_context_eval(cfg: LongContextConfig, log: Log = stderr) -> dict:
         f"{length} positions"
     )
 
-    check_token_ids(source, indices, scored, infos[0].vocab_size)
+    for i in indices:  # every evaluated token is a row of the embedding: checked before any model loads
+        _check_token_ids(source, int(i), source.read(int(i), scored), infos[0].vocab_size)
     prefix = eod_id(infos[0]) if cfg.prefix_eod else None
 
     results: list[tuple[CheckpointInfo, PositionStats, float]] = []

@@ -196,18 +196,10 @@ def table_rows(results: Sequence[dict]) -> list[dict]:
             for scale in SCALES:
                 m = layer[scale]
                 rows.append(
-                    {
-                        "label": r["label"],
-                        "iteration": r["iteration"],
-                        "setting": r["setting"],
-                        "layer": layer["layer"],
-                        "normalised": scale == "normalised",
-                        "pair_mass": m["pair"],
-                        "noise_mass": m["noise"],
-                        "query_mass": m["query"],
-                        "ratio": m["ratio"],
-                        "lambda": layer["lambda"],
-                    }
+                    {key: r[key] for key in ("label", "iteration", "setting")}
+                    | {"layer": layer["layer"], "normalised": scale == "normalised"}
+                    | {f"{mass}_mass": m[mass] for mass in MASSES}
+                    | {"ratio": m["ratio"], "lambda": layer["lambda"]}
                 )
     return rows
 

@@ -83,7 +83,8 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: common.Log = stderr) -> dict:
         ]
         for key in grid
     }
-    rows, checkpoints = [], []
+    heat_n = cfg.heatmap_needles or max(n for n, _ in combos)
+    rows, checkpoints, grids = [], [], []
     for info, model in common.loaded_models(infos, cfg.dtype, cfg.seed):
         for length in lengths:
             if length > info.seq_length:
@@ -101,9 +102,11 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: common.Log = stderr) -> dict:
             f"N={n},R={r}": float(np.mean([v for k, v in acc.items() if k[:2] == (n, r)])) for n, r in combos
         }
         checkpoints.append({**info.identity(), "table": table})
+        if cfg.plot:  # the heatmap: N = heat_n, R = 1
+            grid = [[acc[(heat_n, 1, L, d)] for L in lengths] for d in cfg.depths]  # [depths, lengths]
+            grids.append((info.label, np.array(grid)))
         log(f"{info.label}: " + ", ".join(f"{k} {v:.3f}" for k, v in table.items()))
     common.write_rows(os.path.join(cfg.output_dir, CSV_NAME), rows)
-    heat_n = cfg.heatmap_needles or max(n for n, _ in combos)
     summary = {
         "lengths": lengths,
         "depths": cfg.depths,
@@ -115,14 +118,6 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: common.Log = stderr) -> dict:
     }
     common.write_json(os.path.join(cfg.output_dir, SUMMARY_NAME), summary)
     if cfg.plot:
-        grids = []
-        for ckpt in checkpoints:
-            mine = {
-                (int(r["length"]), float(r["depth"])): float(r["accuracy"])
-                for r in rows
-                if r["label"] == ckpt["label"] and r["needles"] == heat_n and r["queries"] == 1
-            }
-            grids.append((ckpt["label"], np.array([[mine[(L, d)] for L in lengths] for d in cfg.depths])))
         plot_heatmaps(
             grids,
             os.path.join(cfg.output_dir, PLOT_NAME),

@@ -15,6 +15,7 @@ import json
 import math
 import os
 from collections import defaultdict
+from statistics import fmean as mean
 
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import write_json
@@ -32,6 +33,12 @@ def load(path: str) -> dict:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise DiffmegError(f"cannot read results {path}: {exc}") from None
+
+
+def read_metrics(path: str) -> list[dict]:
+    """A run's metrics.jsonl (`--metrics-file`), one record per logged iteration."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def write_results(path: str, data: dict) -> None:
@@ -95,20 +102,11 @@ def collect(out: str) -> dict:
         runs.append(run)
     for path in sorted(glob.glob(os.path.join(out, "lm", "*", "*", "run.json"))):
         run = load(path)
-        tokens_per_step = run["tokens_per_iter"]
-        metrics = os.path.join(os.path.dirname(path), "metrics.jsonl")
-        with open(metrics) as f:
-            for line in f:
-                record = json.loads(line)
-                if "validation_lm_loss" in record:
-                    lm.append(
-                        {
-                            "model": run["model"],
-                            "seed": run["seed"],
-                            "tokens": record["iteration"] * tokens_per_step,
-                            "val_loss": record["validation_lm_loss"],
-                        }
-                    )
+        key = {k: run[k] for k in ("model", "seed")}
+        for record in read_metrics(os.path.join(os.path.dirname(path), "metrics.jsonl")):
+            if "validation_lm_loss" in record:
+                tokens = record["iteration"] * run["tokens_per_iter"]
+                lm.append({**key, "tokens": tokens, "val_loss": record["validation_lm_loss"]})
         runs.append(run)
     meta_path = os.path.join(out, "meta.json")
     meta = load(meta_path) if os.path.isfile(meta_path) else {}
@@ -201,10 +199,10 @@ def spread(values: list[float], digits: int = 3) -> str:
     """mean (min-max) of the seeds, or the one value."""
     if not values:
         return "-"
-    mean = sum(values) / len(values)
+    middle = sum(values) / len(values)
     if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+        return f"{middle:.{digits}f}"
+    return f"{middle:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def format_lr(lr: float) -> str:
@@ -265,10 +263,6 @@ def val_loss_table(rows: list[dict], names: dict[str, str] = MODEL_NAMES, column
         cells = [spread(points.get(t, [])) for t in tokens]
         lines.append(f"| {names.get(model, model)} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def attention_table(results: dict) -> str:

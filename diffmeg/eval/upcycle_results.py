@@ -13,20 +13,14 @@ Transformer), continue/<model>-s<seed>/metrics.jsonl and run.json ({"model", "se
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 from diffmeg.errors import DiffmegError
-from diffmeg.eval.toy_compare import load, val_loss_table
+from diffmeg.eval.toy_compare import load, read_metrics, val_loss_table
 
 MODELS = {"transformer": "Transformer (continued)", "diff2": "DIFF V2 (upcycled)"}
 """Run names and how the tables and plots name them, in order."""
 COLORS = {"transformer": "tab:gray", "diff2": "tab:blue"}
-
-
-def _metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def collect(out: str) -> dict:
@@ -35,12 +29,12 @@ def collect(out: str) -> dict:
     if not os.path.isfile(meta_path):
         raise DiffmegError(f"{out} has no meta.json: not an examples/upcycle.sh output directory")
     meta = load(meta_path)
-    pretrain = _metrics(os.path.join(out, "pretrain", "metrics.jsonl"))
+    pretrain = read_metrics(os.path.join(out, "pretrain", "metrics.jsonl"))
     validation = [r["validation_lm_loss"] for r in pretrain if "validation_lm_loss" in r]
     val, first, runs = [], [], []
     for path in sorted(glob.glob(os.path.join(out, "continue", "*", "run.json"))):
         run = load(path)
-        records = _metrics(os.path.join(os.path.dirname(path), "metrics.jsonl"))
+        records = read_metrics(os.path.join(os.path.dirname(path), "metrics.jsonl"))
         key = {"model": run["model"], "seed": run["seed"]}
         for record in records:
             if "validation_lm_loss" in record:

@@ -21,14 +21,10 @@ from diffmeg.kernels.sdpa_paths import check_path, path_for_length
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float) -> torch.Tensor:
     sq, sk = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
-    if sq == sk:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
-        )
-    # KV-cache step: queries sit at the end of the keys (SDPA's is_causal aligns them to the start).
-    mask = causal_keep_mask(sq, sk, q.device)  # [sq, sk], True = attend
+    # KV-cache step (sq < sk): queries sit at the end of the keys (SDPA's is_causal aligns them to the start)
+    mask = None if sq == sk else causal_keep_mask(sq, sk, q.device)  # [sq, sk], True = attend
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
     )
 
 

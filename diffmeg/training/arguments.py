@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help=f"preset: {', '.join(sorted(PRESETS))}")
+    g.add_argument("--model", help=f"preset: {', '.join(sorted(PRESETS))}")
     g.add_argument("--num-layers", type=int)
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--ffn-hidden-size", type=int)
@@ -210,7 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument(
         "--cp-comm-type",
-        default=None,
         choices=["ulysses", "p2p", "all_gather", "a2a", "a2a+p2p"],
         help="context-parallel attention: ulysses (DIFF default; diffmeg's all-to-all, any backend, no TE) "
         "or megatron-core's Transformer Engine CP: p2p (ring; baseline default), all_gather, a2a",
@@ -231,14 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--ddp-bucket-size",
         type=int,
-        default=None,
         help="parameters per data-parallel communication bucket with --overlap-grad-reduce (default: "
         "megatron-core's max(40M, 1M x DP))",
     )
     g.add_argument(
         "--num-layers-per-virtual-pipeline-stage",
         type=int,
-        default=None,
         help="interleaved 1F1B pipeline schedule: each pipeline rank holds (layers / PP) / this model chunks "
         "(virtual stages); its bubble shrinks by that factor",
     )
@@ -265,7 +262,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--fp8-format",
         choices=["e4m3", "hybrid"],
-        default=None,
         help="FP8 linears: Transformer Engine's on its spec; torchao's on the local spec (an Ada/Hopper GPU, "
         "with --fp8-recipe tensorwise)",
     )
@@ -275,13 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="delayed",
         help="FP8 scaling (Transformer Engine's recipes; torchao's FP8 on the local spec is tensorwise)",
     )
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"])
+    g.add_argument("--recompute-method", choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int)
     g.add_argument(
         "--cross-entropy-chunk-size",
         type=int,
-        default=None,
         metavar="TOKENS",
         help="compute the output layer and the loss over this many tokens at a time, recomputing each "
         "chunk's logits in backward: the whole [tokens, vocab] logits never exist (long context). "
@@ -327,35 +322,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="deterministic kernels (torch.use_deterministic_algorithms, a fixed cuBLAS workspace, "
         "megatron-core's deterministic embedding): bit-exact reruns and resumes, somewhat slower",
     )
-    g.add_argument("--exit-interval", type=int, default=None, help="exit (after saving) at this iteration")
+    g.add_argument("--exit-interval", type=int, help="exit (after saving) at this iteration")
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None, help="prefix, or 'w1 p1 w2 p2 ...', or 'builtin'")
+    g.add_argument("--data-path", nargs="*", help="prefix, or 'w1 p1 w2 p2 ...', or 'builtin'")
     g.add_argument("--mock-data", action="store_true", help="synthetic data (no tokenizer needed)")
     g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument(
-        "--tokenizer-file", default=None, help="local cl100k_base BPE file (else $DIFFMEG_TOKENIZER_FILE)"
-    )
+    g.add_argument("--data-cache-path")
+    g.add_argument("--tokenizer-file", help="local cl100k_base BPE file (else $DIFFMEG_TOKENIZER_FILE)")
     g.add_argument(
         "--tokenizer-type",
         choices=["cl100k_base", "HuggingFaceTokenizer", "null"],
-        default=None,
         help="null: the data are token ids below --vocab-size with no tokenizer (generated corpora; "
         "the default with --mock-data); HuggingFaceTokenizer: the folder --tokenizer-model (a model "
         "imported or upcycled from Hugging Face keeps its tokenizer)",
     )
     g.add_argument(
         "--tokenizer-model",
-        default=None,
         help="Hugging Face tokenizer folder (with --tokenizer-type HuggingFaceTokenizer)",
     )
     g.add_argument("--num-workers", type=int, default=0)
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save")
+    g.add_argument("--load")
+    g.add_argument("--save-interval", type=int)
     g.add_argument(
         "--async-save",
         action="store_true",
@@ -369,7 +360,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--pretrained-checkpoint",
-        default=None,
         help="initialise weights from this checkpoint when --load holds none yet (continued training, "
         "e.g. the 64K extension); a requeued job then resumes from --load",
     )
@@ -382,7 +372,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--ckpt-step",
         type=int,
-        default=None,
         help="resume from this iteration of --load instead of the latest (e.g. when the latest is damaged)",
     )
     g.add_argument(
@@ -402,8 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--metrics-file", default=None, help="also write every logged iteration as a JSON line")
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--metrics-file", help="also write every logged iteration as a JSON line")
     g.add_argument("--dry-run", action="store_true", help="print the resolved configuration as JSON and exit")
     g.add_argument(
         "--gpu-memory-gib",

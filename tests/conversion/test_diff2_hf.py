@@ -46,7 +46,8 @@ def _exported(factory, ckpt, name: str):
 def test_v2_export_loads_with_remote_code_and_computes_our_logits(
     tmp_path_factory, single_rank_parallel_state
 ):
-    from diffmeg.generation import SamplingConfig, generate, load_model
+    from diffmeg.generation import SamplingConfig, generate
+    from tests.builders import load_model
 
     ckpt = _trained_v2(tmp_path_factory, "v2-tp1", [])
     folder = _exported(tmp_path_factory, ckpt, "v2-tp1-hf")

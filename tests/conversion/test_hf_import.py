@@ -36,7 +36,8 @@ from tests.data.helpers import find_bpe_file
 def test_baseline_export_loads_as_llama_with_our_logits(tmp_path_factory, single_rank_parallel_state):
     """Golden: transformers' LlamaForCausalLM on the export computes our baseline's fp32 logits and greedy
     continuations."""
-    from diffmeg.generation import SamplingConfig, generate, load_model
+    from diffmeg.generation import SamplingConfig, generate
+    from tests.builders import load_model
 
     ckpt, exported = exported_eval(tmp_path_factory, "transformer")
     config = json.loads((exported / "config.json").read_text())
@@ -86,7 +87,7 @@ def test_random_llama_imports_exactly_and_loads_in_memory(tmp_path_factory, sing
     included when the BPE file is here); the imported checkpoint and the folder mapped in memory
     (`load_hf_model`, no checkpoint written) give the same logits, transformers' to fp32 rounding."""
     from diffmeg.conversion.hf_import import analysis_args, load_hf_model, open_hf_folder
-    from diffmeg.generation import load_model
+    from tests.builders import load_model
 
     source, reference = random_hf(tmp_path_factory, "random-llama-gqa", LLAMA_GQA_HF)
     assert reference["class"] == "LlamaForCausalLM"
@@ -128,7 +129,7 @@ def test_tied_llama_stays_tied_both_ways(tmp_path_factory, tmp_path, single_rank
     still tied; transformers' LlamaForCausalLM loads the export with lm_head tied to the embedding and
     computes our logits."""
     from diffmeg.conversion.checkpoint_io import McoreCheckpointReader
-    from diffmeg.generation import load_model
+    from tests.builders import load_model
     from tests.conversion.upcycle_helpers import llama_folder
 
     source = llama_folder(tmp_path_factory, "llama-gqa-tied", tied=True)
@@ -157,7 +158,7 @@ def test_tied_llama_stays_tied_both_ways(tmp_path_factory, tmp_path, single_rank
 def test_diffllama_folder_loads_in_memory_like_its_import(tmp_path_factory, single_rank_parallel_state):
     """The DIFF path of `load_hf_model` equals hf-to-mcore's checkpoint (both map the same way)."""
     from diffmeg.conversion.hf_import import analysis_args, load_hf_model, open_hf_folder
-    from diffmeg.generation import load_model
+    from tests.builders import load_model
     from tests.conversion.helpers import imported
 
     source, ckpt = imported(tmp_path_factory, "mha")

@@ -4,6 +4,8 @@ output is made of, reading them changes no logit, and everything is restored aft
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -107,7 +109,9 @@ def test_diff_v2_heads_are_reported_as_pairs_with_their_lambda():
     q, k, v = _qkv(4, 1, 7, 7)
     lam = torch.rand(7, 2, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # [s, b, h]
     records: list[AttentionRecord] = []
-    out = _sdpa(0, records.append, None, {"lam": lam})(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    out = _sdpa(0, records.append, None, SimpleNamespace(lam=lam))(
+        q, k, v, is_causal=True, scale=0.3, enable_gqa=True
+    )
     (rec,) = records
     assert rec.kind == "diff" and rec.lam.shape == (2, 2, 7, 1)
     combined = combine_head_pairs(out.permute(2, 0, 1, 3).reshape(7, 2, -1), lam)  # [s, b, h * d]

@@ -44,7 +44,7 @@ from tests.tools.helpers import tool_cmd, tool_env
 
 @pytest.mark.hf_export
 def test_export_loads_as_diffllama_with_our_logits(tmp_path_factory, single_rank_parallel_state):
-    from diffmeg.generation import load_model
+    from tests.builders import load_model
 
     exported = exported_tiny(tmp_path_factory)
     config = json.loads((exported / "config.json").read_text())
@@ -66,7 +66,7 @@ def test_export_loads_as_diffllama_with_our_logits(tmp_path_factory, single_rank
 
 @pytest.mark.parametrize("name", list(IMPORTS))
 def test_random_diffllama_round_trips_exactly(tmp_path_factory, single_rank_parallel_state, name):
-    from diffmeg.generation import load_model
+    from tests.builders import load_model
 
     config, _ = IMPORTS[name]
     source, ckpt = imported(tmp_path_factory, name)
