@@ -27,14 +27,15 @@ from tests.tools.helpers import run_tool, tool_env
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, single_rank_parallel_state):
-    from diffmeg.generation import load_model
+    from tests.builders import load_model
 
     model, _ = load_model(str(trained_tiny(tmp_path_factory, "tp1")))
     return model
 
 
 def test_kv_cache_matches_recomputation(tiny, tmp_path_factory):
-    from diffmeg.generation import generate, load_model
+    from diffmeg.generation import generate
+    from tests.builders import load_model
 
     _, gqa_ckpt = imported(tmp_path_factory, "gqa")
     gqa, _ = load_model(str(gqa_ckpt))
