@@ -47,7 +47,6 @@ from diffmeg.errors import DiffmegError
 from diffmeg.folder_lock import FolderLock
 from diffmeg.run_config import SHAPE_FIELDS, ModelConfig, RunConfig
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
-from diffmeg.training.memory import model_parameters
 
 STALL_ASYNC_SAVE_ENV = "DIFFMEG_TEST_STALL_ASYNC_SAVE"
 """Test hook, never for real runs: "N" or "N:PATH". With --async-save, rank 0's background writer of
@@ -239,12 +238,12 @@ def _state_dict(
     return state
 
 
-def checkpoint_bytes(run: RunConfig) -> int:
-    """About how many bytes one checkpoint of the run's model takes: the weights in their dtype, plus Adam's
-    two fp32 moments and (bf16/fp16) the fp32 main copy of the weights."""
-    weight = torch.tensor([], dtype=run.training.params_dtype).element_size()
+def checkpoint_bytes(num_parameters: int, dtype: torch.dtype) -> int:
+    """About how many bytes one checkpoint of a model of `num_parameters` weights in `dtype` takes: the
+    weights, plus Adam's two fp32 moments and (bf16/fp16) the fp32 main copy of the weights."""
+    weight = torch.tensor([], dtype=dtype).element_size()
     main_copy = 4 if weight < 4 else 0
-    return model_parameters(run) * (weight + main_copy + 8)
+    return num_parameters * (weight + main_copy + 8)
 
 
 def _rank0_print(line: str) -> None:
@@ -408,15 +407,16 @@ class CheckpointManager:
         cfg = self.config
         return not (cfg.no_load_optim or cfg.finetune or common.get(WEIGHTS_ONLY_KEY))
 
-    def lock_save_target(self) -> None:
-        """Make --save this run's alone before anything is written into it, with room for a checkpoint:
-        rank 0 makes it, takes its lock (`diffmeg.folder_lock`), names what earlier saves left there and
-        checks its free space; another run holding it, a folder that cannot be made or written, or too
-        little room stops every rank with the same one line, before anything is built. Held until `close`."""
+    def lock_save_target(self, num_parameters: int) -> None:
+        """Make --save this run's alone before anything is written into it, with room for a checkpoint of
+        the model (`num_parameters`, counted from the run's sizes): rank 0 makes it, takes its lock
+        (`diffmeg.folder_lock`), names what earlier saves left there and checks its free space; another run
+        holding it, a folder that cannot be made or written, or too little room stops every rank with the
+        same one line, before anything is built. Held until `close`."""
         root = self.config.save
         if root is None:
             return
-        self.checkpoint_bytes = need = checkpoint_bytes(self.run)
+        self.checkpoint_bytes = need = checkpoint_bytes(num_parameters, self.run.training.params_dtype)
 
         def take() -> None:
             lock = FolderLock(root, "--save")
