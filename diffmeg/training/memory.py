@@ -107,7 +107,9 @@ def attention_kernel(run: RunConfig, on_gpu: bool) -> str:
     model = run.model
     if not model.diff_attention or _is_v2(run):
         return "fused"
-    backend = registry.entry("diff_attention", run.impls["diff_attn_backend"]).name  # auto resolved
+    backend = run.impls["diff_attn_backend"]
+    if backend == registry.AUTO:
+        backend = registry.resolve("diff_attention")  # the slot's first choice that runs here
     if on_gpu and backend.startswith("sdpa"):
         return "fused"
     return "maps"
