@@ -99,7 +99,7 @@ class Trainer:
         self.device = next(self.model[0].parameters()).device
         if (overlap := ddp.describe(self.model)) is not None:
             self.log(overlap)
-        self.state = TrainState(*self.checkpoints.load(self.model, self.optimizer, self.scheduler))
+        self.state = TrainState(*self.checkpoints.restore(self.model, self.optimizer, self.scheduler))
 
         self.is_logging_rank = self.rank == self.world - 1  # the last rank holds the loss, as in Megatron-LM
         self.callbacks = (
