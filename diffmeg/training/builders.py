@@ -10,7 +10,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from diffmeg import registry
-from diffmeg.fusions.grad_accum import require_main_grad
 from diffmeg.model import build_model, transformer_config
 from diffmeg.run_config import RunConfig
 from diffmeg.training.ddp import (
@@ -51,8 +50,6 @@ def build_training_objects(run: RunConfig):
         chunks.append(Float16Module(config, chunk) if training.bf16 or training.fp16 else chunk)
     model = wrap_model_chunks(config, ddp_config(run), chunks)
     set_schedule_hooks(config, model)
-    if config.gradient_accumulation_fusion:
-        require_main_grad(model)
     optimizer = build_optimizer(run, model)
     scheduler = build_scheduler(run, optimizer)
     config.finalize_model_grads_func = finalize_diff_model_grads
