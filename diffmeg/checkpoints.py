@@ -402,7 +402,7 @@ def read_checkpoint_args(root: str, iteration: int | None = None) -> tuple[argpa
 @dataclass(frozen=True)
 class StartPoint:
     """The checkpoint a training run starts from, read once before anything is built
-    (`diffmeg.training.checkpointing.CheckpointManager.resolve`): every start-up check and the load read it
+    (`diffmeg.training.checkpointing.CheckpointManager.resolve`): every start-up check and the restore read it
     here, never the checkpoint's files again."""
 
     path: str

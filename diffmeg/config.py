@@ -1,7 +1,8 @@
 """Model configuration: megatron-core's `TransformerConfig` plus the Differential Transformer fields.
 
-Head bookkeeping (the one place it is defined, `megatron_head_counts`): the command line counts h
-differential (output) heads and g KV heads for every architecture; megatron-core's `SelfAttention` sees
+Head bookkeeping (the one place it is defined, `megatron_head_counts`; the parameter count built on it,
+`count_parameters`): the command line counts h differential (output) heads and g KV heads for every
+architecture; megatron-core's `SelfAttention` sees
 - DIFF V1 (the paper): `num_attention_heads = 2h` *sub-heads* of `kv_channels = d`. Sub-heads `2i` and
   `2i+1` are Q1/Q2 of differential head `i`, and V of head `i` is sub-heads `2i, 2i+1` of V concatenated
   (width 2d). GQA works in KV *pairs*: `num_query_groups = 2g` sub-groups, differential KV head `j` is
@@ -24,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from diffmeg import registry
 from diffmeg.errors import DiffmegError
 from diffmeg.parallel.validation import validate_cp
+from diffmeg.run_config import ModelConfig
 
 DIFF_VERSIONS = (1, 2)
 
@@ -35,6 +37,32 @@ def megatron_head_counts(
     if not diff_attention:
         return heads, kv_heads
     return (2 * heads, 2 * kv_heads) if diff_version == 1 else (2 * heads, kv_heads)
+
+
+def count_parameters(model: ModelConfig, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> int:
+    """Exact parameter count of the GPT model `model` describes (heads as on the command line: h output
+    heads, g KV heads); with `tensor_parallel` or `pipeline_parallel` above 1, what one tensor-parallel rank
+    of the largest pipeline stage holds. A tied output layer (`--tie-embeddings-and-output-weights`) is
+    counted once in the whole model; under pipeline parallelism the last stage holds megatron-core's copy
+    of the embedding as its output layer. The one formula of the dry run, the memory plan, the run's summary
+    line and a checkpoint's size."""
+    d, H, F, V = model.kv_channels, model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    heads = model.num_attention_heads
+    kv_heads = heads if model.num_query_groups is None else model.num_query_groups
+    query_heads, groups = megatron_head_counts(heads, kv_heads, model.diff_attention, model.diff_version)
+    v2 = model.diff_attention and model.diff_version == 2
+    q, kv = query_heads * d, 2 * groups * d
+    out = heads * d if v2 else q  # V2 projects the h combined heads
+    # Split over tensor-parallel ranks: the attention and MLP matrices, V2's lambda projection; held whole
+    # by each: the two RMSNorms, V1's lambda vectors (4d) and head norm (2d).
+    split = H * (q + kv) + out * H + (H * heads if v2 else 0) + 3 * H * F
+    whole = 2 * H + (6 * d if model.diff_attention and not v2 else 0)
+    layers = model.num_layers // pipeline_parallel * (split // tensor_parallel + whole)
+    embedding = V * H // tensor_parallel
+    if pipeline_parallel > 1:  # the last stage: its layers, output layer and final norm
+        return layers + embedding + H
+    output_layers = 1 if model.tie_embeddings_and_output_weights else 2
+    return layers + output_layers * embedding + H  # + the final norm
 
 
 def lambda_init_for_layer(layer_index: int) -> float:

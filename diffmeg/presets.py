@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 
-from diffmeg.config import megatron_head_counts
 from diffmeg.errors import DiffmegError
 
 PADDED_VOCAB_SIZE = 100288  # cl100k_base (100277 ids) padded to a multiple of 64
@@ -142,39 +141,3 @@ def get_preset(name: str) -> dict:
     if name not in PRESETS:
         raise DiffmegError(f"unknown model preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}")
     return dict(PRESETS[name])
-
-
-def count_parameters(
-    num_layers: int,
-    hidden_size: int,
-    ffn_hidden_size: int,
-    vocab_size: int,
-    num_attention_heads: int,
-    kv_channels: int,
-    num_query_groups: int | None = None,
-    diff_attention: bool = True,
-    untie_embeddings: bool = True,
-    diff_version: int = 1,
-) -> int:
-    """Exact parameter count of the GPT model built from these sizes (for dry runs and tests); head
-    counts as on the command line (h output heads, g KV heads). `untie_embeddings` False: one matrix for
-    the embedding and the output layer (`--tie-embeddings-and-output-weights`; counted once, also where
-    pipeline parallelism keeps a copy of it on the last stage)."""
-    kv_heads = num_attention_heads if num_query_groups is None else num_query_groups
-    query_heads, groups = megatron_head_counts(num_attention_heads, kv_heads, diff_attention, diff_version)
-    q = query_heads * kv_channels
-    kv = 2 * groups * kv_channels
-    v2 = diff_attention and diff_version == 2
-    out = num_attention_heads * kv_channels if v2 else q  # V2 projects the h combined heads
-    attn = hidden_size * (q + kv) + out * hidden_size
-    mlp = 3 * hidden_size * ffn_hidden_size
-    norms = 2 * hidden_size
-    if v2:
-        diff_extra = hidden_size * num_attention_heads  # lambda_proj
-    elif diff_attention:
-        diff_extra = 4 * kv_channels + 2 * kv_channels  # lambda vectors + head norm
-    else:
-        diff_extra = 0
-    per_layer = attn + mlp + norms + diff_extra
-    embeddings = vocab_size * hidden_size * (2 if untie_embeddings else 1)
-    return num_layers * per_layer + embeddings + hidden_size

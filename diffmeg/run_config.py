@@ -159,7 +159,7 @@ class TrainingConfig:
     cuda_graph_impl: str = "none"
     """megatron-core's CUDA graphs: "none", or "local" (its per-layer graphs, captured after warmup)."""
     no_memory_guard: bool = False
-    """Start even when the memory plan does not fit the device (`diffmeg.training.memory_guard`)."""
+    """Start even when the memory plan does not fit the device (`diffmeg.training.memory`)."""
 
     @property
     def params_dtype(self) -> torch.dtype:

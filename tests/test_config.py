@@ -1,11 +1,15 @@
-"""DiffTransformerConfig validation: each impossible layout is one clear DiffmegError."""
+"""DiffTransformerConfig validation: each impossible layout is one clear DiffmegError; the parameter count
+matches the built model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from diffmeg.config import lambda_init_for_layer
+from diffmeg.config import count_parameters, lambda_init_for_layer
 from diffmeg.errors import DiffmegError
+from diffmeg.run_config import ModelConfig
 from tests.builders import tiny_config
 
 
@@ -56,3 +60,49 @@ def test_baseline_skips_diff_validation():
         cfg(**odd)
     c = cfg(diff_attention=False, diff_attn_backend="magic", **odd)
     assert (c.num_query_groups, c.ffn_hidden_size, c.lambda_init) == (7, 4 * 56, "bogus")
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,kind",
+    [
+        (2, 1, {}),
+        (4, 2, {"diff_attention": False}),
+        (4, 4, {"diff_version": 2}),
+        (4, 2, {"diff_version": 2}),
+        (4, 2, {"diff_version": 2, "tied": True}),
+    ],
+    ids=["diff", "transformer", "diff2", "diff2-gqa", "diff2-tied"],
+)
+def test_count_matches_built_model(single_rank_parallel_state, heads, kv_heads, kind):
+    """Hidden 64; heads as on the command line: DIFF 2 (4 sub-heads), baseline 4, DIFF V2 4 (8 queries);
+    tied: the embedding is the output layer, counted once (128 x 64 fewer)."""
+    from diffmeg.model import build_model
+
+    baseline = kind.get("diff_attention") is False  # tiny_config counts it as DIFF: 2h heads of d
+    h, g = (heads // 2, kv_heads // 2) if baseline else (heads, kv_heads)
+    tied = kind.get("tied", False)
+    fields = {k: v for k, v in kind.items() if k != "tied"}
+    cfg = tiny_config(h, g, 16, layers=2, ffn=96, share_embeddings_and_output_weights=tied, **fields)
+    model = build_model(cfg, vocab_size=128, max_sequence_length=16)
+    built = sum(p.numel() for p in model.parameters())
+    sizes = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        kv_channels=16,
+        seq_length=16,
+        max_position_embeddings=16,
+        vocab_size=128,
+        tie_embeddings_and_output_weights=tied,
+        **fields,
+    )
+    assert built == count_parameters(sizes)
+    if tied:
+        untied = dataclasses.replace(sizes, tie_embeddings_and_output_weights=False)
+        assert built == count_parameters(untied) - 128 * 64
+    # one rank's share: the whole model on one rank; a tied model's last pipeline stage holds the embedding
+    assert count_parameters(sizes, 1, 1) == count_parameters(sizes)
+    untied = dataclasses.replace(sizes, tie_embeddings_and_output_weights=False)
+    assert count_parameters(sizes, 1, 2) == count_parameters(untied, 1, 2)

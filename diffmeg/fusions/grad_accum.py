@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
 
 import torch
 
@@ -135,21 +134,3 @@ def install() -> bool:
     if reason is not None:
         raise DiffmegError(reason)
     return patch_grad_accum_fusion(sys.modules[__name__])
-
-
-def require_main_grad(modules: Iterable[torch.nn.Module]) -> None:
-    """Refuse (one line) a model whose fused linears have no `main_grad` to accumulate into: megatron-core
-    would fail deep in backward. megatron-core's DDP wrapper (`diffmeg.training.ddp`) gives every trained
-    parameter one; a model trained without it cannot use the fusion."""
-    for module in modules:
-        for name, layer in module.named_modules():
-            weight = getattr(layer, "weight", None)
-            fused = getattr(layer, "gradient_accumulation_fusion", False)
-            if fused and isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
-                if not hasattr(weight, "main_grad"):
-                    raise DiffmegError(
-                        f"--gradient-accumulation-fusion adds weight gradients into megatron-core DDP's "
-                        f"main_grad, which {name or 'the model'}.weight lacks: wrap the model in "
-                        "megatron.core.distributed.DistributedDataParallel (as pretrain_diff.py does) or "
-                        "turn the fusion off"
-                    )

@@ -137,17 +137,20 @@ class MetricsLogger(Callback):
 
     def __init__(self, run: RunConfig, enabled: bool, stop: Callable[[str], None] | None = None) -> None:
         self.run = run
-        self.logger = TrainingLogger(run.logging.tensorboard_dir, run.logging.metrics_file, enabled=enabled)
+        self.enabled = enabled
+        self.logger: TrainingLogger | None = None
+        """Opened by `on_train_start`, closed by `on_train_end`: a run's logs live as long as its training."""
         self.stop = stop
         self.failure: DiffmegError | None = None
         self.flops_per_iteration = 0.0
         self.peak_tflops: float | None = None
 
     def on_train_start(self, trainer: TrainerControl) -> None:
-        training = self.run.training  # the matmuls' precision picks MFU's peak
-        self.flops_per_iteration = train_flops_per_iteration(self.run)
+        run, training = self.run, self.run.training  # the matmuls' precision picks MFU's peak
+        self.logger = TrainingLogger(run.logging.tensorboard_dir, run.logging.metrics_file, self.enabled)
+        self.flops_per_iteration = train_flops_per_iteration(run)
         self.peak_tflops = peak_tflops(trainer.device, "fp8" if training.fp8_format else training.precision)
-        self.logger.arguments(self.run, trainer.num_parameters)
+        self.logger.arguments(run, trainer.num_parameters)
 
     def _write(self, trainer: TrainerControl, write: Callable[[], None]) -> None:
         try:
@@ -171,7 +174,8 @@ class MetricsLogger(Callback):
 
     def on_train_end(self, trainer: TrainerControl) -> None:
         try:
-            self.logger.close()
+            if self.logger is not None:
+                self.logger.close()
         except DiffmegError as exc:  # the last write, at close
             self.failure = self.failure or exc
         if self.failure is not None:

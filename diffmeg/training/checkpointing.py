@@ -47,7 +47,6 @@ from diffmeg.errors import DiffmegError
 from diffmeg.folder_lock import FolderLock
 from diffmeg.run_config import SHAPE_FIELDS, ModelConfig, RunConfig
 from diffmeg.storage import directory_bytes, format_bytes, free_bytes
-from diffmeg.training.memory import model_parameters
 
 STALL_ASYNC_SAVE_ENV = "DIFFMEG_TEST_STALL_ASYNC_SAVE"
 """Test hook, never for real runs: "N" or "N:PATH". With --async-save, rank 0's background writer of
@@ -239,12 +238,12 @@ def _state_dict(
     return state
 
 
-def checkpoint_bytes(run: RunConfig) -> int:
-    """About how many bytes one checkpoint of the run's model takes: the weights in their dtype, plus Adam's
-    two fp32 moments and (bf16/fp16) the fp32 main copy of the weights."""
-    weight = torch.tensor([], dtype=run.training.params_dtype).element_size()
+def checkpoint_bytes(num_parameters: int, dtype: torch.dtype) -> int:
+    """About how many bytes one checkpoint of a model of `num_parameters` weights in `dtype` takes: the
+    weights, plus Adam's two fp32 moments and (bf16/fp16) the fp32 main copy of the weights."""
+    weight = torch.tensor([], dtype=dtype).element_size()
     main_copy = 4 if weight < 4 else 0
-    return model_parameters(run) * (weight + main_copy + 8)
+    return num_parameters * (weight + main_copy + 8)
 
 
 def _rank0_print(line: str) -> None:
@@ -273,8 +272,8 @@ def _stall_hook(iteration: int) -> HoldAfterWrite | None:
 
 class CheckpointManager:
     """Resuming and saving for the Trainer: --save made this run's alone (`lock_save_target`), where the run
-    starts (`resolve`), loading (`load`), and saves
-    (`due`, `save`).
+    starts (`resolve`), restoring the model, optimizer, scheduler and RNG from there (`restore`: a resume,
+    or the --pretrained-checkpoint weights alone), and saves (`due`, `save`).
 
     With --async-save a save returns once it is planned and this rank's tensors are copied into a shared
     host buffer (the snapshot), which this rank's one writer process, started with the manager and dying
@@ -377,7 +376,7 @@ class CheckpointManager:
                 f"word embedding; drop --tie-embeddings-and-output-weights"
             )
         check_checkpoint(start.args, record_of_args(vars(self.run.data)), start.where)
-        if start.common is not None and self._loads_optimizer(start.common):
+        if self._loads_optimizer(start):
             self._check_schedule(start)
 
     def _check_schedule(self, start: StartPoint) -> None:
@@ -402,21 +401,24 @@ class CheckpointManager:
             f"{start.iteration}, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's"
         )
 
-    def _loads_optimizer(self, common: dict) -> bool:
-        """Whether resuming from the checkpoint of `common` restores its optimizer and schedule: not with
+    def _loads_optimizer(self, start: StartPoint) -> bool:
+        """Whether starting from `start` restores its optimizer and schedule: a resume, not with
         --no-load-optim or --finetune, nor from a weights-only checkpoint (an HF import)."""
         cfg = self.config
-        return not (cfg.no_load_optim or cfg.finetune or common.get(WEIGHTS_ONLY_KEY))
+        if start.common is None:  # --pretrained-checkpoint: its weights only
+            return False
+        return not (cfg.no_load_optim or cfg.finetune or start.common.get(WEIGHTS_ONLY_KEY))
 
-    def lock_save_target(self) -> None:
-        """Make --save this run's alone before anything is written into it, with room for a checkpoint:
-        rank 0 makes it, takes its lock (`diffmeg.folder_lock`), names what earlier saves left there and
-        checks its free space; another run holding it, a folder that cannot be made or written, or too
-        little room stops every rank with the same one line, before anything is built. Held until `close`."""
+    def lock_save_target(self, num_parameters: int) -> None:
+        """Make --save this run's alone before anything is written into it, with room for a checkpoint of
+        the model (`num_parameters`, counted from the run's sizes): rank 0 makes it, takes its lock
+        (`diffmeg.folder_lock`), names what earlier saves left there and checks its free space; another run
+        holding it, a folder that cannot be made or written, or too little room stops every rank with the
+        same one line, before anything is built. Held until `close`."""
         root = self.config.save
         if root is None:
             return
-        self.checkpoint_bytes = need = checkpoint_bytes(self.run)
+        self.checkpoint_bytes = need = checkpoint_bytes(num_parameters, self.run.training.params_dtype)
 
         def take() -> None:
             lock = FolderLock(root, "--save")
@@ -441,39 +443,27 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------ loading
 
-    def load(
+    def restore(
         self,
         model: torch.nn.Module | list[torch.nn.Module],
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
     ) -> tuple[int, int]:
-        """Restore what `resolve` chose (or the --pretrained-checkpoint weights). Returns where to go on: the
+        """Restore what `resolve` chose: a resume's model, optimizer, scheduler and RNG (what the flags and
+        the checkpoint allow), or the --pretrained-checkpoint weights alone. Returns where to go on: the
         iteration and the consumed samples."""
-        start = self.start
+        start, cfg = self.start, self.config
         if start is None:
             return 0, 0
-        if start.common is None:
-            with torch.no_grad():
-                _load_model_state(model, load_sharded(_model_state(model), start.path))
-            self.log(
-                f" initialised weights from pretrained checkpoint {self.config.pretrained_checkpoint} "
-                f"(iteration {start.iteration}); optimizer, schedule and counters start fresh"
-            )
-            return 0, 0
-        iteration, consumed_samples = self._load(start, model, optimizer, scheduler)
-        self.log(f" loaded checkpoint from {self.config.load} at iteration {iteration}")
-        return iteration, consumed_samples
-
-    def _load(self, start: StartPoint, model, optimizer, scheduler) -> tuple[int, int]:
-        cfg, path, common = self.config, start.path, start.common
+        common = start.common or {}  # --pretrained-checkpoint: the weights, nothing else
         saved_layout = {"vp": 1, **common.get("layout", {})}  # no "vp": saved before interleaving existed
         same_model_layout = all(saved_layout.get(k) == _layout()[k] for k in ("tp", "pp", "vp"))
-        # A weights-only checkpoint (an HF import) has no optimizer/scheduler/RNG state to resume.
-        weights_only = bool(common.get(WEIGHTS_ONLY_KEY))
-        load_optim = self._loads_optimizer(common)
+        # Pretrained weights, or a weights-only checkpoint (an HF import): no optimizer/scheduler/RNG state.
+        weights_only = start.common is None or bool(common.get(WEIGHTS_ONLY_KEY))
+        load_optim = self._loads_optimizer(start)
         if load_optim and self.run.parallel.use_distributed_optimizer and not same_model_layout:
             raise DiffmegError(
-                f"distributed-optimizer state in {path} was saved at TP={saved_layout.get('tp')} "
+                f"distributed-optimizer state in {start.path} was saved at TP={saved_layout.get('tp')} "
                 f"PP={saved_layout.get('pp')} VP={saved_layout['vp']} and cannot be resharded to this "
                 f"layout; add --no-load-optim"
             )
@@ -486,11 +476,12 @@ class CheckpointManager:
             with_rng=load_rng,
         )
         with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
-            loaded = load_sharded(state, path, pick_flag="--ckpt-step")
+            pick = "--ckpt-step" if start.common is not None else "--iteration"  # names another iteration
+            loaded = load_sharded(state, start.path, pick_flag=pick)
             _load_model_state(model, loaded)
             if load_optim:
                 if "optimizer" not in loaded:
-                    raise DiffmegError(f"{path} has no optimizer state; add --no-load-optim")
+                    raise DiffmegError(f"{start.path} has no optimizer state; add --no-load-optim")
                 bounds = _lr_bounds(optimizer)
                 optimizer.load_state_dict(loaded["optimizer"])
                 _restore_distributed_optimizer_step(optimizer)
@@ -499,9 +490,17 @@ class CheckpointManager:
                 scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if load_rng:
             restore_rng_state(loaded["rng_state"], self.log)
-        if cfg.finetune or weights_only:
+        if start.common is None:
+            self.log(
+                f" initialised weights from pretrained checkpoint {cfg.pretrained_checkpoint} "
+                f"(iteration {start.iteration}); optimizer, schedule and counters start fresh"
+            )
             return 0, 0
-        return int(common["iteration"]), int(common["consumed_samples"])
+        iteration, consumed_samples = 0, 0  # --finetune, a weights-only checkpoint: a new schedule
+        if not (cfg.finetune or weights_only):
+            iteration, consumed_samples = int(common["iteration"]), int(common["consumed_samples"])
+        self.log(f" loaded checkpoint from {cfg.load} at iteration {iteration}")
+        return iteration, consumed_samples
 
     # ------------------------------------------------------------------------------------------ saving
 

@@ -22,11 +22,12 @@ logged lambdas) first finishes the gathers (`finish_param_gather`) or turns the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+from diffmeg.errors import DiffmegError
 from diffmeg.run_config import RunConfig
 
 
@@ -48,11 +49,34 @@ def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:
 def wrap_model_chunks(
     config, ddp: DistributedDataParallelConfig, chunks: list[torch.nn.Module]
 ) -> list[DistributedDataParallel]:
-    """One DDP per model chunk; chunks after the first get one bucket each (Megatron-LM's policy)."""
-    return [
+    """One DDP per model chunk; chunks after the first get one bucket each (Megatron-LM's policy). Under
+    `--gradient-accumulation-fusion` the fused linears add into the `main_grad` DDP gives their weights
+    (`require_main_grad`)."""
+    model = [
         DistributedDataParallel(config, ddp, chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
+    if config.gradient_accumulation_fusion:
+        require_main_grad(model)
+    return model
+
+
+def require_main_grad(modules: Iterable[torch.nn.Module]) -> None:
+    """Refuse (one line) a model whose fused linears have no `main_grad` to accumulate into
+    (`diffmeg.fusions.grad_accum`): megatron-core would fail deep in backward. megatron-core's DDP wrapper
+    gives every trained parameter one; a model trained without it cannot use the fusion."""
+    for module in modules:
+        for name, layer in module.named_modules():
+            weight = getattr(layer, "weight", None)
+            fused = getattr(layer, "gradient_accumulation_fusion", False)
+            if fused and isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
+                if not hasattr(weight, "main_grad"):
+                    raise DiffmegError(
+                        f"--gradient-accumulation-fusion adds weight gradients into megatron-core DDP's "
+                        f"main_grad, which {name or 'the model'}.weight lacks: wrap the model in "
+                        "megatron.core.distributed.DistributedDataParallel (as pretrain_diff.py does) or "
+                        "turn the fusion off"
+                    )
 
 
 def clear_schedule_hooks(config) -> None:

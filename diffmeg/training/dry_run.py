@@ -20,20 +20,14 @@ import os
 import sys
 from dataclasses import asdict
 
+from diffmeg.config import count_parameters
 from diffmeg.data.gpt_datasets import BUILTIN, parse_data_path
 from diffmeg.data.indexed import check_dataset
 from diffmeg.data.tokenizers import check_datasets, check_vocabulary, record_of_args
 from diffmeg.errors import DiffmegError
 from diffmeg.run_config import DataConfig, RunConfig
 from diffmeg.training.flops import train_flops_per_iteration
-from diffmeg.training.memory import (
-    GIB,
-    estimate_memory,
-    loss_peak_bytes,
-    model_parameters,
-    parameters_per_rank,
-    shrink_options,
-)
+from diffmeg.training.memory import GIB, estimate_memory, loss_peak_bytes, shrink_options
 
 HEADROOM = 0.9
 """Plans above this fraction of the GPU's memory get a warning: the rest is not ours to plan."""
@@ -96,7 +90,7 @@ def dry_run_summary(run: RunConfig) -> dict:
             "precision": training.precision,
             "fp8_format": training.fp8_format,
         },
-        "num_parameters": model_parameters(run),
+        "num_parameters": count_parameters(run.model),
         "flops_per_step": train_flops_per_iteration(run),
         "memory_per_gpu_gib": estimate_memory(run, on_gpu=True).as_gib(),
         "features": features(run),
@@ -142,7 +136,9 @@ def features(run: RunConfig) -> dict[str, str]:
     parallel = run.parallel
     replicas = parallel.data_parallel_size * parallel.context_parallel_size  # DDP reduces over DP x CP
     chunks = parallel.model_chunks
-    params = parameters_per_rank(run)
+    params = count_parameters(  # the largest pipeline stage's, on one tensor-parallel rank
+        run.model, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    )
     if replicas == 1:
         grads = params_ = "off: DP x CP = 1, nothing to communicate"
     else:

@@ -1,4 +1,5 @@
-"""Per-GPU memory plan: weights, gradients, optimizer state and activations, before anything is queued.
+"""Per-GPU memory plan: weights, gradients, optimizer state and activations, before anything is queued;
+and the guard that holds it against the device before the model is built.
 
 Activation terms count what autograd keeps for backward in *our* layer (checked tensor by tensor with
 `torch.autograd.graph.saved_tensors_hooks` in tests/training/test_memory.py), per token and layer:
@@ -28,6 +29,16 @@ parallelism divides tokens; the first pipeline stage holds min(PP, micro-batches
 interleaved schedule (v model chunks per rank) it holds the chunk-micro-batches of its warmup plus one,
 min(2 (PP - 1) + (v - 1) PP + 1, v x micro-batches), each of 1/v of its layers: (1 + (PP - 1) / (PP v))
 times the plain schedule's activations once there are enough micro-batches.
+
+The guard (`check_memory_plan`, one call from the Trainer, collective) compares the plan for the busiest
+rank with what each rank's device has (`diffmeg.training.hardware.device_memory`: a GPU's free memory, a
+CPU's available memory under its cgroup limits). Ranks on one machine share its memory (ranks on one GPU
+share the GPU), so a CPU job's local ranks are counted together. The plan is an estimate, measured against
+the real peak (docs/notes.md, docs/gpu.md): an H100's allocator peaked at 0.88-0.90 of it, a CPU's resident
+memory (what the OOM killer sees) runs 10-30% over it. The guard expects `PEAK_OVER_PLAN` times the plan
+(the favourable end of each: it refuses only runs that do not fit even then) and refuses a run whose
+expected peak exceeds what the device has; `--no-memory-guard` starts it anyway (the plan may be wrong for
+a setting it does not model).
 """
 
 from __future__ import annotations
@@ -37,14 +48,17 @@ from dataclasses import asdict, dataclass
 import torch
 
 from diffmeg import registry
-from diffmeg.config import megatron_head_counts
-from diffmeg.presets import count_parameters
+from diffmeg.config import count_parameters
+from diffmeg.errors import DiffmegError
 from diffmeg.run_config import RunConfig
-
-GIB = 1024**3
+from diffmeg.training.hardware import GIB, DeviceMemory, device_memory
 
 CHUNK_HINT = 2048
 """The chunked loss's chunk size a memory message proposes (the 64K recipe's)."""
+
+PEAK_OVER_PLAN = {"cpu": 1.1, "cuda": 0.9}
+"""Expected peak over the plan: a CPU's resident memory runs 10-30% over it (freed blocks glibc keeps;
+docs/notes.md), an H100's allocator peaked at 0.88-0.90 of it (docs/gpu.md, the memory phase)."""
 
 
 @dataclass(frozen=True)
@@ -52,18 +66,23 @@ class MemoryEstimate:
     """Bytes per GPU on the busiest rank (the first pipeline stage, or the only one)."""
 
     parameters: int
+    """The rank's parameters."""
     weights: float
     gradients: float
     optimizer: float
     activations: float
     loss_peak: float
+    model_parameters: int
+    """The whole model's (a tied output layer counted once), for what is sized by the model: the run's
+    summary line, a checkpoint."""
 
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer + self.activations + self.loss_peak
 
     def as_gib(self) -> dict[str, float]:
-        out = {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "parameters"}
+        counts = ("parameters", "model_parameters")
+        out = {k: round(v / GIB, 3) for k, v in asdict(self).items() if k not in counts}
         out["total"] = round(self.total / GIB, 3)
         out["parameters_per_gpu"] = self.parameters
         return out
@@ -71,48 +90,6 @@ class MemoryEstimate:
 
 def _param_bytes(run: RunConfig) -> int:
     return 2 if (run.training.bf16 or run.training.fp16) else 4
-
-
-def model_parameters(run: RunConfig) -> int:
-    """The whole model's parameters (a tied output layer counted once), from the run's sizes."""
-    m = run.model
-    return count_parameters(
-        m.num_layers,
-        m.hidden_size,
-        m.ffn_hidden_size,
-        m.vocab_size,
-        m.num_attention_heads,
-        m.kv_channels,
-        m.num_query_groups,
-        diff_attention=m.diff_attention,
-        untie_embeddings=not m.tie_embeddings_and_output_weights,
-        diff_version=m.diff_version,
-    )
-
-
-def parameters_per_rank(run: RunConfig) -> int:
-    """Parameters held by the largest pipeline stage of one tensor-parallel rank."""
-    model, parallel = run.model, run.parallel
-
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    d, H, F, V = model.kv_channels, model.hidden_size, model.ffn_hidden_size, model.vocab_size
-    v2 = _is_v2(run)
-    query_heads, kv_heads = megatron_head_counts(
-        model.num_attention_heads, model.num_query_groups, model.diff_attention, 2 if v2 else 1
-    )
-    q_width, kv_width = query_heads * d, 2 * kv_heads * d
-    out_width = model.num_attention_heads * d if v2 else q_width  # V2 projects the h combined heads
-    lambda_proj = H * model.num_attention_heads if v2 else 0
-    sharded = H * (q_width + kv_width) + out_width * H + lambda_proj + 3 * H * F
-    replicated = 2 * H + (6 * d if model.diff_attention and not v2 else 0)
-    per_layer = sharded // tp + replicated
-    layers = model.num_layers // pp
-    # The last stage's output layer: its own matrix, or under tied weights megatron-core's copy of the
-    # embedding (with one stage, tied weights are one matrix).
-    first = layers * per_layer + V * H // tp
-    last = layers * per_layer + V * H // tp + H
-    output_layers = 1 if model.tie_embeddings_and_output_weights else 2
-    return max(first, last) if pp > 1 else layers * per_layer + output_layers * V * H // tp + H
 
 
 def _is_v2(run: RunConfig) -> bool:
@@ -130,7 +107,9 @@ def attention_kernel(run: RunConfig, on_gpu: bool) -> str:
     model = run.model
     if not model.diff_attention or _is_v2(run):
         return "fused"
-    backend = registry.entry("diff_attention", run.impls["diff_attn_backend"]).name  # auto resolved
+    backend = run.impls["diff_attn_backend"]
+    if backend == registry.AUTO:
+        backend = registry.resolve("diff_attention")  # the slot's first choice that runs here
     if on_gpu and backend.startswith("sdpa"):
         return "fused"
     return "maps"
@@ -229,7 +208,8 @@ def estimate_memory(run: RunConfig, on_gpu: bool | None = None) -> MemoryEstimat
     parallel, training = run.parallel, run.training
     if on_gpu is None:
         on_gpu = torch.cuda.is_available()
-    params = parameters_per_rank(run)
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    whole, params = count_parameters(run.model), count_parameters(run.model, tp, pp)  # the model's, a rank's
     weights = params * _param_bytes(run)
     gradients = params * 4  # DDP reduces gradients in an fp32 buffer
     master = 4 if (training.bf16 or training.fp16) else 0  # fp32 main params next to bf16/fp16 weights
@@ -238,13 +218,13 @@ def estimate_memory(run: RunConfig, on_gpu: bool | None = None) -> MemoryEstimat
         optimizer /= parallel.data_parallel_size * parallel.context_parallel_size
     num_micro = run.num_microbatches
     chunks = parallel.model_chunks
-    in_flight = in_flight_microbatches(parallel.pipeline_model_parallel_size, chunks, num_micro)
+    in_flight = in_flight_microbatches(pp, chunks, num_micro)
     stored, one_layer = _activations(run, on_gpu)
     activations = in_flight * stored
     loss_peak = loss_peak_bytes(run, training.cross_entropy_chunk_size)
     if training.recompute_granularity == "full":
         loss_peak = max(loss_peak, one_layer)  # the recomputed layer lives only after the loss
-    return MemoryEstimate(params, weights, gradients, optimizer, activations, loss_peak)
+    return MemoryEstimate(params, weights, gradients, optimizer, activations, loss_peak, whole)
 
 
 def shrink_options(run: RunConfig, on_gpu: bool = True) -> list[tuple[str, str]]:
@@ -269,3 +249,64 @@ def shrink_options(run: RunConfig, on_gpu: bool = True) -> list[tuple[str, str]]
     options.append(("a shorter --seq-length", "EXTRA_ARGS='--seq-length N'"))
     options.append(("more tensor/pipeline/context-parallel ranks", "TP, PP, CP"))
     return options
+
+
+def memory_verdict(plan: MemoryEstimate, devices: list[DeviceMemory], run: RunConfig) -> str | None:
+    """The refusal line when the expected peak of the ranks sharing a device exceeds what it has, else
+    None. `devices`: every rank's (the same list on every rank, so every rank decides the same)."""
+    shared: dict[tuple[str, str, str], list[DeviceMemory]] = {}
+    for device in devices:
+        shared.setdefault((device.host, device.device, device.unit), []).append(device)
+    worst = None  # (how far over, the tightest device of the group, ranks sharing it)
+    for group in shared.values():
+        tightest = min(group, key=lambda d: d.available)
+        need = _expected_peak(plan, tightest) * len(group)
+        if need > tightest.available and (worst is None or need / max(tightest.available, 1) > worst[0]):
+            worst = (need / max(tightest.available, 1), tightest, len(group))
+    if worst is None:
+        return None
+    _, device, ranks = worst
+    gib = plan.as_gib()
+    kind = "cuda" if device.device.startswith("cuda") else "cpu"
+    terms = (
+        f"activations {gib['activations']:.1f}, loss {gib['loss_peak']:.1f}, weights, gradients and "
+        f"optimizer {gib['weights'] + gib['gradients'] + gib['optimizer']:.1f} GiB"
+    )
+    peak = _expected_peak(plan, device) / GIB
+    if kind == "cpu":
+        expected = f"resident memory runs ~10% over the plan: {peak:.1f} GiB expected"
+        where = "this machine"
+    else:
+        expected = f"the GPU allocator peaks near 0.9x the plan: {peak:.1f} GiB expected"
+        where = device.device
+    if ranks > 1:
+        expected += f" per rank, {peak * ranks:.1f} for the {ranks} ranks of this run on {where}"
+    fixes = ", ".join(flag for flag, _ in shrink_options(run, on_gpu=kind == "cuda"))
+    return (
+        f"the memory plan needs {plan.total / GIB:.1f} GiB per rank ({terms}; {expected}), but {where} has "
+        f"{device.available / GIB:.1f} GiB ({device.source}): the run would run out of memory. To shrink it: "
+        f"{fixes} (--dry-run shows the plan); or --no-memory-guard to start anyway"
+    )
+
+
+def _expected_peak(plan: MemoryEstimate, device: DeviceMemory) -> float:
+    """Bytes one rank is expected to hold at its peak on `device` (`PEAK_OVER_PLAN`)."""
+    return PEAK_OVER_PLAN["cuda" if device.device.startswith("cuda") else "cpu"] * plan.total
+
+
+def check_memory_plan(run: RunConfig) -> MemoryEstimate:
+    """The run's plan on this machine (`estimate_memory`); the run refused on every rank, in one line, when
+    the plan cannot fit a rank's device (collective: every rank probes its own device, then all decide on
+    everyone's figures). `--no-memory-guard`: not checked."""
+    plan = estimate_memory(run)
+    if run.training.no_memory_guard:
+        return plan
+    mine = device_memory()
+    devices = [mine]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        devices = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(devices, mine)
+    verdict = memory_verdict(plan, devices, run)
+    if verdict is not None:
+        raise DiffmegError(verdict)
+    return plan

@@ -36,8 +36,7 @@ from diffmeg.training.callbacks import Callback, LogRecord, StepOutput, default_
 from diffmeg.training.checkpointing import CheckpointManager, model_chunks
 from diffmeg.training.data import build_datasets, microbatches, to_device
 from diffmeg.training.distributed import initialize_model_parallel
-from diffmeg.training.memory import estimate_memory, model_parameters
-from diffmeg.training.memory_guard import check_memory_plan
+from diffmeg.training.memory import check_memory_plan
 
 
 @dataclass
@@ -87,19 +86,20 @@ class Trainer:
         self.run = run
         self.rank, self.world = initialize_model_parallel(run.parallel)
         model_parallel_manual_seed(run.training.seed, cuda_graphs=run.training.cuda_graph_impl == "local")
+        # The plan from the run's sizes: one the device cannot hold stops here, before anything is built.
+        self.memory_plan = check_memory_plan(run)
+        self.num_parameters = self.memory_plan.model_parameters  # the whole model (a tied output layer once)
         self.checkpoints = CheckpointManager(run, log=self.log)
-        self.checkpoints.lock_save_target()  # one run per --save folder, with room for a checkpoint
+        self.checkpoints.lock_save_target(self.num_parameters)  # one run per --save, room for a checkpoint
         self.checkpoints.resolve()  # a bad --load, or a checkpoint this run cannot start from, stops here
-        check_memory_plan(run)  # a plan the device cannot hold stops here, before the first allocation
         self.train_ds, self.valid_ds, _ = build_datasets(run)  # data of another vocabulary: before the model
         self._rss_before_model = _rss_bytes("VmRSS")
         # `model`: the DDP-wrapped chunks, one per virtual pipeline stage (one without interleaving)
         self.model_config, self.model, self.optimizer, self.scheduler = build_training_objects(run)
         self.device = next(self.model[0].parameters()).device
-        self.num_parameters = model_parameters(run)  # of the whole model (a tied output layer once)
         if (overlap := ddp.describe(self.model)) is not None:
             self.log(overlap)
-        self.state = TrainState(*self.checkpoints.load(self.model, self.optimizer, self.scheduler))
+        self.state = TrainState(*self.checkpoints.restore(self.model, self.optimizer, self.scheduler))
 
         self.is_logging_rank = self.rank == self.world - 1  # the last rank holds the loss, as in Megatron-LM
         self.callbacks = (
@@ -330,8 +330,8 @@ class Trainer:
         }
 
     def _memory_report(self) -> dict:
-        """Measured peak vs `diffmeg.training.memory` estimate (GPU: allocator peak; CPU: RSS growth)."""
-        estimate = estimate_memory(self.run)
+        """Measured peak vs the memory plan (GPU: allocator peak; CPU: RSS growth since the model build)."""
+        estimate = self.memory_plan
         if torch.cuda.is_available():
             measured, what = torch.cuda.max_memory_allocated(), "GPU max allocated"
         else:

@@ -119,24 +119,6 @@ def test_a_torch_without_cuda_dtype_out_addmm_is_refused(monkeypatch):
         grad_accum.install()
 
 
-def test_a_model_without_ddps_main_grad_is_refused(single_rank_parallel_state, monkeypatch):
-    """A model trained outside megatron-core's DDP would fail deep in backward: refused up front."""
-    from diffmeg.model import build_model
-    from tests.builders import tiny_config
-
-    monkeypatch.setenv(grad_accum.CPU_TEST_ENV, "1")
-    model = build_model(
-        tiny_config(2, 2, 8, gradient_accumulation_fusion=True), vocab_size=64, max_sequence_length=16
-    )
-    with pytest.raises(
-        DiffmegError, match=r"DDP's main_grad, which decoder\.layers\.0\..*\.weight lacks: wrap the model"
-    ):
-        grad_accum.require_main_grad([model])
-    for p in model.parameters():
-        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-    grad_accum.require_main_grad([model])  # DDP's buffers: accepted
-
-
 def test_torchao_fp8_refuses_the_fusion_in_one_place():
     pytest.importorskip("torchao.float8")
     from diffmeg.fusions import torchao_fp8

@@ -96,7 +96,7 @@ def test_a_fused_step_reads_nothing_back_to_the_host(single_rank_parallel_state,
 
 def test_auto_is_the_registrys_order_and_fused_cannot_run_beside_megatron_cores_fused_adam(monkeypatch):
     """One decision: the registry's `auto` order and each entry's availability check (the docstrings of
-    training/optim.py and run_config.py say so); unknown names are refused."""
+    training/builders.py and run_config.py say so); unknown names are refused."""
     import dataclasses
 
     from diffmeg import registry

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from diffmeg.checkpoints import TRACKER_FILE
+from diffmeg.config import count_parameters
 from diffmeg.errors import DiffmegError
 from diffmeg.folder_lock import LOCK_FILE
 from diffmeg.run_config import RunConfig
 from diffmeg.training import checkpointing
 from diffmeg.training.arguments import resolve_args
 from diffmeg.training.checkpointing import CheckpointManager
-from diffmeg.training.memory import model_parameters
 from tests.training.helpers import SMALL, fake_checkpoint
 
 
@@ -24,6 +24,11 @@ def _manager(*flags: str) -> tuple[CheckpointManager, list[str]]:
     run = RunConfig.from_args(resolve_args(["--model", "diff-tiny", "--mock-data", *flags], world_size=1))
     lines: list[str] = []
     return CheckpointManager(run, log=lines.append), lines
+
+
+def _lock(manager: CheckpointManager) -> None:
+    """`lock_save_target` with the run's parameter count, as the Trainer calls it."""
+    manager.lock_save_target(count_parameters(manager.run.model))
 
 
 def _fake_checkpoints(root, iterations, tracker=None) -> str:
@@ -128,7 +133,7 @@ def test_an_unusable_save_target_is_one_line(single_rank_parallel_state, save, m
     """Issue 16, item 2: found before training, not at the first save."""
     manager, _ = _manager("--save", save)
     with pytest.raises(DiffmegError, match=f"--save {save} {match}") as err:
-        manager.lock_save_target()
+        _lock(manager)
     assert "\n" not in str(err.value)
 
 
@@ -136,7 +141,7 @@ def test_a_save_target_is_created_locked_and_left_as_found(single_rank_parallel_
     """The folder holds only the lock until the run writes; a run that wrote nothing leaves nothing."""
     save = tmp_path / "a" / "b"
     manager, _ = _manager("--save", str(save))
-    manager.lock_save_target()
+    _lock(manager)
     assert os.listdir(save) == [LOCK_FILE]
     manager.close()
     assert not (tmp_path / "a").exists()
@@ -147,7 +152,7 @@ def test_leftovers_of_earlier_saves_are_named_at_start_never_removed(single_rank
         (tmp_path / name).mkdir()
         (tmp_path / name / "common.pt").write_bytes(b"0" * 2048)
     manager, lines = _manager("--save", str(tmp_path))
-    manager.lock_save_target()
+    _lock(manager)
     manager.close()
     assert lines == [
         f" {tmp_path} holds what earlier saves left (4.0 KiB): iter_0000002.replaced-20261127T101500, "
@@ -163,13 +168,13 @@ def test_leftovers_of_earlier_saves_are_named_at_start_never_removed(single_rank
 def test_a_save_target_needs_room_for_one_checkpoint(single_rank_parallel_state, tmp_path, monkeypatch):
     """Checked when the run takes --save, before the model is built: from the run's parameter count."""
     manager, _ = _manager("--save", str(tmp_path))
-    manager.lock_save_target()  # diff-tiny: 54.4M parameters, 652 MB in fp32 with two Adam moments: fits
+    _lock(manager)  # diff-tiny: 54.4M parameters, 652 MB in fp32 with two Adam moments: fits
     manager.close()
-    assert manager.checkpoint_bytes == model_parameters(manager.run) * 12 == 54_365_184 * 12
+    assert manager.checkpoint_bytes == count_parameters(manager.run.model) * 12 == 54_365_184 * 12
     monkeypatch.setattr(checkpointing, "free_bytes", lambda path: 10 * 2**20)
     manager, _ = _manager("--save", str(tmp_path))
     with pytest.raises(DiffmegError) as err:
-        manager.lock_save_target()
+        _lock(manager)
     manager.close()
     assert str(err.value) == (
         f"--save {tmp_path} has 10.0 MiB free, one checkpoint of this model needs about 622.2 MiB; free "
@@ -178,8 +183,8 @@ def test_a_save_target_needs_room_for_one_checkpoint(single_rank_parallel_state,
 
 
 def test_checkpoint_size_follows_precision():
-    run = RunConfig.from_args(resolve_args(["--model", "diff-tiny", "--mock-data", "--bf16"], world_size=1))
-    assert checkpointing.checkpoint_bytes(run) == model_parameters(run) * (2 + 4 + 8)
+    assert checkpointing.checkpoint_bytes(1000, torch.bfloat16) == 1000 * (2 + 4 + 8)
+    assert checkpointing.checkpoint_bytes(1000, torch.float32) == 1000 * (4 + 8)
 
 
 # ------------------------------------------------------------------------------------ RNG across devices

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from diffmeg.errors import DiffmegError
 from diffmeg.run_config import RunConfig
 from diffmeg.training import ddp
 from diffmeg.training.arguments import resolve_args
@@ -108,3 +109,22 @@ def test_a_released_run_is_freed_when_dropped(trainer_of, release):
     del t
     gc.collect()
     assert (optimizer() is None and model() is None) == release  # without the release: still held
+
+
+def test_a_model_without_ddps_main_grad_is_refused(single_rank_parallel_state, monkeypatch):
+    """A model trained outside megatron-core's DDP would fail deep in backward: refused up front."""
+    from diffmeg.fusions import grad_accum
+    from diffmeg.model import build_model
+    from tests.builders import tiny_config
+
+    monkeypatch.setenv(grad_accum.CPU_TEST_ENV, "1")
+    model = build_model(
+        tiny_config(2, 2, 8, gradient_accumulation_fusion=True), vocab_size=64, max_sequence_length=16
+    )
+    with pytest.raises(
+        DiffmegError, match=r"DDP's main_grad, which decoder\.layers\.0\..*\.weight lacks: wrap the model"
+    ):
+        ddp.require_main_grad([model])
+    for p in model.parameters():
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    ddp.require_main_grad([model])  # DDP's buffers: accepted

@@ -1,4 +1,6 @@
-"""The memory plan: its activation terms match what autograd saves, and its total matches a real run."""
+"""The memory plan: its activation terms match what autograd saves, and its total matches a real run; the
+guard: the plan against the device with the ranks that share it, and the refusal line through the Trainer
+(and its go-on flag)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,14 @@ import re
 import pytest
 import torch
 
+from diffmeg.errors import DiffmegError
+from diffmeg.run_config import RunConfig
+from diffmeg.training import hardware
+from diffmeg.training.arguments import resolve_args
+from diffmeg.training.hardware import GIB, DeviceMemory
+from diffmeg.training.memory import estimate_memory, memory_verdict
 from tests.distributed.runner import run_pretrain
+from tests.training.helpers import SMALL
 
 
 def _saved_bytes(model, tokens):
@@ -36,8 +45,6 @@ def _per_layer_bytes(preset: str, extra: list[str], gpu_fusions: bool = False) -
     """(measured, estimated) activation bytes of one layer for one micro-batch of 2 x 128 tokens; with
     `gpu_fusions`, the model is built with the fused SwiGLU a GPU run gets and planned as on a GPU."""
     from diffmeg.model import build_model, transformer_config
-    from diffmeg.run_config import RunConfig
-    from diffmeg.training.arguments import resolve_args
     from diffmeg.training.memory import activation_bytes_per_microbatch
 
     measured = {}
@@ -162,9 +169,7 @@ def test_64k_recipe_layout_fits_an_80gb_h100(tmp_path):
 def test_plan_follows_the_attention_that_is_built(monkeypatch):
     """The baseline runs fused attention (SDPA core or TE) everywhere; DIFF per backend and device. With
     megatron-core's score-materialising core the 1.4B baseline at 4K was planned at ~104 GiB."""
-    from diffmeg.run_config import RunConfig
-    from diffmeg.training.arguments import resolve_args
-    from diffmeg.training.memory import attention_kernel, estimate_memory
+    from diffmeg.training.memory import attention_kernel
 
     monkeypatch.setenv("WORLD_SIZE", "1")
 
@@ -179,6 +184,8 @@ def test_plan_follows_the_attention_that_is_built(monkeypatch):
     sdpa, ref = (args("diff-1.4b", "--diff-attn-backend", b) for b in ("sdpa", "reference"))
     assert attention_kernel(sdpa, on_gpu=True) == "fused" and attention_kernel(sdpa, on_gpu=False) == "maps"
     assert attention_kernel(ref, on_gpu=True) == attention_kernel(ref, on_gpu=False) == "maps"
+    auto = args("diff-1.4b")  # `auto`: the registry's first choice that runs here, sdpa
+    assert attention_kernel(auto, on_gpu=True) == "fused" and attention_kernel(auto, on_gpu=False) == "maps"
     gib = 1024**3
     assert estimate_memory(base, on_gpu=True).total < 60 * gib
     # the baseline keeps less per token than DIFF (whose core saves o1, o2 and the fp32 head norm)
@@ -202,3 +209,85 @@ def test_pipeline_micro_batches_in_flight_are_megatron_cores(pp, chunks, micro):
     total, all_warmup, warmup, _ = get_pp_rank_microbatches(micro, chunks, pp, p2p_communicator=p2p)
     chunk_micro_batches = total if all_warmup else min(warmup + 1, total)
     assert in_flight_microbatches(pp, chunks, micro) == pytest.approx(chunk_micro_batches / chunks)
+
+
+# ------------------------------------------------------------------------------------ the guard
+
+
+def _run(*flags: str) -> RunConfig:
+    return RunConfig.from_args(resolve_args(["--model", "diff-tiny", "--mock-data", *flags], world_size=1))
+
+
+def _cpu(available_gib: float, host: str = "node1") -> DeviceMemory:
+    return DeviceMemory("cpu", host, int(available_gib * GIB), "MemAvailable")
+
+
+def test_the_64k_case_is_refused_in_one_line_naming_plan_limit_and_fixes():
+    """The user's `--seq-length 65536` on diff-tiny (CPU): 1185 GiB planned on a 23 GB machine."""
+    run = _run("--seq-length", "65536")
+    plan = estimate_memory(run, on_gpu=False)
+    line = memory_verdict(plan, [_cpu(20.3)], run)
+    assert line.startswith(f"the memory plan needs {plan.total / GIB:.1f} GiB per rank (activations ")
+    assert "but this machine has 20.3 GiB (MemAvailable): the run would run out of memory" in line
+    for fix in ("--recompute-granularity full", "--micro-batch-size 1", "--cross-entropy-chunk-size 2048"):
+        assert fix in line
+    assert "--seq-length" in line and "context-parallel" in line and "--bf16" not in line  # slow on a CPU
+    assert line.endswith("; or --no-memory-guard to start anyway") and "\n" not in line
+
+
+def test_the_ranks_on_one_machine_share_it():
+    """Four CPU ranks of a 1.45 GiB plan need ~6.4 GiB of one machine, not 1.6 GiB each of four."""
+    run = _run()
+    plan = estimate_memory(run, on_gpu=False)
+    assert memory_verdict(plan, [_cpu(5.0, "node1")] * 4, run) is not None
+    assert memory_verdict(plan, [_cpu(5.0, f"node{i}") for i in range(4)], run) is None
+    line = memory_verdict(plan, [_cpu(5.0, "node1")] * 4, run)
+    assert "for the 4 ranks of this run on this machine" in line
+
+
+def test_ranks_that_each_see_their_own_gpu_as_cuda0_do_not_share_it():
+    """Slurm's per-task GPU binding: every rank's GPU is cuda:0; the UUIDs tell them apart."""
+    run = _run("--seq-length", "4096")
+    plan = estimate_memory(run, on_gpu=True)
+    gpus = [DeviceMemory("cuda:0", "node1", int(plan.total), "free", f"GPU-{i}") for i in range(8)]
+    assert memory_verdict(plan, gpus, run) is None
+    assert "for the 2 ranks of this run on cuda:0" in memory_verdict(plan, gpus[:1] * 2, run)
+
+
+def test_a_gpu_is_compared_with_its_free_memory_at_the_allocators_share_of_the_plan():
+    run = _run("--seq-length", "4096")
+    plan = estimate_memory(run, on_gpu=True)
+    fits = DeviceMemory("cuda:0", "node1", int(0.95 * plan.total), "free of the GPU's 79.1 GiB")
+    assert memory_verdict(plan, [fits], run) is None  # the allocator peaks near 0.9x the plan
+    short = DeviceMemory("cuda:0", "node1", int(0.8 * plan.total), "free of the GPU's 79.1 GiB")
+    assert "but cuda:0 has" in memory_verdict(plan, [short], run)
+
+
+@pytest.fixture
+def small_machine(monkeypatch):
+    """The probe of this machine's memory faked: 1 MiB available."""
+    monkeypatch.setattr(hardware, "cpu_memory", lambda: (2**20, "MemAvailable"))
+
+
+def test_the_trainer_refuses_before_the_model_is_built(
+    single_rank_parallel_state, small_machine, monkeypatch
+):
+    from diffmeg.training import trainer as trainer_module
+
+    built = []
+    monkeypatch.setattr(trainer_module, "build_training_objects", lambda run: built.append(run))
+    run = RunConfig.from_args(resolve_args(SMALL, world_size=1))
+    with pytest.raises(DiffmegError, match=r"^the memory plan needs .* but this machine has 0\.0 GiB") as err:
+        trainer_module.Trainer(run, callbacks=[])
+    assert "--no-memory-guard to start anyway" in str(err.value) and built == []
+
+
+def test_no_memory_guard_starts_anyway(single_rank_parallel_state, small_machine):
+    from diffmeg.training.builders import release_training_objects
+    from diffmeg.training.trainer import Trainer
+
+    trainer = Trainer(RunConfig.from_args(resolve_args([*SMALL, "--no-memory-guard"], world_size=1)), [])
+    try:
+        assert trainer.train_step().iteration == 1
+    finally:
+        release_training_objects(trainer.model_config, trainer.model)

@@ -249,20 +249,29 @@ class FailingWriter:
 
 
 @pytest.mark.parametrize("log", ["--metrics-file", "--tensorboard-dir"])
-def test_a_log_write_error_saves_then_stops_in_one_line(log, trainer_of, tmp_path, capsys):
+def test_a_log_write_error_saves_then_stops_in_one_line(log, trainer_of, tmp_path, capsys, monkeypatch):
     """Issue 31: a log that cannot be written (a full disk) ends the run at once, after every rank agreed
     and saved the next step with --save: nothing trained is lost, and the error says where it went."""
     import signal
+
+    from diffmeg.training import callbacks as callbacks_module
 
     ckpt = str(tmp_path / "ckpt")
     flags = ["--train-iters", "6", "--log-interval", "2", "--save", ckpt, "--save-interval", "100"]
     run = RunConfig.from_args(resolve_args([*SMALL, *flags], world_size=1))
     callbacks = default_callbacks(run, is_logging_rank=True)
-    logger = next(c for c in callbacks if hasattr(c, "logger")).logger
-    if log == "--metrics-file":
-        logger.metrics, logger.metrics_file = open("/dev/full", "a"), "/dev/full"  # every write: ENOSPC
-    else:
-        logger.writer, logger.tensorboard_dir = FailingWriter(), "tb"
+
+    opened = callbacks_module.TrainingLogger
+
+    def failing_logger(*args, **kwargs):  # the logger the metrics callback opens at the start
+        logger = opened(*args, **kwargs)
+        if log == "--metrics-file":
+            logger.metrics, logger.metrics_file = open("/dev/full", "a"), "/dev/full"  # every write: ENOSPC
+        else:
+            logger.writer, logger.tensorboard_dir = FailingWriter(), "tb"
+        return logger
+
+    monkeypatch.setattr(callbacks_module, "TrainingLogger", failing_logger)
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(DiffmegError) as err:
         trainer_of(*flags, callbacks=callbacks).train()
