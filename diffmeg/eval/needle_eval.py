@@ -67,10 +67,11 @@ class NeedleEvalConfig(NeedlePromptsConfig):
 def run_needle_eval(cfg: NeedleEvalConfig, log: common.Log = stderr) -> dict:
     """Accuracy per (checkpoint, N, R, length, depth); the CSV, a summary table and the heatmap."""
     combos = [(n, r) for n in cfg.needles for r in cfg.queries if r <= n]
-    if cfg.heatmap_needles is not None and (cfg.heatmap_needles, 1) not in combos:
-        combos.append((cfg.heatmap_needles, 1))
     if not combos:
         raise DiffmegError("no (needles, queries) pair with queries <= needles")
+    heat_n = cfg.heatmap_needles or max(cfg.needles)
+    if (cfg.plot or cfg.heatmap_needles is not None) and (heat_n, 1) not in combos:
+        combos.append((heat_n, 1))  # the heatmap's R = 1, measured though --queries leaves 1 out
     common.start_outputs(cfg.output_dir, cfg.plot)
     infos = cfg.checkpoints.resolve()
     lengths = cfg.lengths or [min(i.seq_length for i in infos)]
@@ -83,7 +84,6 @@ def run_needle_eval(cfg: NeedleEvalConfig, log: common.Log = stderr) -> dict:
         ]
         for key in grid
     }
-    heat_n = cfg.heatmap_needles or max(n for n, _ in combos)
     rows, checkpoints, grids = [], [], []
     for info, model in common.loaded_models(infos, cfg.dtype, cfg.seed):
         for length in lengths:
