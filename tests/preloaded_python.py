@@ -59,8 +59,12 @@ IMPORT_TIME = (
     "HF_",
     "TRANSFORMERS_",
     "TOKENIZERS_",
+    "MALLOC_",
+    "GLIBC_TUNABLES",
+    "LD_",
 )
-"""Prefixes of the variables modules may read as they are imported: a start must agree with the server."""
+"""Prefixes of the variables modules may read as they are imported, and the C library and loader as the
+process starts (`MALLOC_MMAP_THRESHOLD_`, `LD_PRELOAD`): a start must agree with the server."""
 PER_START = ("PYTHONUNBUFFERED", "PYTHON")
 """Not among them: honoured per start (PYTHONUNBUFFERED), or no interpreter's (the scripts' PYTHON knob)."""
 
