@@ -1,8 +1,9 @@
 """Checkpoints and Hugging Face folders shared by the conversion, convert-tool and generate tests.
 
 Each is built once per pytest session (several test modules use the same ones) by running the real
-programs as subprocesses: pretrain_diff.py for trained diff-tiny checkpoints, tools/convert_checkpoint.py
-for conversions, and `hf_helper.py` for everything transformers does.
+programs as processes (of their preloaded interpreters, tests/preloaded_python.py: the imports done once):
+pretrain_diff.py for trained diff-tiny checkpoints, tools/convert_checkpoint.py for conversions, and
+`hf_helper.py` for everything transformers does.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,13 +123,27 @@ def exported_tiny(factory) -> Path:
     )
 
 
+HF_MODULES = (
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.diffllama.modeling_diffllama",
+    "transformers.generation.utils",
+)
+"""What hf_helper.py imports as it runs (preloaded with it)."""
+
+
 def hf_helper(*args, verbosity: str = "error") -> subprocess.CompletedProcess:
     """tests/conversion/hf_helper.py in a fresh process (transformers without diffmeg's CPU patches), with
-    transformers' log `verbosity` ("warning": what a user sees) and no terminal to prompt on."""
+    transformers' log `verbosity` ("warning": what a user sees) and no terminal to prompt on: a process of
+    its preloaded interpreter (transformers' imports done once per session, tests/preloaded_python.py)."""
+    from tests.preloaded_python import interpreter
+
+    env = tool_env(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY=verbosity)
     proc = subprocess.run(
-        [sys.executable, str(HF_HELPER), *map(str, args)],
+        [interpreter(HF_HELPER, env, also=HF_MODULES), str(HF_HELPER), *map(str, args)],
         cwd=REPO_ROOT,
-        env=tool_env(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY=verbosity),
+        env=env,
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,

@@ -49,6 +49,26 @@ def job_env(tmp: Path | None, nproc: int) -> dict[str, str]:
     return env
 
 
+TRAINING_MODULES = (
+    "diffmeg.training.arguments",
+    "diffmeg.training.dry_run",
+    "diffmeg.runtime",
+    "diffmeg.run_config",
+    "diffmeg.training.trainer",
+)
+"""What pretrain_diff.py imports, in main() too, before it trains (preloaded with a training entry point)."""
+
+
+def preloaded_cmd(target: list[str], env: dict[str, str]) -> list[str]:
+    """`python TARGET...` (pretrain_diff.py or another training entry point: a script or `-m module`) as a
+    process of the preloaded interpreter of its program (tests/preloaded_python.py: the imports, the
+    training modules' included, done once per session) for starts in `env`."""
+    from tests.preloaded_python import interpreter
+
+    program = target[1] if target[0] == "-m" else target[0]
+    return [interpreter(program, env, also=TRAINING_MODULES), *target]
+
+
 def launch_cmd(nproc: int, target: list[str]) -> list[str]:
     """`python TARGET...` for one process, else torchrun with `nproc` processes on a free port."""
     if nproc == 1:
@@ -72,12 +92,14 @@ def run_training(
     timeout: int = 600,
     target: list[str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run one job; metrics land in tmp/name.jsonl, its checkpoint (with --save) in tmp/name.
+    """Run one job; metrics land in tmp/name.jsonl, its checkpoint (with --save) in tmp/name. One process
+    (nproc 1) starts the preloaded interpreter (`preloaded_cmd`), a torchrun job the real one.
 
     `target` replaces pretrain_diff.py (e.g. ["-m", "tests.some_module"] with its own entry point)."""
     target = target or [str(REPO_ROOT / "pretrain_diff.py")]
     argv = [*TINY, "--metrics-file", str(tmp / f"{name}.jsonl"), *extra]
-    cmd, env = launch_cmd(nproc, [*target, *argv]), job_env(tmp, nproc)
+    env = job_env(tmp, nproc)
+    cmd = launch_cmd(nproc, [*target, *argv]) if nproc > 1 else preloaded_cmd([*target, *argv], env)
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -108,12 +130,13 @@ def single_rank_runs(folder: str, **runs: list[str]):
 
 
 def run_pretrain(argv: list[str], cwd: Path, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    """`python pretrain_diff.py ARGV` as one plain process in `cwd`, output captured, never raising on
-    failure: no WORLD_SIZE (a dry run plans for one GPU) unless `env` gives it, or other variables."""
+    """`python pretrain_diff.py ARGV` as one plain process in `cwd` (the preloaded interpreter), output
+    captured, never raising on failure: no WORLD_SIZE (a dry run plans for one GPU) unless `env` gives it,
+    or other variables."""
     environ = dict(os.environ, TORCHDYNAMO_DISABLE="1")
     environ.pop("WORLD_SIZE", None)
     environ.update(env)
-    cmd = [sys.executable, str(REPO_ROOT / "pretrain_diff.py"), *argv]
+    cmd = preloaded_cmd([str(REPO_ROOT / "pretrain_diff.py"), *argv], environ)
     return subprocess.run(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout)
 
 

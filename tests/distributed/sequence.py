@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.runner import TINY, job_env, launch_cmd
+from tests.distributed.runner import TINY, job_env, launch_cmd, preloaded_cmd
 
 THEN = "--then"
 """Separates the runs' argument lists on the command line."""
@@ -27,7 +27,8 @@ def run_sequence(tmp: Path, runs: dict[str, list[str]], nproc: int, timeout: int
     for name, extra in runs.items():
         argv += [THEN] if argv else []
         argv += [*TINY, "--metrics-file", str(tmp / f"{name}.jsonl"), *extra, "--save", str(tmp / name)]
-    cmd, env = launch_cmd(nproc, ["-m", "tests.distributed.sequence", *argv]), job_env(tmp, nproc)
+    target, env = ["-m", "tests.distributed.sequence", *argv], job_env(tmp, nproc)
+    cmd = launch_cmd(nproc, target) if nproc > 1 else preloaded_cmd(target, env)
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(

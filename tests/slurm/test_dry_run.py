@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.preloaded_python import preloaded_python
+from tests.preloaded_python import interpreter
 from tests.slurm.helpers import REPO_ROOT, clean_env
 
 DATA_DIR = Path(tempfile.gettempdir()) / f"diffmeg-dry-run-data-{os.getpid()}"
@@ -89,10 +89,13 @@ CASES += [
 
 
 @pytest.fixture(scope="module")
-def python(tmp_path_factory):
-    """The interpreter the recipes run: pretrain_diff.py's imports done once (tests/preloaded_python.py)."""
-    with preloaded_python(tmp_path_factory.mktemp("python"), ["pretrain_diff"]) as client:
-        yield str(client)
+def python() -> str:
+    """The interpreter the recipes run: pretrain_diff.py's imports done once (tests/preloaded_python.py), in
+    the environment slurm/common.sh gives it."""
+    env = clean_env(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return interpreter(REPO_ROOT / "pretrain_diff.py", env)
 
 
 def dry_run(script: str, args: list[str], **env: str) -> subprocess.CompletedProcess:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -20,12 +21,29 @@ def tool_cmd(tool: str, *args) -> list[str]:
     return [sys.executable, str(REPO_ROOT / "tools" / f"{tool}.py"), *map(str, args)]
 
 
+def tool_imports(tool: str) -> tuple[str, ...]:
+    """The diffmeg modules tools/<tool>.py imports, in its functions too (the tools import them in main(),
+    so that --help is quick): what its preloaded interpreter imports with it."""
+    tree = ast.parse((REPO_ROOT / "tools" / f"{tool}.py").read_text())
+    names = [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+    names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    return tuple(sorted({name for name in names if name.split(".")[0] == "diffmeg"}))
+
+
 def run_tool(tool: str, *args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python tools/<tool>.py args...`` from the repository root; never raises on failure."""
+    """``python tools/<tool>.py args...`` from the repository root; never raises on failure. In this
+    process's `tool_env()` (no `env`) the tool is a process of its preloaded interpreter (its imports done
+    once per session: tests/preloaded_python.py)."""
+    cmd = tool_cmd(tool, *args)
+    if env is None:
+        from tests.preloaded_python import interpreter
+
+        env = tool_env()
+        cmd[0] = interpreter(cmd[1], env, also=tool_imports(tool))
     return subprocess.run(
-        tool_cmd(tool, *args),
+        cmd,
         cwd=REPO_ROOT,
-        env=env or tool_env(),
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
