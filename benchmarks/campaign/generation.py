@@ -58,11 +58,14 @@ def generation_check(ckpt: Path, device: str, tokens: int) -> dict:
     seeded sampling repeats; ids in the vocabulary; the requested lengths."""
     import torch
 
-    from diffmeg.generation import SamplingConfig, generate, load_model
+    from diffmeg.checkpoints import load_model_weights
+    from diffmeg.generation import SamplingConfig, generate
+    from diffmeg.runtime import single_process
 
     try:
+        single_process()
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model, _ = load_model(str(ckpt), dtype=dtype)
+        model, _ = load_model_weights(str(ckpt), dtype=dtype)
         prompt = [1, 2, 3, 4, 5]
         cached = generate(model, prompt, tokens, use_cache=True, return_logits=True)
         ids = prompt + cached.output_ids
@@ -72,7 +75,7 @@ def generation_check(ckpt: Path, device: str, tokens: int) -> dict:
         s2 = generate(model, prompt, tokens, SamplingConfig(temperature=1.0, top_p=0.9, seed=3))
         vocab, where = model.vocab_size, str(next(model.parameters()).device)
         del model
-        reference_model, _ = load_model(str(ckpt), dtype=torch.float32)
+        reference_model, _ = load_model_weights(str(ckpt), dtype=torch.float32)
         reference = _teacher_forced_logits(reference_model, ids, tokens)
         del reference_model
         greedy = greedy_agreement(cached.output_ids, recomputed, reference)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.campaign.generation import greedy_agreement
+from benchmarks.campaign.generation import generation_check, greedy_agreement
+from tests.conversion.helpers import trained_tiny
 
 
 def _logits(steps: int = 6, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -35,3 +36,10 @@ def test_float32_runs_compare_every_position():
     reference = _logits(seed=1)
     result = greedy_agreement(reference.argmax(dim=-1).tolist(), reference.clone(), reference)
     assert result["ok"] and result["decisive"] == result["positions"] and result["bf16_error"] == 0.0
+
+
+def test_the_check_passes_on_a_trained_checkpoint(tmp_path_factory, single_rank_parallel_state):
+    """The memory phase's check end to end on a CPU (it rotted once behind a moved import)."""
+    result = generation_check(trained_tiny(tmp_path_factory, "tp1"), "cpu", 6)
+    assert result["error"] is None and result["ok"], result
+    assert result["cache_agrees_with_recompute"] and result["seeded_sampling_repeats"]
