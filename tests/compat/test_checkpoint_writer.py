@@ -113,6 +113,7 @@ def test_one_writer_writes_each_async_save_as_it_was_scheduled_and_ends_with_clo
     assert isinstance(filesystem_async._get_write_results_queue(), queue.Queue)
     me = psutil.Process()
     children = {p.pid for p in me.children(recursive=True)}
+    others = {p.pid for p in me.children()}
     shm = sorted(os.listdir("/dev/shm"))
 
     weight = torch.arange(1000, dtype=torch.float32)
@@ -126,7 +127,7 @@ def test_one_writer_writes_each_async_save_as_it_was_scheduled_and_ends_with_clo
     saves = AsyncSaves()
     saves.after_write = HoldAfterWrite(" held", str(gate))
     saves.schedule_async_request(begin_checkpoint(str(tmp_path), 2, _state(weight), {}))
-    (writer,) = me.children()
+    (writer,) = _writers(me, others)
     weight.add_(1000.0)  # training goes on
     assert saves.maybe_finalize_async_calls(blocking=False) == []  # still writing
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"
@@ -143,7 +144,7 @@ def test_one_writer_writes_each_async_save_as_it_was_scheduled_and_ends_with_clo
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert torch.equal(_load(tmp_path, 2), torch.arange(1000, dtype=torch.float32))
     assert torch.equal(_load(tmp_path, 3), torch.arange(1000, dtype=torch.float32) + 1000)
-    assert [p.pid for p in me.children()] == [writer.pid] and _snapshot_fds()
+    assert [p.pid for p in _writers(me, others)] == [writer.pid] and _snapshot_fds()
     assert filesystem_async._results_queue.empty()
 
     saves.close()
@@ -152,22 +153,29 @@ def test_one_writer_writes_each_async_save_as_it_was_scheduled_and_ends_with_clo
     assert not _snapshot_fds() and sorted(os.listdir("/dev/shm")) == shm
 
 
+def _writers(me: psutil.Process, others: set[int]) -> list[psutil.Process]:
+    """This process's children but `others`: the preloaded interpreters earlier tests left running
+    (tests/preloaded_python.py, stopped when pytest exits)."""
+    return [p for p in me.children() if p.pid not in others]
+
+
 def test_a_writer_that_dies_is_a_failed_save_and_one_that_cannot_start_writes_at_once(
     single_rank_parallel_state, tmp_path, monkeypatch, capfd
 ):
     weight = torch.arange(1000, dtype=torch.float32)
     me = psutil.Process()
+    others = {p.pid for p in me.children()}
     saves = AsyncSaves()
     saves.after_write = HoldAfterWrite(" held until killed")
     saves.schedule_async_request(begin_checkpoint(str(tmp_path), 1, _state(weight), {}))
-    (writer,) = me.children()
+    (writer,) = _writers(me, others)
     writer.kill()
     died = r"cannot save iteration 1 .*writer process \d+ ended with signal 9"
     with pytest.raises(DiffmegError, match=died):
         saves.maybe_finalize_async_calls(blocking=True)
     assert not (tmp_path / "iter_0000001").exists()
     saves.schedule_async_request(begin_checkpoint(str(tmp_path), 2, _state(weight), {}))  # a new writer
-    (second,) = me.children()
+    (second,) = _writers(me, others)
     assert second.pid != writer.pid
     assert saves.maybe_finalize_async_calls(blocking=True) == [1]
     assert torch.equal(_load(tmp_path, 2), weight)
@@ -180,7 +188,7 @@ def test_a_writer_that_dies_is_a_failed_save_and_one_that_cannot_start_writes_at
     saves = AsyncSaves()
     saves.schedule_async_request(begin_checkpoint(str(tmp_path), 3, _state(weight), {}))
     assert saves.maybe_finalize_async_calls(blocking=False) == [0]  # written already
-    assert torch.equal(_load(tmp_path, 3), weight) and not me.children()
+    assert torch.equal(_load(tmp_path, 3), weight) and not _writers(me, others)
     assert "cannot start the checkpoint writer (Cannot allocate memory): writing synchronously" in (
         capfd.readouterr().out
     )
