@@ -84,6 +84,11 @@ class DeviceMemory:
     """Which physical memory: the ranks of one host with the same `unit` share it ("" for a CPU: the host's;
     a GPU's UUID, as each rank may see its own GPU as cuda:0)."""
 
+    @property
+    def kind(self) -> str:
+        """"cuda" or "cpu": the device type, as `PEAK_OVER_PLAN` and the shrink options key it."""
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
 
 def _read(path: str) -> str | None:
     try:

@@ -261,13 +261,14 @@ def memory_verdict(plan: MemoryEstimate, devices: list[DeviceMemory], run: RunCo
     for group in shared.values():
         tightest = min(group, key=lambda d: d.available)
         need = _expected_peak(plan, tightest) * len(group)
-        if need > tightest.available and (worst is None or need / max(tightest.available, 1) > worst[0]):
-            worst = (need / max(tightest.available, 1), tightest, len(group))
+        over = need / max(tightest.available, 1)
+        if need > tightest.available and (worst is None or over > worst[0]):
+            worst = (over, tightest, len(group))
     if worst is None:
         return None
     _, device, ranks = worst
     gib = plan.as_gib()
-    kind = "cuda" if device.device.startswith("cuda") else "cpu"
+    kind = device.kind
     terms = (
         f"activations {gib['activations']:.1f}, loss {gib['loss_peak']:.1f}, weights, gradients and "
         f"optimizer {gib['weights'] + gib['gradients'] + gib['optimizer']:.1f} GiB"
@@ -291,7 +292,7 @@ def memory_verdict(plan: MemoryEstimate, devices: list[DeviceMemory], run: RunCo
 
 def _expected_peak(plan: MemoryEstimate, device: DeviceMemory) -> float:
     """Bytes one rank is expected to hold at its peak on `device` (`PEAK_OVER_PLAN`)."""
-    return PEAK_OVER_PLAN["cuda" if device.device.startswith("cuda") else "cpu"] * plan.total
+    return PEAK_OVER_PLAN[device.kind] * plan.total
 
 
 def check_memory_plan(run: RunConfig) -> MemoryEstimate:
