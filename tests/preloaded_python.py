@@ -306,10 +306,14 @@ class Program:
         with self._as_main(os.getcwd()):
             exec(compile(top, self.path, "exec"), self.module.__dict__)
 
+    def _path0(self, cwd: str) -> str:
+        """sys.path[0] of `python PROGRAM` (its folder) or `python -m PROGRAM` (the folder it runs in)."""
+        return os.path.dirname(self.path) if self.spec is None else cwd
+
     @contextlib.contextmanager
     def _as_main(self, cwd: str) -> Iterator[None]:
         """sys.path[0] and sys.modules["__main__"] as `python PROGRAM` has them."""
-        first = os.path.dirname(self.path) if self.spec is None else cwd
+        first = self._path0(cwd)
         main = sys.modules.get("__main__")
         sys.path.insert(0, first)
         sys.modules["__main__"] = self.module
@@ -328,7 +332,7 @@ class Program:
     def run(self, argv: list[str]) -> int:
         """Run the main block as `python ARGV` would, in this (forked) process; its exit status."""
         sys.argv = [self.path if self.spec is not None else argv[0], *argv[1 + (self.spec is not None) :]]
-        sys.path.insert(0, os.path.dirname(self.path) if self.spec is None else os.getcwd())
+        sys.path.insert(0, self._path0(os.getcwd()))
         sys.modules["__main__"] = self.module
         try:
             exec(self.main_block, self.module.__dict__)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ def tool_cmd(tool: str, *args) -> list[str]:
     return [sys.executable, str(REPO_ROOT / "tools" / f"{tool}.py"), *map(str, args)]
 
 
+@functools.cache
 def tool_imports(tool: str) -> tuple[str, ...]:
     """The diffmeg modules tools/<tool>.py imports, in its functions too (the tools import them in main(),
     so that --help is quick): what its preloaded interpreter imports with it."""
