@@ -30,6 +30,7 @@ import array
 import ast
 import atexit
 import contextlib
+import functools
 import io
 import json
 import os
@@ -207,6 +208,16 @@ def interpreter(program: str | Path, env: dict[str, str] | None = None, also: Se
             _SERVERS[key] = Server(Path(tempfile.mkdtemp(prefix="diffmeg-preloaded-")), program, also, env)
         _SERVERS.move_to_end(key)
         return str(_SERVERS[key].python)
+
+
+@functools.cache
+def diffmeg_imports(script: str | Path) -> tuple[str, ...]:
+    """The diffmeg modules `script` imports, in its functions too (entry points import them in main(), so
+    that --help is quick): what to preload with it (`also`), read from its source once per session."""
+    tree = ast.parse(Path(script).read_text())
+    names = [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+    names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    return tuple(sorted({name for name in names if name.split(".")[0] == "diffmeg"}))
 
 
 @atexit.register

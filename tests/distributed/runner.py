@@ -49,24 +49,14 @@ def job_env(tmp: Path | None, nproc: int) -> dict[str, str]:
     return env
 
 
-TRAINING_MODULES = (
-    "diffmeg.training.arguments",
-    "diffmeg.training.dry_run",
-    "diffmeg.runtime",
-    "diffmeg.run_config",
-    "diffmeg.training.trainer",
-)
-"""What pretrain_diff.py imports, in main() too, before it trains (preloaded with a training entry point)."""
-
-
 def preloaded_cmd(target: list[str], env: dict[str, str]) -> list[str]:
     """`python TARGET...` (pretrain_diff.py or another training entry point: a script or `-m module`) as a
     process of the preloaded interpreter of its program (tests/preloaded_python.py: the imports, the
-    training modules' included, done once per session) for starts in `env`."""
-    from tests.preloaded_python import interpreter
+    modules pretrain_diff.py imports included, done once per session) for starts in `env`."""
+    from tests.preloaded_python import diffmeg_imports, interpreter
 
     program = target[1] if target[0] == "-m" else target[0]
-    return [interpreter(program, env, also=TRAINING_MODULES), *target]
+    return [interpreter(program, env, also=diffmeg_imports(REPO_ROOT / "pretrain_diff.py")), *target]
 
 
 def launch_cmd(nproc: int, target: list[str]) -> list[str]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ast
-import functools
 import os
 import subprocess
 import sys
@@ -22,26 +20,16 @@ def tool_cmd(tool: str, *args) -> list[str]:
     return [sys.executable, str(REPO_ROOT / "tools" / f"{tool}.py"), *map(str, args)]
 
 
-@functools.cache
-def tool_imports(tool: str) -> tuple[str, ...]:
-    """The diffmeg modules tools/<tool>.py imports, in its functions too (the tools import them in main(),
-    so that --help is quick): what its preloaded interpreter imports with it."""
-    tree = ast.parse((REPO_ROOT / "tools" / f"{tool}.py").read_text())
-    names = [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
-    names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
-    return tuple(sorted({name for name in names if name.split(".")[0] == "diffmeg"}))
-
-
 def run_tool(tool: str, *args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python tools/<tool>.py args...`` from the repository root; never raises on failure. In this
     process's `tool_env()` (no `env`) the tool is a process of its preloaded interpreter (its imports done
     once per session: tests/preloaded_python.py)."""
     cmd = tool_cmd(tool, *args)
     if env is None:
-        from tests.preloaded_python import interpreter
+        from tests.preloaded_python import diffmeg_imports, interpreter
 
         env = tool_env()
-        cmd[0] = interpreter(cmd[1], env, also=tool_imports(tool))
+        cmd[0] = interpreter(cmd[1], env, also=diffmeg_imports(cmd[1]))
     return subprocess.run(
         cmd,
         cwd=REPO_ROOT,
