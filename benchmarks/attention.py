@@ -107,12 +107,12 @@ def v2_attention_fn() -> Callable | None:
 
     V2 runs the baseline's own core attention (here torch SDPA, as the local spec's SDPA core does) over
     2H query heads with contiguous GQA groups, then combines head pairs, attn[2i] - gate_i attn[2i+1]
-    (`diffmeg.fusions.diff_combine.combine_head_pairs`). Inputs: q [b, 2H, s, d], k/v [b, g, s, d],
+    (`diffmeg.fusions.diff_combine.combine_head_groups`). Inputs: q [b, 2H, s, d], k/v [b, g, s, d],
     gate [b, H, s] (sigmoid(lambda_proj(x))); output [b, H, s, d]. Core FLOPs: twice the baseline
     Transformer's.
     """
     try:
-        from diffmeg.fusions.diff_combine import combine_head_pairs
+        from diffmeg.fusions.diff_combine import combine_head_groups
     except ImportError:
         return None
 
@@ -120,7 +120,7 @@ def v2_attention_fn() -> Callable | None:
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         b, n2, s, d = attn.shape
         flat = attn.permute(2, 0, 1, 3).reshape(s, b, n2 * d)  # [b, 2H, s, d] -> [s, b, 2H * d]
-        out = combine_head_pairs(flat, gate.permute(2, 0, 1))  # gate [b, H, s] -> [s, b, H]
+        out = combine_head_groups(flat, gate.permute(2, 0, 1))  # gate [b, H, s] -> [s, b, H]
         return out.view(s, b, n2 // 2, d).permute(1, 2, 0, 3)  # [s, b, H * d] -> [b, H, s, d]
 
     return diff2_attention

@@ -6,6 +6,11 @@ output projection; this module receives its per-partition q/k/v and returns the 
     lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init
     head_i = RMSNorm((softmax(Q1 K1^T / sqrt d) - lambda softmax(Q2 K2^T / sqrt d)) V) * (1 - lambda_init)
 
+Grouped differential attention (GDA, Motif-2-12.7B's form; `config.num_noise_heads` n): the query
+sub-heads come in n groups `[signal x r, noise]` (r = h / n), and signal head j's Q2 is its group's noise
+query, so `softmax(Q2 K2^T)` is one map per group; each KV head's K1/K2 pair and V of 2d serve n / g groups.
+The output projection takes the h signal heads of 2d (`diffmeg.self_attention.DiffSelfAttention`).
+
 The lambda vectors and the head-norm weight are replicated on every tensor-parallel rank while each
 rank only sees its own heads, so their gradients are partial sums: they carry
 `SUM_GRAD_OVER_TP_ATTR` and `diffmeg.training.grads.finalize_diff_model_grads` sums them over TP once
@@ -39,7 +44,7 @@ from diffmeg.core_attention import CoreAttention, SDPACoreAttention, SDPAFn
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions.diff_combine import diff_epilogue
 from diffmeg.fusions.rms_norm import HeadRMSNorm
-from diffmeg.kernels import DiffAttentionFn
+from diffmeg.kernels import DiffAttentionFn, split_query_heads
 from diffmeg.kernels.reference import diff_attention_reference
 from diffmeg.parallel import DiffMapsWithCP, head_to_sequence_shards, sequence_to_head_shards
 from diffmeg.registry import entry, resolve, select
@@ -60,7 +65,9 @@ class DiffCoreAttentionSubmodules:
 
 
 class DiffCoreAttention(CoreAttention):
-    """Differential attention core: q/k/v per partition in, `[sq, b, h_p * 2d]` out."""
+    """Differential attention core: q/k/v per partition in, `[sq, b, h_p * 2d]` out. Query sub-heads
+    come group by group, `[signal x r, noise]` (r = 1: Q1/Q2 pairs; r > 1: grouped differential attention,
+    each noise map computed once for its group's r signal heads)."""
 
     name = "differential attention"
 
@@ -89,6 +96,7 @@ class DiffCoreAttention(CoreAttention):
         self.cp_comm_type = self.cp_comm_type or config.cp_comm_type or "ulysses"
         self.head_dim = config.kv_channels
         self.lambda_init = config.lambda_init_at(self.layer_number)
+        self.noise_ratio = config.noise_ratio  # r signal heads per noise head (1: the paper's pairs)
         # A name this installation can never run fails at build; every backend left runs on any device
         # (loaded here, outside any compiled region), so a core built on the CPU runs on the GPU too.
         self.diff_attn_backend = resolve("diff_attention", config.diff_attn_backend)
@@ -141,11 +149,10 @@ class DiffCoreAttention(CoreAttention):
         if cp_group is not None:
             # Ulysses: trade sequence shards for head shards (whole heads and K1/K2 pairs per rank).
             query, key, value = (sequence_to_head_shards(t, cp_group) for t in (query, key, value))
-        sq, b = query.shape[0], query.shape[1]
-        sk = key.shape[0]
-        h, g, d = query.shape[2] // 2, key.shape[2] // 2, self.head_dim
-        # [sq, b, 2h, d] -> [sq, b, h, 2, d] -> [b, h, sq, d] for each of Q1, Q2
-        q = query.view(sq, b, h, 2, d).permute(3, 1, 2, 0, 4)  # [2, b, h, sq, d]
+        b, sk = query.shape[1], key.shape[0]
+        g, d = key.shape[2] // 2, self.head_dim
+        # [sq, b, h + n, d] -> signal [sq, b, h, d] and noise [sq, b, n, d] -> [b, h|n, sq, d]
+        q = [t.permute(1, 2, 0, 3) for t in split_query_heads(query, self.noise_ratio)]
         # [sk, b, 2g, d] -> [sk, b, g, 2, d] -> [2, b, g, sk, d] for K1, K2
         k = key.view(sk, b, g, 2, d).permute(3, 1, 2, 0, 4)
         # V of head pair j is sub-heads 2j, 2j+1 side by side: [sk, b, 2g, d] -> [b, g, sk, 2d]

@@ -14,8 +14,14 @@ In megatron-core this is `SelfAttention` configured with `num_attention_heads = 
 cache, sequence parallelism and *its own core attention* (DotProductAttention, torch SDPA, or TE's
 fused attention with all of megatron-core's context-parallel modes) run unchanged. This subclass adds
 `linear_lambda` (column-parallel over heads; under sequence parallelism its input is gathered like
-QKV's), sizes `linear_proj` for h x d, and combines each head pair right before `linear_proj`. Pairs
-never straddle tensor-parallel ranks: a rank holds 2h/tp consecutive query heads and h/tp lambdas.
+QKV's), sizes `linear_proj` for h x d (`DiffSelfAttention`), and combines each head pair right before
+`linear_proj`. Pairs never straddle tensor-parallel ranks: a rank holds 2h/tp consecutive query heads and
+h/tp lambdas.
+
+Grouped differential attention (GDA, Motif-3's form; `config.num_noise_heads` n): h + n query heads laid
+out group by group `[signal x r, noise]` (r = h / n; r = 1 is the pairs above), a group's r + 1 heads within
+one KV head (n a multiple of g); signal head j = g r + i outputs `attn[signal j] - lambda_j attn[noise g]`.
+A rank holds whole groups: (h + n)/tp query heads and their h/tp lambdas.
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from diffmeg.errors import DiffmegError
-from diffmeg.fusions.diff_combine import combine_head_pairs
+from diffmeg.fusions.diff_combine import combine_head_groups
+from diffmeg.self_attention import DiffSelfAttention
 
 
 @dataclass
@@ -40,8 +47,10 @@ class DiffV2SelfAttentionSubmodules(SelfAttentionSubmodules):
     """hidden -> h (no bias), column-parallel over heads."""
 
 
-class DiffV2SelfAttention(SelfAttention):
-    """megatron-core's SelfAttention with DIFF V2's head-pair combination and per-token lambda."""
+class DiffV2SelfAttention(DiffSelfAttention):
+    """megatron-core's SelfAttention with DIFF V2's combination of each group's heads and per-token lambda."""
+
+    head_width = 1  # a combined head is d wide
 
     def __init__(
         self,
@@ -53,23 +62,13 @@ class DiffV2SelfAttention(SelfAttention):
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
-        if self.num_attention_heads_per_partition % 2 or config.num_attention_heads % 2:
-            raise DiffmegError("DIFF V2 needs whole query-head pairs on every tensor-parallel rank")
-        output_heads = config.num_attention_heads // 2
-        # megatron-core sized linear_proj for the 2h query heads; V2 projects the h combined heads.
-        self.linear_proj = build_module(
-            submodules.linear_proj,
-            output_heads * config.kv_channels,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            is_expert=False,
-            tp_comm_buffer_name="proj",
-            tp_group=self.pg_collection.tp,
-        )
+        self.noise_ratio = config.noise_ratio
+        if self.num_attention_heads_per_partition % (self.noise_ratio + 1):
+            raise DiffmegError(
+                "DIFF V2 needs whole groups of signal heads and their noise head on every tensor-parallel "
+                "rank"
+            )
+        output_heads = config.num_diff_heads
         self.linear_lambda = build_module(
             submodules.linear_lambda,
             config.hidden_size,
@@ -105,10 +104,10 @@ class DiffV2SelfAttention(SelfAttention):
     def _combine_before_projection(self, module: torch.nn.Module, args: tuple) -> tuple:
         if self.lam is None:
             raise DiffmegError("DIFF V2's output projection ran outside DiffV2SelfAttention.forward")
-        attn = args[0]  # [s, b, 2h/tp * d]
+        attn = args[0]  # [s, b, (h + n)/tp * d]
         if attn.shape[:2] != self.lam.shape[:2]:
             raise DiffmegError(
                 f"DIFF V2: attention output {tuple(attn.shape)} and lambda {tuple(self.lam.shape)} "
                 f"cover different tokens (packed sequences are not supported)"
             )
-        return (combine_head_pairs(attn, self.lam), *args[1:])
+        return (combine_head_groups(attn, self.lam, self.noise_ratio), *args[1:])

@@ -11,6 +11,11 @@ architecture; megatron-core's `SelfAttention` sees
   (query head j uses KV head j // (2h/g), so heads 2i and 2i+1 share K and V); head i's output is
   `attn[2i] - sigmoid(lambda_proj(x))_i attn[2i+1]`, h heads of d into the output projection.
 - the Transformer baseline: h heads of d, g KV heads, as given.
+
+Grouped differential attention (GDA, Motif's; `--num-noise-heads n`, n dividing h): the h signal heads
+share n noise heads, r = h / n signal heads a noise head, laid out group by group `[signal x r, noise]`,
+so megatron-core sees h + n query (sub-)heads; n = h (the default) is the 1:1 layout above, unchanged.
+V1 keeps its 2g sub-groups (a K1/K2 pair and a V of 2d per KV head); V2 its g KV heads.
 """
 
 from __future__ import annotations
@@ -31,12 +36,23 @@ DIFF_VERSIONS = (1, 2)
 
 
 def megatron_head_counts(
-    heads: int, kv_heads: int, diff_attention: bool, diff_version: int = 1
+    heads: int, kv_heads: int, diff_attention: bool, diff_version: int = 1, noise_heads: int | None = None
 ) -> tuple[int, int]:
-    """(num_attention_heads, num_query_groups) for megatron-core from h output heads and g KV heads."""
+    """(num_attention_heads, num_query_groups) for megatron-core from h output heads, g KV heads and n
+    noise heads (None: h, the 1:1 DIFF)."""
     if not diff_attention:
         return heads, kv_heads
-    return (2 * heads, 2 * kv_heads) if diff_version == 1 else (2 * heads, kv_heads)
+    queries = heads + (heads if noise_heads is None else noise_heads)
+    return (queries, 2 * kv_heads) if diff_version == 1 else (queries, kv_heads)
+
+
+def query_heads_per_subgroup(query_heads: int, groups: int) -> list[int]:
+    """How many of `query_heads` query (sub-)heads each of megatron-core's `groups` query groups holds in
+    the fused QKV weight: megatron-core's `query_heads / groups` where that divides, else spread as evenly
+    as it goes (group m holds heads floor(m q / g) to floor((m + 1) q / g)). DIFF V1's GDA needs the
+    second form: Motif-2-12.7B's 40 query heads over 16 K/V sub-groups. A tensor-parallel rank holding
+    whole groups sees the same pattern on its own heads."""
+    return [(m + 1) * query_heads // groups - m * query_heads // groups for m in range(groups)]
 
 
 def count_parameters(model: ModelConfig, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> int:
@@ -49,10 +65,13 @@ def count_parameters(model: ModelConfig, tensor_parallel: int = 1, pipeline_para
     d, H, F, V = model.kv_channels, model.hidden_size, model.ffn_hidden_size, model.vocab_size
     heads = model.num_attention_heads
     kv_heads = heads if model.num_query_groups is None else model.num_query_groups
-    query_heads, groups = megatron_head_counts(heads, kv_heads, model.diff_attention, model.diff_version)
+    query_heads, groups = megatron_head_counts(
+        heads, kv_heads, model.diff_attention, model.diff_version, model.num_noise_heads
+    )
     v2 = model.diff_attention and model.diff_version == 2
     q, kv = query_heads * d, 2 * groups * d
-    out = heads * d if v2 else q  # V2 projects the h combined heads
+    # the combined heads into the output projection: h of d (V2), h of 2d (V1), the baseline's h of d
+    out = heads * d * (2 if model.diff_attention and not v2 else 1)
     # Split over tensor-parallel ranks: the attention and MLP matrices, V2's lambda projection; held whole
     # by each: the two RMSNorms, V1's lambda vectors (4d) and head norm (2d).
     split = H * (q + kv) + out * H + (H * heads if v2 else 0) + 3 * H * F
@@ -81,6 +100,12 @@ class DiffTransformerConfig(TransformerConfig):
     """1: the paper's differential attention (two maps over V of 2d, lambda reparameterisation, head
     RMSNorm); 2: DIFF V2 (2h query heads over ordinary GQA attention, a per-token sigmoid lambda from
     `lambda_proj`, no head norm). The V1-only fields below are ignored by V2."""
+
+    num_noise_heads: int | None = None
+    """n: noise heads of grouped differential attention (GDA): the h signal heads form n groups of
+    r = h / n, laid out `[signal x r, noise]` in megatron-core's `num_attention_heads = h + n` query
+    (sub-)heads, each group's signal heads subtracting its one noise map. None: as many as signal heads
+    (the paper's and DIFF V2's 1:1 pairs, megatron-core's `num_attention_heads = 2h`)."""
 
     lambda_init: str | float = "exp"
     """`"exp"`: the paper's layer-wise schedule from the global layer number; a float: a constant
@@ -177,23 +202,51 @@ class DiffTransformerConfig(TransformerConfig):
                 "or leave out --cross-entropy-loss-fusion"
             )
 
-    def _paired_heads(self, needs: str) -> int:
-        """h: megatron-core's `num_attention_heads` counts 2h query (sub-)heads in both DIFF versions."""
-        if self.num_attention_heads % 2:
-            raise DiffmegError(f"{needs}, got num_attention_heads={self.num_attention_heads}")
-        return self.num_attention_heads // 2
+    def _signal_and_noise_heads(self, needs: str) -> tuple[int, int]:
+        """(h, n): megatron-core's `num_attention_heads` counts the h signal and n noise query (sub-)heads of
+        both DIFF versions (2h without `num_noise_heads`); h must be a multiple of n."""
+        queries, n = self.num_attention_heads, self.num_noise_heads
+        if n is None:
+            if queries % 2:
+                raise DiffmegError(f"{needs}, got num_attention_heads={queries}")
+            return queries // 2, queries // 2
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < queries or (queries - n) % n:
+            raise DiffmegError(
+                f"num_noise_heads={n} must divide the {queries - n if isinstance(n, int) else '?'} signal "
+                f"heads (num_attention_heads {queries} counts signal + noise query heads)"
+            )
+        return queries - n, n
+
+    def _validate_groups(self, noise: int, kv_heads: int, tp: int, kind: str) -> None:
+        """GDA (n < h): a group of signal heads and their noise head stays on one tensor-parallel rank and
+        shares one KV head. (With n = h these are the pair checks that follow.)"""
+        if noise % tp:
+            raise DiffmegError(
+                f"{noise} noise heads cannot be split over tensor-model-parallel-size {tp}: each rank holds "
+                f"whole groups of signal heads and their noise head; use a TP size dividing the noise heads"
+            )
+        if noise % kv_heads:
+            raise DiffmegError(
+                f"{noise} noise heads are not a multiple of the {kv_heads} {kind}: a group's signal and "
+                f"noise heads must share one KV head; choose --num-noise-heads a multiple of "
+                f"--num-query-groups"
+            )
 
     def _validate_diff(self) -> None:
         tp = self.tensor_model_parallel_size
-        heads = self._paired_heads(
+        heads, noise = self._signal_and_noise_heads(
             "differential attention needs an even number of sub-heads (2 x DIFF heads)"
         )
+        if self.num_query_groups is None:  # a K1/K2 pair per noise head (megatron-core's 2h for the 1:1 DIFF)
+            self.num_query_groups = 2 * noise
+        groups = self.num_query_groups
+        if noise != heads and groups % 2 == 0:
+            self._validate_groups(noise, groups // 2, tp, "differential KV heads")
         if heads % tp:
             raise DiffmegError(
                 f"{heads} differential heads cannot be split over tensor-model-parallel-size {tp}: "
                 f"choose a TP size that divides the head count"
             )
-        groups = self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
         if groups % 2 or (groups // 2) == 0 or heads % (groups // 2):
             raise DiffmegError(
                 f"num_query_groups={groups // 2 if groups % 2 == 0 else groups} differential KV heads must "
@@ -223,7 +276,7 @@ class DiffTransformerConfig(TransformerConfig):
             cp_size=self.context_parallel_size,
             comm_type=self.cp_comm_type,
             diff_attention=True,
-            heads=heads,
+            heads=noise,  # whole groups of signal heads and their noise head (n = h: differential heads)
             kv_heads=groups // 2,
             tp=tp,
             attention_dropout=self.attention_dropout,
@@ -231,8 +284,14 @@ class DiffTransformerConfig(TransformerConfig):
 
     def _validate_diff_v2(self) -> None:
         tp = self.tensor_model_parallel_size
-        heads = self._paired_heads("DIFF V2 needs an even number of query heads (2 x output heads)")
-        groups = self.num_query_groups if self.num_query_groups is not None else heads
+        heads, noise = self._signal_and_noise_heads(
+            "DIFF V2 needs an even number of query heads (2 x output heads)"
+        )
+        if self.num_query_groups is None:  # a KV head per noise head: each head pair its own
+            self.num_query_groups = noise
+        groups = self.num_query_groups
+        if noise != heads and groups >= 1:
+            self._validate_groups(noise, groups, tp, "KV heads")
         if groups < 1 or heads % groups:
             raise DiffmegError(f"{groups} KV heads must divide the {heads} DIFF V2 heads")
         if heads % tp or groups % tp:
@@ -250,11 +309,32 @@ class DiffTransformerConfig(TransformerConfig):
             tp=tp,
             unit="query heads",
         )
+        if self.context_parallel_size > 1 and noise != heads:
+            # Ulysses shards query heads: a shard must hold whole groups of signal heads and their noise head
+            validate_cp(
+                cp_size=self.context_parallel_size,
+                comm_type=self.cp_comm_type,
+                diff_attention=True,
+                heads=noise,
+                kv_heads=groups,
+                tp=tp,
+                unit="noise groups",
+            )
 
     @property
     def num_diff_heads(self) -> int:
-        """Number of differential heads h (each owns two sub-heads of d and a V of 2d)."""
-        return self.num_attention_heads // 2
+        """Number of differential (signal, output) heads h."""
+        return self.num_attention_heads - self.noise_heads
+
+    @property
+    def noise_heads(self) -> int:
+        """n: noise heads (h for the 1:1 DIFF, where `num_noise_heads` is None)."""
+        return self.num_attention_heads // 2 if self.num_noise_heads is None else self.num_noise_heads
+
+    @property
+    def noise_ratio(self) -> int:
+        """r = h / n: signal heads per noise head (1 for the 1:1 DIFF)."""
+        return self.num_diff_heads // self.noise_heads
 
     @property
     def num_diff_kv_heads(self) -> int:

@@ -1,11 +1,12 @@
 """ModuleSpecs that plug differential attention into megatron-core's `TransformerLayer`.
 
 Both specs keep megatron-core's layer (pre-norm, fused QKV, RoPE, SwiGLU MLP, residuals). DIFF V1 swaps
-only the attention core; DIFF V2 swaps the self-attention for `DiffV2SelfAttention` (megatron-core's
-SelfAttention plus the lambda projection) and keeps megatron-core's core attention, so TE's fused
-attention and its context-parallel modes apply. The baseline Transformer (`diff_attention=False`) keeps
-megatron-core's own attention. Checkpoint keys of the local and TE specs agree (megatron-core maps the
-fused-norm names), so a run can move between CPU and GPU.
+the attention core (its self-attention is megatron-core's, with the output projection and fused QKV of
+any noise-head count: `DiffSelfAttention`); DIFF V2 swaps the self-attention for `DiffV2SelfAttention`
+(megatron-core's SelfAttention plus the lambda projection) and keeps megatron-core's core attention, so
+TE's fused attention and its context-parallel modes apply. The baseline Transformer
+(`diff_attention=False`) keeps megatron-core's own attention. Checkpoint keys of the local and TE specs
+agree (megatron-core maps the fused-norm names), so a run can move between CPU and GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from diffmeg.errors import DiffmegError
 from diffmeg.parallel import UlyssesAttention, UlyssesAttentionSubmodules
 from diffmeg.registry import select
 from diffmeg.runtime import transformer_engine_unavailable
+from diffmeg.self_attention import DiffSelfAttention
 
 
 def diff_core_attention_spec(cp_attention: type | None = None) -> ModuleSpec:
@@ -77,6 +79,7 @@ def get_diff_layer_local_spec(config: DiffTransformerConfig, cp_attention: type 
     if is_diff_v2(config):
         spec.submodules.self_attention = diff_v2_attention_spec(config, spec.submodules.self_attention)
     elif config.diff_attention:
+        spec.submodules.self_attention.module = DiffSelfAttention
         spec.submodules.self_attention.submodules.core_attention = diff_core_attention_spec(cp_attention)
     return spec
 
@@ -104,6 +107,7 @@ def get_diff_layer_te_spec(config: DiffTransformerConfig) -> ModuleSpec:
             config, spec.submodules.self_attention, linear_lambda=TEColumnParallelLinear
         )
     elif config.diff_attention:
+        spec.submodules.self_attention.module = DiffSelfAttention
         spec.submodules.self_attention.submodules.core_attention = diff_core_attention_spec()
     return spec
 

@@ -36,6 +36,7 @@ SHAPE_SIZES = (
     "ffn_hidden_size",
     "num_attention_heads",
     "num_query_groups",
+    "num_noise_heads",
     "kv_channels",
     "vocab_size",
 )
@@ -72,6 +73,10 @@ class ModelConfig:
     """False: the FLOP-matched Transformer baseline."""
     diff_version: int = 1
     """1: the paper's differential attention; 2: DIFF V2."""
+    num_noise_heads: int | None = None
+    """n: noise heads of grouped differential attention, dividing the h differential heads (Motif's name);
+    h (the command line's default) is the 1:1 DIFF. None: h, as in runs that predate the flag, and the
+    Transformer baseline, which has none."""
     lambda_init: str = "exp"
     lambda_std: float = 0.1
     transformer_impl: str = "local"

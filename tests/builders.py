@@ -9,18 +9,28 @@ from diffmeg.config import DiffTransformerConfig
 
 
 def tiny_config(
-    heads: int, kv_heads: int | None, head_dim: int, layers: int = 1, *, ffn: int | None = 32, **fields
+    heads: int,
+    kv_heads: int | None,
+    head_dim: int,
+    layers: int = 1,
+    *,
+    ffn: int | None = 32,
+    noise: int | None = None,
+    **fields,
 ) -> DiffTransformerConfig:
     """h DIFF heads over g DIFF KV heads of width d, counted as megatron-core counts them: V1 2h sub-heads
     in 2g sub-groups, hidden 2hd (its FLOP-matched baseline, `diff_attention=False`, the same 2h heads of
     d); V2 (`diff_version=2`) 2h query heads over g KV heads, hidden hd. pretrain_diff.py's architecture
     (pre-RMSNorm, SwiGLU, no biases), no dropout, initialised on the CPU. `kv_heads` or `ffn` None leaves
-    megatron-core to fill them in; `fields` set anything else (or override the above)."""
+    megatron-core to fill them in; `noise` n: grouped differential attention's noise heads (h + n query
+    heads; None: the 1:1 DIFF); `fields` set anything else (or override the above)."""
     sub = 1 if fields.get("diff_version", 1) == 2 else 2
+    if noise is not None:
+        fields = {"num_noise_heads": noise, **fields}
     values = dict(
         num_layers=layers,
         hidden_size=sub * heads * head_dim,
-        num_attention_heads=2 * heads,
+        num_attention_heads=heads + (heads if noise is None else noise),
         num_query_groups=None if kv_heads is None else sub * kv_heads,
         kv_channels=head_dim,
         ffn_hidden_size=ffn,

@@ -31,16 +31,19 @@ def rope(x: torch.Tensor, base: float) -> torch.Tensor:
 
 
 def diff_heads(q1, q2, k1, k2, v, lq1, lk1, lq2, lk2, norm_w, lam_init, eps=1e-5):
-    """q1,q2: [h, s, d]; k1,k2: [g, s, d]; v: [g, s, 2d] -> [s, h * 2d], one head at a time."""
+    """q1: [h, s, d] signal queries; q2: [n, s, d] noise queries (n = h: the paper's pairs; n < h: grouped
+    differential attention, signal head i taking noise query i // (h / n)); k1, k2: [g, s, d]; v: [g, s, 2d]
+    -> [s, h * 2d], one head at a time."""
     h, s, d = q1.shape
-    g = k1.shape[0]
+    n, g = q2.shape[0], k1.shape[0]
     lam = torch.exp(torch.dot(lq1, lk1)) - torch.exp(torch.dot(lq2, lk2)) + lam_init
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     outs = []
     for i in range(h):
-        j = i // (h // g)
+        j = i // (h // g)  # the KV head of signal head i, which its group's noise head shares
+        m = i // (h // n)  # its group's noise head
         s1 = (q1[i] @ k1[j].T) / math.sqrt(d)
-        s2 = (q2[i] @ k2[j].T) / math.sqrt(d)
+        s2 = (q2[m] @ k2[m // (n // g)].T) / math.sqrt(d)
         a1 = torch.softmax(s1.masked_fill(~causal, -math.inf), -1)
         a2 = torch.softmax(s2.masked_fill(~causal, -math.inf), -1)
         o = (a1 - lam * a2) @ v[j]  # [s, 2d]
@@ -69,28 +72,53 @@ def reference_logits(tokens: torch.Tensor, w: dict, cfg: dict) -> torch.Tensor:
     return rmsnorm(x, w["final_norm"], eps) @ w["output"].T
 
 
+def fused_qkv_blocks(qkv: torch.Tensor, query_heads: int, groups: int, d: int):
+    """(query heads [q, d, H], keys [groups, d, H], values [groups, d, H]) of megatron-core's fused QKV
+    weight: per group m, its query heads, one key, one value, d rows each; group m holds query heads
+    floor(m q / groups) .. floor((m + 1) q / groups) (q / groups each where that divides)."""
+    blocks = qkv.view(-1, d, qkv.shape[-1])  # [rows / d, d, H]
+    queries, keys, values, row = [], [], [], 0
+    for m in range(groups):
+        count = (m + 1) * query_heads // groups - m * query_heads // groups
+        queries.append(blocks[row : row + count])
+        keys.append(blocks[row + count])
+        values.append(blocks[row + count + 1])
+        row += count + 2
+    assert row == blocks.shape[0]
+    return torch.cat(queries), torch.stack(keys), torch.stack(values)
+
+
+def signal_and_noise(queries: torch.Tensor, noise: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query heads [h + n, ...] laid out group by group [signal x r, noise] as (signal [h, ...], noise [n,
+    ...]); r = 1 is the adjacent pairs 2i, 2i + 1."""
+    per = queries.shape[0] // noise  # r + 1
+    groups = queries.view(noise, per, *queries.shape[1:])
+    return groups[:, : per - 1].reshape(-1, *queries.shape[1:]), groups[:, per - 1]
+
+
 def semantic_weights_from_mcore(sd: dict, cfg: dict) -> dict:
     """Unpack a TP=1 megatron-core GPTModel state dict (local spec) into semantic float64 weights.
 
-    Fused QKV rows per query sub-group: [r query sub-heads of d, one key of d, one value of d], with
-    r = 2h / 2g; sub-heads 2i/2i+1 are Q1/Q2 of head i, sub-groups 2j/2j+1 are K1/K2 (and V halves) of
-    KV head j.
+    Fused QKV rows per query sub-group (2g of them: sub-groups 2j / 2j+1 hold K1 / K2 and the first /
+    second d-wide half of V of KV head j): [its query sub-heads of d, one key of d, one value of d]; the
+    h + n query sub-heads (`cfg["noise_heads"]` n, default h) come group by group [signal x r, noise]
+    (r = 1: sub-heads 2i / 2i+1 are Q1 / Q2 of head i).
     """
     h, g, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    r = h // g  # query sub-heads per sub-group = 2h / 2g
-    f64 = {k: v.detach().to(torch.float64) for k, v in sd.items() if v is not None and hasattr(v, "dtype")}
+    n = cfg.get("noise_heads", h)
+    # no detach: a test may differentiate the reference with respect to leaf copies of the state dict
+    f64 = {k: v.to(torch.float64) for k, v in sd.items() if v is not None and hasattr(v, "dtype")}
     out = _global_weights(f64)
     for li in range(cfg["layers"]):
         p = f"decoder.layers.{li}."
-        qkv = f64[p + "self_attention.linear_qkv.weight"].view(2 * g, r + 2, d, -1)
-        q_sub = qkv[:, :r].reshape(2 * h, d, -1)  # sub-head order
-        k_sub, v_sub = qkv[:, r], qkv[:, r + 1]  # [2g, d, H]
+        q, k_sub, v_sub = fused_qkv_blocks(f64[p + "self_attention.linear_qkv.weight"], h + n, 2 * g, d)
+        wq1, wq2 = signal_and_noise(q, n)
         ca = p + "self_attention.core_attention."
         out["layers"].append(
             {
                 **_dense_weights(f64, p),
-                "wq1": q_sub[0::2],
-                "wq2": q_sub[1::2],
+                "wq1": wq1,
+                "wq2": wq2,
                 "wk1": k_sub[0::2],
                 "wk2": k_sub[1::2],
                 "wv": torch.cat([v_sub[0::2], v_sub[1::2]], dim=1),  # [g, 2d, H]
@@ -131,22 +159,31 @@ def _dense_weights(f64: dict, p: str) -> dict:
 # DIFF V2 (unilm Diff-Transformer-V2): 2h query heads over ordinary GQA, per-token sigmoid lambda
 
 
-def diff_v2_heads(q, k, v, lam):
-    """q: [2h, s, d]; k, v: [g, s, d]; lam: [s, h] -> [s, h * d]: attn[2i] - lam_i attn[2i+1]."""
-    n, s, d = q.shape
-    g = k.shape[0]
+def diff_v2_heads(q, k, v, lam, noise: int | None = None):
+    """q: [h + n, s, d] query heads group by group [signal x r, noise] (n = `noise`, default h: the pairs
+    2i, 2i + 1); k, v: [g, s, d]; lam: [s, h] -> [s, h * d]: signal head j = m r + i outputs
+    attn[signal j] - lam_j attn[noise m]. A group's heads share KV head m // (n / g)."""
+    heads, s, d = q.shape
+    n = heads // 2 if noise is None else noise
+    h, g = heads - n, k.shape[0]
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     attn = []
-    for j in range(n):
-        kv = j // (n // g)  # contiguous groups: query heads 2i and 2i+1 share K and V
+    for j in range(heads):
+        kv = j // (heads // g)  # contiguous groups: a group's signal and noise heads share K and V
         scores = (q[j] @ k[kv].T) / math.sqrt(d)
         attn.append(torch.softmax(scores.masked_fill(~causal, -math.inf), -1) @ v[kv])  # [s, d]
-    outs = [attn[2 * i] - lam[:, i : i + 1] * attn[2 * i + 1] for i in range(n // 2)]
+    r = h // n
+    outs = []
+    for m in range(n):
+        for i in range(r):
+            j = m * r + i
+            outs.append(attn[m * (r + 1) + i] - lam[:, j : j + 1] * attn[m * (r + 1) + r])
     return torch.cat(outs, dim=-1)
 
 
 def reference_logits_v2(tokens: torch.Tensor, w: dict, cfg: dict) -> torch.Tensor:
-    """tokens [s] -> logits [s, vocab] of a DIFF V2 model with semantic weights `w`."""
+    """tokens [s] -> logits [s, vocab] of a DIFF V2 model with semantic weights `w` (`cfg["noise_heads"]`:
+    grouped differential attention's noise heads, default h)."""
     x = w["embed"][tokens]  # [s, H]
     eps = cfg.get("eps", 1e-5)
     for lw in w["layers"]:
@@ -155,7 +192,7 @@ def reference_logits_v2(tokens: torch.Tensor, w: dict, cfg: dict) -> torch.Tenso
         k = rope(torch.einsum("sH,gdH->sgd", hn, lw["wk"]), cfg["rotary_base"]).transpose(0, 1)
         v = torch.einsum("sH,gdH->sgd", hn, lw["wv"]).transpose(0, 1)
         lam = torch.sigmoid(hn @ lw["wlambda"].T)  # [s, h]
-        x = x + diff_v2_heads(q, k, v, lam) @ lw["wo"].T
+        x = x + diff_v2_heads(q, k, v, lam, cfg.get("noise_heads")) @ lw["wo"].T
         hn = rmsnorm(x, lw["mlp_norm"], eps)
         x = x + (torch.nn.functional.silu(hn @ lw["gate"].T) * (hn @ lw["up"].T)) @ lw["down"].T
     return rmsnorm(x, w["final_norm"], eps) @ w["output"].T
@@ -164,23 +201,23 @@ def reference_logits_v2(tokens: torch.Tensor, w: dict, cfg: dict) -> torch.Tenso
 def semantic_weights_v2_from_mcore(sd: dict, cfg: dict) -> dict:
     """Unpack a TP=1 DIFF V2 GPTModel state dict (local spec) into semantic float64 weights.
 
-    Fused QKV rows per KV group: [r query heads of d, one key, one value] with r = 2h / g; query head j
-    is row block j % r of group j // r.
+    Fused QKV rows per KV group: [r query heads of d, one key, one value] with r = (h + n) / g; query head
+    j is row block j % r of group j // r.
     """
     h, g, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    r = 2 * h // g
+    n = cfg.get("noise_heads", h)
     # no detach: a test may differentiate the reference with respect to leaf copies of the state dict
     f64 = {k: v.to(torch.float64) for k, v in sd.items() if v is not None and hasattr(v, "dtype")}
     out = _global_weights(f64)
     for li in range(cfg["layers"]):
         p = f"decoder.layers.{li}."
-        qkv = f64[p + "self_attention.linear_qkv.weight"].view(g, r + 2, d, -1)
+        q, k, v = fused_qkv_blocks(f64[p + "self_attention.linear_qkv.weight"], h + n, g, d)
         out["layers"].append(
             {
                 **_dense_weights(f64, p),
-                "wq": qkv[:, :r].reshape(2 * h, d, -1),
-                "wk": qkv[:, r],
-                "wv": qkv[:, r + 1],
+                "wq": q,
+                "wk": k,
+                "wv": v,
                 "wlambda": f64[p + "self_attention.linear_lambda.weight"],
             }
         )

@@ -8,24 +8,30 @@ import torch
 from tests.builders import make_config, perturbed_model
 from tests.reference_model import diff_heads, lambda_init, reference_logits, semantic_weights_from_mcore
 
+# (h, g, n): the paper's pairs (n = h), and grouped differential attention (n < h: r = h / n signal heads
+# share a noise head, layout [signal x r, noise]).
+HEAD_LAYOUTS = [(4, 4, 4), (4, 2, 4), (4, 1, 4), (4, 2, 2), (4, 1, 1), (6, 1, 2), (6, 3, 3)]
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
-@pytest.mark.parametrize("layer_number", [1, 3, 12])
-def test_core_attention_matches_equations(single_rank_parallel_state, backend, heads, kv_heads, layer_number):
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "sdpa_split_v", "sdpa_split_v_batched"])
+@pytest.mark.parametrize("heads,kv_heads,noise", HEAD_LAYOUTS)
+@pytest.mark.parametrize("layer_number", [1, 12])
+def test_core_attention_matches_equations(
+    single_rank_parallel_state, backend, heads, kv_heads, noise, layer_number
+):
     from megatron.core.transformer.enums import AttnMaskType
 
     from diffmeg.attention import DiffCoreAttention
 
     d, s, b = 8, 11, 2
-    cfg = make_config(heads, kv_heads, d, diff_attn_backend=backend)
+    cfg = make_config(heads, kv_heads, d, diff_attn_backend=backend, noise=noise)
     core = DiffCoreAttention(cfg, layer_number, AttnMaskType.causal, "self").double()
-    gen = torch.Generator().manual_seed(layer_number * 10 + heads + kv_heads)
+    gen = torch.Generator().manual_seed(layer_number * 10 + heads + kv_heads + noise)
     with torch.no_grad():  # lambda far from its init (exp terms ~ e^{+-1}), non-trivial norm weight
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             getattr(core, name).copy_(torch.randn(d, generator=gen, dtype=torch.float64) * 0.5)
         core.head_norm.weight.copy_(1 + 0.3 * torch.randn(2 * d, generator=gen, dtype=torch.float64))
-    q = torch.randn(s, b, 2 * heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(s, b, heads + noise, d, generator=gen, dtype=torch.float64, requires_grad=True)
     k = torch.randn(s, b, 2 * kv_heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
     v = torch.randn(s, b, 2 * kv_heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
     out = core(q, k, v, None)
@@ -34,9 +40,11 @@ def test_core_attention_matches_equations(single_rank_parallel_state, backend, h
     params = [core.lambda_q1, core.lambda_k1, core.lambda_q2, core.lambda_k2, core.head_norm.weight]
     ref_params = [p.detach().clone().requires_grad_(True) for p in params]
     qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    ref = []
-    for bi in range(b):  # per batch element, sub-heads split by the documented adjacent pairing
-        q1, q2 = qr[:, bi, 0::2].transpose(0, 1), qr[:, bi, 1::2].transpose(0, 1)  # [h, s, d]
+    ref, r = [], heads // noise
+    for bi in range(b):  # per batch element, sub-heads split by the documented group layout
+        groups = qr[:, bi].view(s, noise, r + 1, d)  # [signal x r, noise] per group
+        q1 = groups[:, :, :r].reshape(s, heads, d).transpose(0, 1)  # [h, s, d]
+        q2 = groups[:, :, r].transpose(0, 1)  # [n, s, d]
         k1, k2 = kr[:, bi, 0::2].transpose(0, 1), kr[:, bi, 1::2].transpose(0, 1)  # [g, s, d]
         vv = torch.cat([vr[:, bi, 0::2], vr[:, bi, 1::2]], dim=-1).transpose(0, 1)  # [g, s, 2d]
         ref.append(diff_heads(q1, q2, k1, k2, vv, *ref_params, lambda_init(layer_number - 1)))
@@ -77,20 +85,44 @@ def test_kv_cache_step_is_causal_at_the_end(single_rank_parallel_state):
         torch.testing.assert_close(core(q[-3:], k, v, None), full[-3:])
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
-def test_full_model_matches_reference(single_rank_parallel_state, kv_heads):
-    """Whole GPTModel (embedding, RoPE, fused QKV layout, SwiGLU, norms) vs the float64 equations."""
-    heads, d, layers = 2, 8, 3
-    cfg = make_config(heads, kv_heads, d, layers=layers)
+@pytest.mark.parametrize(
+    "heads,kv_heads,noise",
+    # the 1:1 pairs; GDA whose h + n query sub-heads divide the 2g K/V sub-groups (megatron-core's fused QKV
+    # layout) and GDA whose do not (5 over 2, 6 over 4, 40 over 16 in Motif-2-12.7B: spread evenly)
+    [(2, 2, 2), (2, 1, 2), (4, 1, 2), (4, 1, 1), (4, 2, 2), (8, 2, 2)],
+)
+def test_full_model_matches_reference(single_rank_parallel_state, heads, kv_heads, noise):
+    """Whole GPTModel (embedding, RoPE, fused QKV layout, SwiGLU, norms) vs the float64 equations: logits
+    and every parameter's gradient (lambda vectors and head norm included)."""
+    from diffmeg.self_attention import DiffSelfAttention
+
+    d, layers = 8, 3
+    cfg = make_config(heads, kv_heads, d, layers=layers, noise=noise)
     gen = torch.Generator().manual_seed(5)
     model = perturbed_model(cfg, gen, lambda_std=0.4)
+    attention = model.decoder.layers[0].self_attention
+    assert isinstance(attention, DiffSelfAttention)
+    assert attention.linear_proj.weight.shape == (2 * heads * d, heads * 2 * d)  # h x 2d in, hidden out
+    assert attention.linear_qkv.weight.shape == ((heads + noise + 4 * kv_heads) * d, 2 * heads * d)
     tokens = torch.randint(0, 64, (1, 13), generator=gen)
     logits = model(input_ids=tokens, position_ids=torch.arange(13)[None], attention_mask=None)  # [b, s, V]
+    sd = {k: v.detach().clone().requires_grad_(True) for k, v in model.state_dict().items() if v is not None}
     w = semantic_weights_from_mcore(
-        model.state_dict(), {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "layers": layers}
+        sd, {"heads": heads, "kv_heads": kv_heads, "noise_heads": noise, "head_dim": d, "layers": layers}
     )
     ref = reference_logits(tokens[0], w, {"rotary_base": 500.0})
-    torch.testing.assert_close(logits[0], ref, rtol=1e-6, atol=1e-6)
+    # megatron-core's RoPE frequencies are fp32: agreement to ~1e-9, not float64's 1e-15
+    torch.testing.assert_close(logits[0], ref, rtol=1e-7, atol=1e-8)
+
+    weights = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (logits[0] * weights).sum().backward()
+    (ref * weights).sum().backward()
+    # Relative to each gradient's largest entry. RoPE's fp32 frequencies perturb q and k by ~1e-9; the lambda
+    # vectors' gradients are sums that cancel to ~1e-3 of their terms, which amplifies that to ~1e-6 (the
+    # float64 core test above holds them to 1e-9); a layout error is of the gradient's own size.
+    for name, p in model.named_parameters():
+        error = (p.grad - sd[name].grad).abs().max() / sd[name].grad.abs().max()
+        assert error < (3e-5 if "lambda" in name else 1e-6), (name, error.item())
 
 
 def test_core_attention_with_torch_norm_matches_the_eager_core(single_rank_parallel_state):

@@ -46,6 +46,41 @@ def test_invalid_configs(kw, match):
         cfg(**kw)
 
 
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        # 4 signal heads (8 + n query heads with n noise heads)
+        (dict(num_attention_heads=7, num_noise_heads=3), "num_noise_heads=3 must divide the 4 signal heads"),
+        (dict(num_attention_heads=5, num_noise_heads=0), "num_noise_heads=0 must divide"),
+        (
+            dict(num_attention_heads=6, num_noise_heads=2, num_query_groups=8),
+            "2 noise heads are not a multiple",
+        ),
+        (
+            dict(num_attention_heads=5, num_noise_heads=1, num_query_groups=2, tensor_model_parallel_size=2),
+            "1 noise heads cannot be split over tensor-model-parallel-size 2",
+        ),
+    ],
+)
+def test_invalid_grouped_configs(version, fields, match):
+    """Grouped differential attention: h a multiple of n, n of the KV heads and of TP, in one line each."""
+    if version == 2 and "num_query_groups" in fields:  # V2 counts KV heads, V1 K1/K2 sub-groups (2 a head)
+        fields = {**fields, "num_query_groups": fields["num_query_groups"] // 2}
+    with pytest.raises(DiffmegError, match=match):
+        cfg(diff_version=version, **fields)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_grouped_config_counts_its_heads(version):
+    """4 signal heads over 1 noise head: 5 query heads; without KV heads given, one per noise head."""
+    c = cfg(num_attention_heads=5, num_noise_heads=1, diff_version=version)
+    assert (c.num_diff_heads, c.noise_heads, c.noise_ratio) == (4, 1, 4)
+    assert c.num_query_groups == (2 if version == 1 else 1)
+    classic = cfg(diff_version=version)
+    assert (classic.num_diff_heads, classic.noise_heads, classic.noise_ratio) == (4, 4, 1)
+
+
 def test_kv_pairs_must_stay_on_one_rank():
     # 4 DIFF heads, 1 KV head (2 sub-groups): TP=2 would split K1 from K2.
     with pytest.raises(DiffmegError, match="whole K1/K2 pairs"):
@@ -70,8 +105,11 @@ def test_baseline_skips_diff_validation():
         (4, 4, {"diff_version": 2}),
         (4, 2, {"diff_version": 2}),
         (4, 2, {"diff_version": 2, "tied": True}),
+        (2, 1, {"num_noise_heads": 1}),
+        (4, 2, {"diff_version": 2, "num_noise_heads": 2}),
+        (4, 1, {"diff_version": 2, "num_noise_heads": 1}),
     ],
-    ids=["diff", "transformer", "diff2", "diff2-gqa", "diff2-tied"],
+    ids=["diff", "transformer", "diff2", "diff2-gqa", "diff2-tied", "gda-v1", "gda-v2", "gda-v2-4to1"],
 )
 def test_count_matches_built_model(single_rank_parallel_state, heads, kv_heads, kind):
     """Hidden 64; heads as on the command line: DIFF 2 (4 sub-heads), baseline 4, DIFF V2 4 (8 queries);
@@ -80,9 +118,11 @@ def test_count_matches_built_model(single_rank_parallel_state, heads, kv_heads, 
 
     baseline = kind.get("diff_attention") is False  # tiny_config counts it as DIFF: 2h heads of d
     h, g = (heads // 2, kv_heads // 2) if baseline else (heads, kv_heads)
-    tied = kind.get("tied", False)
-    fields = {k: v for k, v in kind.items() if k != "tied"}
-    cfg = tiny_config(h, g, 16, layers=2, ffn=96, share_embeddings_and_output_weights=tied, **fields)
+    tied, noise = kind.get("tied", False), kind.get("num_noise_heads")
+    fields = {k: v for k, v in kind.items() if k not in ("tied", "num_noise_heads")}
+    cfg = tiny_config(
+        h, g, 16, layers=2, ffn=96, noise=noise, share_embeddings_and_output_weights=tied, **fields
+    )
     model = build_model(cfg, vocab_size=128, max_sequence_length=16)
     built = sum(p.numel() for p in model.parameters())
     sizes = ModelConfig(
@@ -96,6 +136,7 @@ def test_count_matches_built_model(single_rank_parallel_state, heads, kv_heads, 
         max_position_embeddings=16,
         vocab_size=128,
         tie_embeddings_and_output_weights=tied,
+        num_noise_heads=noise,
         **fields,
     )
     assert built == count_parameters(sizes)

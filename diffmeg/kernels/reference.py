@@ -49,18 +49,19 @@ def diff_attention_reference(
     it broadcasts to [b, h, sq, sk] and is applied on top of the causal mask.
     """
     b, h, sq, d = q1.shape
-    g, sk = k1.shape[1], k1.shape[2]
-    rep = h // g
-    # GQA: differential head i reads KV head i // rep.  [b, g, sk, *] -> [b, h, sk, *]
-    k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
+    n, g, sk = q2.shape[1], k1.shape[1], k1.shape[2]
+    # GQA: signal head j reads KV head j // (h/g), noise head m reads m // (n/g): [b, g, sk, .] -> [b, h|n, .]
+    k1, v1 = (t.repeat_interleave(h // g, dim=1) for t in (k1, v))
+    k2 = k2.repeat_interleave(n // g, dim=1)
     keep = causal_keep_mask(sq, sk, q1.device)  # [sq, sk]
     if attention_mask is not None:
         keep = keep & ~attention_mask.bool()
-    (_, a1), (_, a2) = softmax_map(q1, k1, keep, scale), softmax_map(q2, k2, keep, scale)  # [b, h, sq, sk]
+    (_, a1), (_, a2) = softmax_map(q1, k1, keep, scale), softmax_map(q2, k2, keep, scale)  # [b, h|n, sq, sk]
+    a2 = a2.repeat_interleave(h // n, dim=1)  # each noise map for its h/n signal heads: [b, h, sq, sk]
     diff_map = a1 - lam.to(a1.dtype) * a2
     if dropout_p > 0.0:
         diff_map = torch.nn.functional.dropout(diff_map, p=dropout_p)
-    return torch.matmul(diff_map, v.to(diff_map.dtype)).to(q1.dtype)  # [b, h, sq, 2d]
+    return torch.matmul(diff_map, v1.to(diff_map.dtype)).to(q1.dtype)  # [b, h, sq, 2d]
 
 
 def lambda_grad_scale(

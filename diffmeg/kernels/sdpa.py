@@ -37,11 +37,18 @@ def _split_v_batched(
     scale: float,
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-V's four (d, d) products as one call: (map 1, half a), (1, b), (2, a), (2, b) on the batch."""
+    """Split-V's four (d, d) products as one call: (map 1, half a), (1, b), (2, a), (2, b) on the batch.
+    With fewer noise heads than signal heads (grouped differential attention) the maps cannot share a
+    batch: one call per map, its two halves on the batch."""
     b, d = q1.shape[0], v.shape[-1] // 2
+    va, vb = v[..., :d], v[..., d:]
+    if q1.shape[1] != q2.shape[1]:
+        halves = torch.cat([va, vb])  # [2b, g, sk, d]
+        o1a, o1b = _sdpa(torch.cat([q1, q1]), torch.cat([k1, k1]), halves, scale, dropout_p).split(b)
+        o2a, o2b = _sdpa(torch.cat([q2, q2]), torch.cat([k2, k2]), halves, scale, dropout_p).split(b)
+        return torch.cat([o1a, o1b], dim=-1), torch.cat([o2a, o2b], dim=-1)  # [b, h|n, sq, 2d]
     q = torch.cat([q1, q1, q2, q2])  # [4b, h, sq, d]
     k = torch.cat([k1, k1, k2, k2])  # [4b, g, sk, d]
-    va, vb = v[..., :d], v[..., d:]
     out = _sdpa(q, k, torch.cat([va, vb, va, vb]), scale, dropout_p)  # [4b, h, sq, d]
     o1a, o1b, o2a, o2b = out.split(b)
     return torch.cat([o1a, o1b], dim=-1), torch.cat([o2a, o2b], dim=-1)  # [b, h, sq, 2d] each
@@ -80,7 +87,7 @@ def diff_attention_sdpa(
         o1, o2 = _split_v_batched(q1, q2, k1, k2, v, scale, dropout_p)
     else:
         o1 = _sdpa(q1, k1, v, scale, dropout_p)  # [b, h, sq, 2d]
-        o2 = _sdpa(q2, k2, v, scale, dropout_p)
+        o2 = _sdpa(q2, k2, v, scale, dropout_p)  # [b, n, sq, 2d]: each noise map once
     return diff_combine(o1, o2, lam)
 
 

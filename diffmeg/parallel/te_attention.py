@@ -27,6 +27,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from diffmeg.errors import DiffmegError
+from diffmeg.kernels import split_query_heads
 from diffmeg.parallel.validation import TE_CP_COMM_TYPES
 from diffmeg.runtime import transformer_engine_available
 
@@ -50,7 +51,8 @@ class DiffMapsWithCP(MegatronModule):
 
     `attention_cls` takes TEDotProductAttention's constructor keywords (None: `default_cp_attention()`).
     In: megatron-core's per-partition sub-heads on this rank's load-balanced tokens, query
-    `[s/cp, b, 2h, d]`, key/value `[s/cp, b, 2g, d]`. Out: `[s/cp, b, h, 2d]` (before the head norm).
+    `[s/cp, b, h + n, d]` (groups `[signal x r, noise]`), key/value `[s/cp, b, 2g, d]`. Out:
+    `[s/cp, b, h, 2d]` (before the head norm).
     """
 
     def __init__(
@@ -82,13 +84,10 @@ class DiffMapsWithCP(MegatronModule):
         self.head_dim = d
         # TE's CP takes a V head size unlike Q/K's only in the ring (p2p) implementation.
         self.split_value = cp_comm_type != "p2p"
-        # Each call is an ordinary attention of h query heads over the g KV heads of one map.
-        map_config = copy.copy(config)
-        map_config.num_attention_heads = config.num_attention_heads // 2
-        map_config.num_query_groups = config.num_query_groups // 2
-        map_config.attention_dropout = 0.0
+        self.noise_ratio = config.noise_ratio
+        # Each call is an ordinary attention over the g KV heads of one map: the h signal queries over K1,
+        # the n noise queries over K2 (n = h for the 1:1 DIFF).
         kwargs = dict(
-            config=map_config,
             layer_number=layer_number,
             attn_mask_type=attn_mask_type,
             attention_type=attention_type,
@@ -99,8 +98,18 @@ class DiffMapsWithCP(MegatronModule):
             cp_comm_type=cp_comm_type,
             pg_collection=pg_collection,
         )
-        self.map1 = attention_cls(**kwargs)
-        self.map2 = attention_cls(**kwargs)
+        self.map1 = attention_cls(config=self._map_config(config, config.num_diff_heads), **kwargs)
+        self.map2 = attention_cls(config=self._map_config(config, config.noise_heads), **kwargs)
+
+    @staticmethod
+    def _map_config(config, query_heads: int):
+        """The config of one map's call: `query_heads` query heads over the g KV heads, no dropout."""
+        map_config = copy.copy(config)
+        map_config.num_attention_heads = query_heads
+        map_config.num_query_groups = config.num_query_groups // 2
+        map_config.num_noise_heads = None
+        map_config.attention_dropout = 0.0
+        return map_config
 
     def _attend(
         self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -117,15 +126,16 @@ class DiffMapsWithCP(MegatronModule):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lam: torch.Tensor
     ) -> torch.Tensor:
-        s, b, d = query.shape[0], query.shape[1], self.head_dim
-        sk = key.shape[0]
-        h, g = query.shape[2] // 2, key.shape[2] // 2
-        # Adjacent sub-heads: [s, b, 2h, d] -> [s, b, h, 2, d]; [..., 0, :] is Q1, [..., 1, :] is Q2.
-        q = query.view(s, b, h, 2, d)
+        b, d = query.shape[1], self.head_dim
+        sk, g = key.shape[0], key.shape[2] // 2
+        # Groups [signal x r, noise]: [s, b, h + n, d] -> Q1 [s, b, h, d] (signal), Q2 [s, b, n, d] (noise)
+        q1, q2 = (t.contiguous() for t in split_query_heads(query, self.noise_ratio))
         k = key.view(sk, b, g, 2, d)
         v = value.reshape(sk, b, g, 2 * d).contiguous()  # V of KV head j: sub-heads 2j, 2j+1 side by side
-        q1, q2 = q[..., 0, :].contiguous(), q[..., 1, :].contiguous()  # [s, b, h, d]
         k1, k2 = k[..., 0, :].contiguous(), k[..., 1, :].contiguous()  # [sk, b, g, d]
         o1 = self._attend(self.map1, q1, k1, v)  # [s, b, h, 2d]
-        o2 = self._attend(self.map2, q2, k2, v)
-        return o1 - lam.to(o1.dtype) * o2
+        o2 = self._attend(self.map2, q2, k2, v)  # [s, b, n, 2d]
+        s, h, n = o1.shape[0], o1.shape[2], o2.shape[2]
+        # signal head j against its group's noise head: [s, b, n, r, 2d] - lam [s, b, n, 1, 2d]
+        out = o1.view(s, b, n, h // n, 2 * d) - lam.to(o1.dtype) * o2.view(s, b, n, 1, 2 * d)
+        return out.view(s, b, h, 2 * d)

@@ -103,8 +103,8 @@ def test_the_capturing_sdpa_is_torch_sdpa(groups, masking):
 
 def test_diff_v2_heads_are_reported_as_pairs_with_their_lambda():
     """Heads 2i and 2i+1 become A1 and A2 of pair i; the pair's effective map times V is DIFF V2's
-    combined output (`combine_head_pairs`)."""
-    from diffmeg.fusions.diff_combine import combine_head_pairs
+    combined output (`combine_head_groups`)."""
+    from diffmeg.fusions.diff_combine import combine_head_groups
 
     q, k, v = _qkv(4, 1, 7, 7)
     lam = torch.rand(7, 2, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # [s, b, h]
@@ -114,7 +114,7 @@ def test_diff_v2_heads_are_reported_as_pairs_with_their_lambda():
     )
     (rec,) = records
     assert rec.kind == "diff" and rec.lam.shape == (2, 2, 7, 1)
-    combined = combine_head_pairs(out.permute(2, 0, 1, 3).reshape(7, 2, -1), lam)  # [s, b, h * d]
+    combined = combine_head_groups(out.permute(2, 0, 1, 3).reshape(7, 2, -1), lam)  # [s, b, h * d]
     pairs = torch.matmul(rec.effective_map, v.expand(2, 2, 7, 8))  # [b, h, s, d]
     torch.testing.assert_close(pairs.permute(2, 0, 1, 3).reshape(7, 2, -1), combined)
     assert rec.mean_lambda == pytest.approx(float(lam.mean()))
