@@ -52,8 +52,9 @@ def transformer_config(run: RunConfig) -> DiffTransformerConfig:
     """The LLaMA macro layout (pre-RMSNorm, SwiGLU, no biases) with the run's sizes and parallelism."""
     model, parallel, training = run.model, run.parallel, run.training
     on_gpu = torch.cuda.is_available()
+    noise = model.num_noise_heads if model.diff_attention else None
     heads, groups = megatron_head_counts(
-        model.num_attention_heads, model.num_query_groups, model.diff_attention, model.diff_version
+        model.num_attention_heads, model.num_query_groups, model.diff_attention, model.diff_version, noise
     )
     dtype = training.params_dtype
     vp = parallel.virtual_pipeline_model_parallel_size
@@ -102,6 +103,7 @@ def transformer_config(run: RunConfig) -> DiffTransformerConfig:
         apply_rope_fusion=False,
         diff_attention=model.diff_attention,
         diff_version=model.diff_version,
+        num_noise_heads=noise,
         lambda_init=model.lambda_init,
         lambda_std=model.lambda_std,
         diff_attn_backend=run.impls["diff_attn_backend"],

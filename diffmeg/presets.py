@@ -5,7 +5,9 @@ override it. `--num-attention-heads` counts *differential* heads for DIFF models
 ordinary heads for Transformer baselines; the baselines have twice the heads of size 128, so
 parameters and FLOPs outside the attention core match exactly. DIFF V2 (`diff2-*`) has the layers,
 hidden and FFN sizes of both and the Transformer's h heads of d as its output heads (2h query heads,
-h KV heads, plus the lambda projection).
+h KV heads, plus the lambda projection). Grouped differential attention (`gda-*`, Motif-3's form) is DIFF
+V2 with those h signal heads sharing h / 4 noise heads (4:1) over h / 4 KV heads (a KV head per group):
+h + h/4 query heads.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from diffmeg.errors import DiffmegError
 
 PADDED_VOCAB_SIZE = 100288  # cl100k_base (100277 ids) padded to a multiple of 64
 HEAD_DIM = 128
+GDA_RATIO = 4
+"""Signal heads per noise head of the gda-* presets (Motif-3's 64:16; the GDA paper's best ratios 3-4:1)."""
 
 
 def swiglu_ffn_size(hidden: int) -> int:
@@ -107,11 +111,15 @@ def _build_presets() -> dict[str, dict]:
         baseline = dict(recipe, diff_attention=False, num_attention_heads=2 * recipe["num_attention_heads"])
         presets[f"transformer-{size}"] = baseline
         presets[f"diff2-{size}"] = dict(baseline, diff_attention=True, diff_version=2)
+        groups = baseline["num_attention_heads"] // GDA_RATIO
+        presets[f"gda-{size}"] = dict(
+            presets[f"diff2-{size}"], num_noise_heads=groups, num_query_groups=groups
+        )
     # The 64K extension of the 3B run: 1.5B tokens of 64 x 65536-token batches (4M tokens), RoPE theta
     # 640000, lr 8e-5, started from the 3B checkpoint (--pretrained-checkpoint) on the upsampled blend.
     # Layout for H100x8 nodes (the Slurm recipe): TP 2 x CP 2, sequence parallel, full recompute, the
     # distributed optimizer: ~33 GiB per GPU by the dry-run plan (selective recompute: ~102 GiB).
-    for arch in ("diff", "diff2", "transformer"):
+    for arch in ("diff", "diff2", "gda", "transformer"):
         presets[f"{arch}-3b-64k"] = {
             **presets[f"{arch}-3b"],
             "seq_length": 65536,
@@ -128,6 +136,7 @@ def _build_presets() -> dict[str, dict]:
     presets["diff-13.1b"] = presets["diff-13b"]
     presets["transformer-13.1b"] = presets["transformer-13b"]
     presets["diff2-13.1b"] = presets["diff2-13b"]
+    presets["gda-13.1b"] = presets["gda-13b"]
     for recipe in presets.values():
         recipe.setdefault("vocab_size", PADDED_VOCAB_SIZE)
     return presets

@@ -90,7 +90,11 @@ class ModelConfig:
     def architecture(self) -> str:
         if not self.diff_attention:
             return "Transformer"
-        return "DIFF" if self.diff_version == 1 else "DIFF V2"
+        name = "DIFF" if self.diff_version == 1 else "DIFF V2"
+        noise = self.num_noise_heads
+        if noise is not None and noise != self.num_attention_heads:  # grouped: signal to noise heads
+            name += f" GDA {self.num_attention_heads // noise}:1"
+        return name
 
 
 @dataclass(kw_only=True)

@@ -64,6 +64,7 @@ FLOORS = [
                 "diffmeg.presets",
                 "diffmeg.attention",
                 "diffmeg.attention_v2",
+                "diffmeg.self_attention",
                 "diffmeg.core_attention",
                 "diffmeg.registry",
                 "diffmeg.fusions",

@@ -69,20 +69,38 @@ def test_constant_lambda_init(single_rank_parallel_state):
     assert DiffCoreAttention(cfg, 7, AttnMaskType.causal, "self").lambda_init == pytest.approx(lambda_init(6))
 
 
-def test_kv_cache_step_is_causal_at_the_end(single_rank_parallel_state):
+@pytest.mark.parametrize("noise", [None, 2])
+def test_kv_cache_step_is_causal_at_the_end(single_rank_parallel_state, noise):
     """A decode step (sq < sk) must equal the last rows of the full-sequence attention."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from diffmeg.attention import DiffCoreAttention
 
+    queries = 8 if noise is None else 4 + noise
     for backend in ("reference", "sdpa"):
-        core = DiffCoreAttention(
-            make_config(diff_attn_backend=backend), 2, AttnMaskType.causal, "self"
-        ).double()
+        cfg = make_config(diff_attn_backend=backend, noise=noise, num_query_groups=8 if noise is None else 4)
+        core = DiffCoreAttention(cfg, 2, AttnMaskType.causal, "self").double()
         gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(9, 1, 8, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+        q = torch.randn(9, 1, queries, 8, generator=gen, dtype=torch.float64)
+        groups = cfg.num_query_groups
+        k, v = (torch.randn(9, 1, groups, 8, generator=gen, dtype=torch.float64) for _ in range(2))
         full = core(q, k, v, None)
         torch.testing.assert_close(core(q[-3:], k, v, None), full[-3:])
+
+
+@pytest.mark.parametrize("noise", [2, 1])
+def test_grouped_model_kv_cache_decoding_equals_full_recompute(single_rank_parallel_state, noise):
+    """generate() with megatron-core's KV cache through the grouped V1 model (its spread fused QKV for 5
+    query sub-heads over 2 sub-groups) gives the logits of recomputing the whole prefix."""
+    from diffmeg.generation import SamplingConfig, generate
+
+    model = perturbed_model(make_config(4, 1, 8, 2, noise=noise), torch.Generator().manual_seed(2), 0.4).eval()
+    prompt = [3, 17, 5, 42, 8]
+    cached = generate(model, prompt, 6, SamplingConfig(greedy=True), use_cache=True, return_logits=True)
+    full = generate(model, prompt, 6, SamplingConfig(greedy=True), use_cache=False, return_logits=True)
+    assert cached.output_ids == full.output_ids and len(cached.output_ids) == 6
+    for a, b in zip(cached.step_logits, full.step_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -50,11 +50,13 @@ def test_diff_v2_model_and_gradients_match_reference(
         torch.testing.assert_close(p.grad, sd[name].grad, rtol=1e-6, atol=1e-8, msg=name)
 
 
-def test_kv_cache_decoding_equals_full_recompute(single_rank_parallel_state):
-    """generate() with megatron-core's KV cache gives the logits of recomputing the whole prefix."""
+@pytest.mark.parametrize("noise", [None, 2, 1])
+def test_kv_cache_decoding_equals_full_recompute(single_rank_parallel_state, noise):
+    """generate() with megatron-core's KV cache gives the logits of recomputing the whole prefix (grouped
+    differential attention too)."""
     from diffmeg.generation import SamplingConfig, generate
 
-    model = _v2_model(4, 2, 8, 2).eval()
+    model = _v2_model(4, 2 if noise is None else noise, 8, 2, noise).eval()
     prompt = [3, 17, 5, 42, 8]
     cached = generate(model, prompt, 6, SamplingConfig(greedy=True), use_cache=True, return_logits=True)
     full = generate(model, prompt, 6, SamplingConfig(greedy=True), use_cache=False, return_logits=True)

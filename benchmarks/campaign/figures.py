@@ -56,6 +56,7 @@ def preset_flops_per_token(p: dict, layers: int, seq: int, causal: bool = True) 
         vocab_size=p["vocab_size"],
         diff_attention=p["diff_attention"],
         diff_version=p.get("diff_version", 1),
+        num_noise_heads=p.get("num_noise_heads"),
         causal=causal,
     ).total
 

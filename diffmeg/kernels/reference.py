@@ -57,8 +57,9 @@ def diff_attention_reference(
     if attention_mask is not None:
         keep = keep & ~attention_mask.bool()
     (_, a1), (_, a2) = softmax_map(q1, k1, keep, scale), softmax_map(q2, k2, keep, scale)  # [b, h|n, sq, sk]
-    a2 = a2.repeat_interleave(h // n, dim=1)  # each noise map for its h/n signal heads: [b, h, sq, sk]
-    diff_map = a1 - lam.to(a1.dtype) * a2
+    # each noise map against its h/n signal heads, by broadcasting: [b, n, h/n, sq, sk] - [b, n, 1, sq, sk]
+    diff_map = a1.view(b, n, h // n, sq, sk) - lam.to(a1.dtype) * a2.view(b, n, 1, sq, sk)
+    diff_map = diff_map.view(b, h, sq, sk)
     if dropout_p > 0.0:
         diff_map = torch.nn.functional.dropout(diff_map, p=dropout_p)
     return torch.matmul(diff_map, v1.to(diff_map.dtype)).to(q1.dtype)  # [b, h, sq, 2d]

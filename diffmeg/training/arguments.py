@@ -157,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, help="DIFF: differential KV heads (K1/K2 pairs)")
     g.add_argument(
+        "--num-noise-heads",
+        type=int,
+        help="grouped differential attention (GDA, Motif's): n noise heads shared by the "
+        "--num-attention-heads signal heads, h / n each (a multiple of --num-query-groups, whose default "
+        "it becomes). Default: as many as the signal heads (the classic 1:1 DIFF; the gda-* presets set 4:1)",
+    )
+    g.add_argument(
         "--kv-channels", type=int, help="head dim d (default hidden / (2h) for DIFF, hidden / h else)"
     )
     g.add_argument("--seq-length", type=int)
@@ -555,8 +562,15 @@ def _derive(args: argparse.Namespace, placeholders: bool = False) -> None:
         args.kv_channels = args.hidden_size // width
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = swiglu_ffn_size(args.hidden_size)
-    if args.num_query_groups is None:
-        args.num_query_groups = args.num_attention_heads
+    if args.num_noise_heads is not None and not args.diff_attention:
+        raise DiffmegError(
+            "--num-noise-heads groups differential attention's heads: the Transformer baseline "
+            "(--no-diff-attention) has no noise heads; leave it out"
+        )
+    if args.diff_attention and args.num_noise_heads is None:
+        args.num_noise_heads = args.num_attention_heads  # the 1:1 DIFF
+    if args.num_query_groups is None:  # one KV head per noise head (per head for the 1:1 DIFF)
+        args.num_query_groups = args.num_noise_heads if args.diff_attention else args.num_attention_heads
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.tokenizer_type is None:
@@ -589,6 +603,31 @@ def _derive(args: argparse.Namespace, placeholders: bool = False) -> None:
         args.save_interval = args.train_iters
 
 
+def _validate_noise_heads(args: argparse.Namespace, tp: int) -> None:
+    """Grouped differential attention's layout, in one line each: the noise heads divide the signal heads, a
+    tensor-parallel rank holds whole groups, a group's heads share one KV head."""
+    heads, noise, groups = args.num_attention_heads, args.num_noise_heads, args.num_query_groups
+    if heads % noise:
+        raise DiffmegError(
+            f"--num-noise-heads {noise} must divide the {heads} differential heads (--num-attention-heads): "
+            f"each noise head serves heads / noise signal heads; e.g. {_divisors_line(heads)}"
+        )
+    if noise % tp:
+        raise DiffmegError(
+            f"--num-noise-heads {noise} cannot be split over --tensor-model-parallel-size {tp}: a rank holds "
+            f"whole groups of signal heads and their noise head; use a TP size dividing {noise}"
+        )
+    if noise % groups:
+        raise DiffmegError(
+            f"--num-noise-heads {noise} must be a multiple of --num-query-groups {groups}: a group's signal "
+            f"and noise heads share one KV head (leave --num-query-groups out for one per noise head)"
+        )
+
+
+def _divisors_line(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Every impossible combination gets one line saying what is wrong and what to change."""
     tp, pp, cp = (
@@ -606,6 +645,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_layers % pp:
         raise DiffmegError(f"{args.num_layers} layers cannot be split into {pp} pipeline stages evenly")
     heads = args.num_attention_heads
+    if args.diff_attention:
+        _validate_noise_heads(args, tp)
     if heads % tp:
         raise DiffmegError(f"{heads} attention heads cannot be split over tensor-model-parallel-size {tp}")
     if args.num_query_groups % tp or heads % args.num_query_groups:
@@ -622,7 +663,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         cp_size=cp,
         comm_type=args.cp_comm_type,
         diff_attention=args.diff_attention,
-        heads=2 * heads if v2 else heads,  # V2 shards its 2h query heads inside attention
+        # what Ulysses shards whole: V2's h + n query heads (whole noise groups), V1's n groups (n = h: heads)
+        heads=heads + args.num_noise_heads if v2 else args.num_noise_heads if args.diff_attention else heads,
         kv_heads=args.num_query_groups,
         tp=tp,
         attention_dropout=0.0 if v2 else args.attention_dropout,

@@ -635,8 +635,13 @@ def check_shape(where: str, saved: dict, model: ModelConfig) -> None:
     differ = []
     for name in SHAPE_FIELDS:
         theirs, ours = saved.get(name, True if name == "diff_attention" else None), getattr(model, name)
-        if name == "diff_version" and not (saved.get("diff_attention", True) and model.diff_attention):
-            continue  # the Transformer baseline has no DIFF version
+        if name in ("diff_version", "num_noise_heads") and not (
+            saved.get("diff_attention", True) and model.diff_attention
+        ):
+            continue  # the Transformer baseline has no DIFF version, no noise heads
+        if name == "num_noise_heads":  # None (a run before grouped attention): one per differential head
+            theirs = saved.get(name) or saved.get("num_attention_heads")
+            ours = ours or model.num_attention_heads
         if theirs is None or ours is None or theirs == ours:
             continue
         if name == "diff_attention":

@@ -19,6 +19,11 @@ DIFF V2 (h output heads, 2h query heads of d, g KV heads):
   scores and context    2 * (s/2) * 2h d each       an ordinary attention over 2h heads: 2x the baseline
   output projection     2 h d H                     the baseline's
 (the pair combination, 3 h d per token, is negligible and not counted).
+
+Grouped differential attention (n noise heads for the h signal heads; n = h above): h + n query heads of d
+in the QKV projection, scores and (V2) context; V1's context is h + n maps against V of 2d (each noise
+map once, not once per signal head); the output projections as above. So GDA 4:1 costs (h + n) / 2h = 5/8
+of the 1:1 model's attention core.
 """
 
 from __future__ import annotations
@@ -52,23 +57,25 @@ def forward_flops_per_token(
     vocab_size: int,
     diff_attention: bool,
     diff_version: int = 1,
+    num_noise_heads: int | None = None,
     causal: bool = True,
 ) -> FlopsBreakdown:
-    """Forward FLOPs per token; head counts as on the command line (DIFF heads for DIFF models).
-    `causal`: the attention core counted as half the square (ours), else the full square (Megatron-LM's)."""
+    """Forward FLOPs per token; head counts as on the command line (DIFF heads for DIFF models; noise heads
+    None: as many as those). `causal`: the attention core counted as half the square (ours), else the full
+    square (Megatron-LM's)."""
     d, H = kv_channels, hidden_size
     query_heads, kv_heads = megatron_head_counts(
-        num_attention_heads, num_query_groups, diff_attention, diff_version
+        num_attention_heads, num_query_groups, diff_attention, diff_version, num_noise_heads
     )
     v2 = diff_attention and diff_version == 2
     qkv = 2 * H * (query_heads * d + 2 * kv_heads * d)
-    proj = 2 * (num_attention_heads if v2 else query_heads) * d * H
+    proj = 2 * num_attention_heads * d * H * (2 if diff_attention and not v2 else 1)
     lam = 2 * H * num_attention_heads if v2 else 0
     mlp = 2 * 3 * H * ffn_hidden_size
     half = seq_length / 2 if causal else seq_length  # the keys a query attends to, on average
     scores = 2 * half * query_heads * d
     if diff_attention and not v2:
-        context = 2 * half * num_attention_heads * 2 * (2 * d)  # two maps against V of 2d
+        context = 2 * half * query_heads * (2 * d)  # h signal and n noise maps against V of 2d
     else:
         context = 2 * half * query_heads * d
     return FlopsBreakdown(
@@ -92,6 +99,7 @@ def train_flops_per_iteration(run: RunConfig, causal: bool = True) -> float:
         vocab_size=m.vocab_size,
         diff_attention=m.diff_attention,
         diff_version=m.diff_version,
+        num_noise_heads=m.num_noise_heads if m.diff_attention else None,
         causal=causal,
     )
     return 3.0 * per_token.total * run.training.global_batch_size * m.seq_length

@@ -130,11 +130,16 @@ def _activations(run: RunConfig, on_gpu: bool) -> tuple[float, float]:
     v2 = _is_v2(run)
     sub = 2 if model.diff_attention else 1
     heads = model.num_attention_heads  # DIFF heads, or baseline heads
-    q = sub * heads * d / tp  # V1: 2h sub-heads; V2: 2h query heads; baseline: h heads
+    # query (sub-)heads: V1 and V2 h + n (2h for the 1:1 DIFF), the baseline h
+    query_heads = heads + (model.num_noise_heads or heads) if model.diff_attention else heads
+    q = query_heads * d / tp
     k = (1 if v2 else sub) * model.num_query_groups * d / tp
+    out = 2 * heads * d / tp  # V1's combined heads (h of 2d): o1, the projection input
+    noise_out = 2 * (model.num_noise_heads or heads) * d / tp  # V1's noise maps' outputs (o2)
     # V2 beside its core: sigmoid(lambda) in fp32, the combined heads (projection input), and the fp32 copy
     # of the core output kept by the combination when the core runs in bf16/fp16.
     v2_extra = (4 * heads / tp + b_act * heads * d / tp + (4 * q if b_act != 4 else 0)) if v2 else 0.0
+    proj_in = out if model.diff_attention and not v2 else q
     te = model.transformer_impl == "transformer_engine"
     # Norm blocks: TE fuses the norm into the next linear (keeps input and normalised input); ours keeps
     # x, the fp32 normalised tensor and the output (fp32 internals cost 4 bytes under bf16 too).
@@ -145,15 +150,16 @@ def _activations(run: RunConfig, on_gpu: bool) -> tuple[float, float]:
     if training.recompute_granularity == "selective":
         # The checkpoint keeps its inputs: post-RoPE q and k, and v, a view that keeps the whole fused
         # QKV output (q + 2k wide) alive; plus the projection input.
-        attn = b_act * (2 * q + 3 * k + q) + v2_extra
+        attn = b_act * (2 * q + 3 * k + proj_in) + v2_extra
     elif v2:
-        attn = b_act * (3 * q + 3 * k) + 4 * 2 * heads / tp + v2_extra
+        attn = b_act * (3 * q + 3 * k) + 4 * query_heads / tp + v2_extra  # + an fp32 log-sum-exp a head
     elif model.diff_attention and fused_attention:
         # q, k, v, o1, o2 and the projection input in the activation dtype; head-norm input and
         # normalised tensor in fp32.
-        attn = b_act * (q + k + k + 2 * q + q) + 8 * q
+        attn = b_act * (q + k + k + out + noise_out + out) + 8 * out
     elif model.diff_attention:
-        per_head_scores = 2 * (heads / tp / cp) * model.seq_length * cp  # two maps, full sequence
+        # the maps of the signal and the noise heads over the full sequence
+        per_head_scores = (query_heads / tp / cp) * model.seq_length * cp
         attn = 4 * (7 * q) + 4 * per_head_scores  # the math path runs in fp32
     else:
         # SDPACoreAttention (the local spec) or TE's fused attention: post-RoPE q and k, the fused QKV

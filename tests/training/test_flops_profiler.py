@@ -86,15 +86,22 @@ def test_attention_core_flops_match_formula(h, g):
     assert 3 * reference == 2 * two_call  # explicit map: one PV product for (A1 - lam A2)
 
 
-@pytest.mark.parametrize("diff", [True, False], ids=["diff", "transformer"])
-def test_whole_model_flops_match_formula(single_rank_parallel_state, diff):
-    """megatron-core GPTModel (tiny): linears + logits exactly, attention core with the causal factor 2."""
+@pytest.mark.parametrize(
+    "diff,fields",
+    [(True, {}), (False, {}), (True, {"noise": 1}), (True, {"noise": 1, "diff_version": 2})],
+    ids=["diff", "transformer", "gda", "gda-v2"],
+)
+def test_whole_model_flops_match_formula(single_rank_parallel_state, diff, fields):
+    """megatron-core GPTModel (tiny): linears + logits exactly, attention core with the causal factor 2;
+    grouped differential attention (2 signal heads, 1 noise head) in both versions."""
     from diffmeg.model import build_model
 
     layers, heads, kv_heads, d, ffn, vocab, b, s = 2, 2, 1, 16, 96, 128, 2, 32
-    sub = 2 if diff else 1  # megatron-core counts sub-heads; DIFF heads are pairs of them
+    sub = 2 if diff and not fields else 1  # megatron-core counts sub-heads; DIFF heads are pairs of them
     # the baseline has 2h heads of d: same width, same linears
-    cfg = tiny_config(heads, kv_heads, d, layers, ffn=ffn, diff_attention=diff, diff_attn_backend="sdpa")
+    cfg = tiny_config(
+        heads, kv_heads, d, layers, ffn=ffn, diff_attention=diff, diff_attn_backend="sdpa", **fields
+    )
     model = build_model(cfg, vocab_size=vocab, max_sequence_length=s)
     tokens = torch.randint(0, vocab, (b, s))
     kwargs = {"input_ids": tokens, "position_ids": torch.arange(s)[None].expand(b, s), "attention_mask": None}
@@ -104,12 +111,14 @@ def test_whole_model_flops_match_formula(single_rank_parallel_state, diff):
         num_layers=layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=ffn,
-        num_attention_heads=2 * heads // sub,
-        num_query_groups=2 * kv_heads // sub,
+        num_attention_heads=heads if fields else 2 * heads // sub,
+        num_query_groups=kv_heads if fields else 2 * kv_heads // sub,
         kv_channels=d,
         seq_length=s,
         vocab_size=vocab,
         diff_attention=diff,
+        diff_version=fields.get("diff_version", 1),
+        num_noise_heads=fields.get("noise"),
     )
     tokens_n = b * s
     assert 2 * int(macs) == tokens_n * (f.linear + f.logits + 2 * f.attention_core)
