@@ -94,7 +94,8 @@ def test_grouped_model_kv_cache_decoding_equals_full_recompute(single_rank_paral
     query sub-heads over 2 sub-groups) gives the logits of recomputing the whole prefix."""
     from diffmeg.generation import SamplingConfig, generate
 
-    model = perturbed_model(make_config(4, 1, 8, 2, noise=noise), torch.Generator().manual_seed(2), 0.4).eval()
+    cfg = make_config(4, 1, 8, 2, noise=noise)
+    model = perturbed_model(cfg, torch.Generator().manual_seed(2), 0.4).eval()
     prompt = [3, 17, 5, 42, 8]
     cached = generate(model, prompt, 6, SamplingConfig(greedy=True), use_cache=True, return_logits=True)
     full = generate(model, prompt, 6, SamplingConfig(greedy=True), use_cache=False, return_logits=True)
