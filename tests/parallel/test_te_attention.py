@@ -80,18 +80,22 @@ def _check_diff_composition(rank: int) -> None:
     from tests.parallel.cp_stand_in import AllGatherCPAttention
     from tests.reference_model import diff_heads, lambda_init
 
-    cases = [
-        (4, 4, "p2p"),
-        (4, 2, "p2p"),
-        (3, 1, "p2p"),  # 3 heads, 1 KV head: not divisible by CP=2, fine for TE's p2p and all_gather
-        (4, 2, "all_gather"),
-        (3, 3, "all_gather"),
-        (2, 2, "a2a"),
-        (4, 2, "ulysses"),
+    cases = [  # (h, g, comm, n): n noise heads (grouped differential attention), None: the 1:1 pairs
+        (4, 4, "p2p", None),
+        (4, 2, "p2p", None),
+        (3, 1, "p2p", None),  # 3 heads, 1 KV head: not divisible by CP=2, fine for TE's p2p and all_gather
+        (4, 2, "all_gather", None),
+        (3, 3, "all_gather", None),
+        (2, 2, "a2a", None),
+        (4, 2, "ulysses", None),
+        (4, 1, "p2p", 1),  # 4 signal heads over one noise head: 5 query sub-heads
+        (4, 2, "all_gather", 2),
+        (4, 2, "a2a", 2),
     ]
     d, s, b, layer_number = 8, 16, 2, 3
-    for heads, kv_heads, comm in cases:
-        cfg = make_config(heads, kv_heads, d, context_parallel_size=CP, cp_comm_type=comm)
+    for heads, kv_heads, comm, noise in cases:
+        cfg = make_config(heads, kv_heads, d, context_parallel_size=CP, cp_comm_type=comm, noise=noise)
+        noise = noise or heads
         stand_in = DiffCoreAttentionSubmodules(cp_attention=AllGatherCPAttention)
         core = DiffCoreAttention(cfg, layer_number, AttnMaskType.causal, "self", submodules=stand_in).double()
         assert isinstance(core.cp_maps, DiffMapsWithCP) == (comm != "ulysses")
@@ -102,7 +106,7 @@ def _check_diff_composition(rank: int) -> None:
             for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
                 getattr(core, name).copy_(torch.randn(d, generator=gen, dtype=torch.float64) * 0.5)
             core.head_norm.weight.copy_(1 + 0.3 * torch.randn(2 * d, generator=gen, dtype=torch.float64))
-        q = torch.randn(s, b, 2 * heads, d, generator=gen, dtype=torch.float64)
+        q = torch.randn(s, b, heads + noise, d, generator=gen, dtype=torch.float64)
         k = torch.randn(s, b, 2 * kv_heads, d, generator=gen, dtype=torch.float64)
         v = torch.randn(s, b, 2 * kv_heads, d, generator=gen, dtype=torch.float64)
         grad_out = torch.randn(s, b, heads * 2 * d, generator=gen, dtype=torch.float64)
@@ -115,15 +119,18 @@ def _check_diff_composition(rank: int) -> None:
         ref_params = [_leaf(p) for p in params]
         qr, kr, vr = (_leaf(t) for t in (q, k, v))
         ref = []
-        for bi in range(b):  # adjacent pairing: sub-heads 2i, 2i+1 are Q1/Q2 (K1/K2) of head i
-            q1, q2 = qr[:, bi, 0::2].transpose(0, 1), qr[:, bi, 1::2].transpose(0, 1)
+        r = heads // noise
+        for bi in range(b):  # groups [signal x r, noise] (r = 1: sub-heads 2i, 2i+1 are Q1/Q2 of head i)
+            groups = qr[:, bi].view(s, noise, r + 1, d)
+            q1 = groups[:, :, :r].reshape(s, heads, d).transpose(0, 1)  # [h, s, d]
+            q2 = groups[:, :, r].transpose(0, 1)  # [n, s, d]
             k1, k2 = kr[:, bi, 0::2].transpose(0, 1), kr[:, bi, 1::2].transpose(0, 1)
             vv = torch.cat([vr[:, bi, 0::2], vr[:, bi, 1::2]], dim=-1).transpose(0, 1)
             ref.append(diff_heads(q1, q2, k1, k2, vv, *ref_params, lambda_init(layer_number - 1)))
         ref = torch.stack(ref, dim=1)  # [s, b, h * 2d]
         (ref * grad_out).sum().backward()
 
-        tag = f"{comm} h={heads} g={kv_heads}"
+        tag = f"{comm} h={heads} g={kv_heads} n={noise}"
         torch.testing.assert_close(out, _local(ref, rank), rtol=1e-10, atol=1e-10, msg=tag)
         for name, m, r in zip("qkv", mine, (qr, kr, vr), strict=True):
             torch.testing.assert_close(
