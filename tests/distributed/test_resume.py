@@ -12,7 +12,9 @@ from tests.distributed.runner import read_losses, run_training
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "nproc,extra", [(1, []), (2, ["--use-distributed-optimizer"])], ids=["single", "dp2_distopt"]
+    "nproc,extra",
+    [(1, []), (2, ["--use-distributed-optimizer"]), (1, ["--model", "gda-tiny"])],
+    ids=["single", "dp2_distopt", "grouped_v2"],
 )
 def test_resume_is_exact(tmp_path, nproc, extra):
     run_training(tmp_path, "straight", ["--train-iters", "20", *extra], nproc=nproc)
