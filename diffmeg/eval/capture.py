@@ -8,6 +8,8 @@ core compute with explicit-softmax math that also hands its maps and logits to a
   spec, DIFF V2): torch SDPA's math over the ordinary heads. A DIFF V2 layer's 2h heads are reported as
   its h pairs (A1 = even heads, A2 = odd heads) with the per-token lambda of the layer's forward
   (`DiffV2SelfAttention.lam`).
+With grouped differential attention (n noise heads for h signal heads) both report h heads: A1 of each
+signal head, A2 the noise map of its group (the same map for the group's r = h / n heads).
 A baseline built with megatron-core's own local `DotProductAttention` is read through hooks on its
 `scale_mask_softmax` module. Layer outputs come from forward hooks on the decoder layers. Everything is
 undone on exit, so the model is usable as before.
@@ -80,13 +82,16 @@ def _diff_backend(layer: int, sink: Sink | None, logit_fn: LogitFn | None):
     def backend(q1, q2, k1, k2, v, lam, *, scale, dropout_p=0.0, attention_mask=None):
         if dropout_p > 0.0:
             raise DiffmegError("attention analysis needs the model in eval mode (attention dropout is on)")
-        rep = q1.shape[1] // k1.shape[1]
-        # GQA: [b, g, s, .] -> [b, h, s, .]
-        k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
+        h, n, g = q1.shape[1], q2.shape[1], k1.shape[1]
+        # GQA: [b, g, s, .] -> [b, h, s, .] (signal heads), [b, n, s, .] (noise heads)
+        k1, v = (t.repeat_interleave(h // g, dim=1) for t in (k1, v))
+        k2 = k2.repeat_interleave(n // g, dim=1)
         keep = causal_keep_mask(q1.shape[2], k1.shape[2], q1.device)
         if attention_mask is not None:
             keep = keep & ~attention_mask.bool()
         (l1, a1), (l2, a2) = (softmax_map(q, k, keep, scale, logit_fn) for q, k in ((q1, k1), (q2, k2)))
+        # each signal head's noise map: its group's, [b, n, ..] -> [b, h, ..]
+        l2, a2 = (t.repeat_interleave(h // n, dim=1) for t in (l2, a2))
         lam = lam.to(a1.dtype)
         if sink is not None:
             sink(AttentionRecord(layer, "diff", [l1, l2], [a1, a2], keep, float(lam)))
@@ -109,6 +114,15 @@ def _sdpa_keep(attn_mask: torch.Tensor | None, is_causal: bool, sq: int, sk: int
     return torch.ones(sq, sk, dtype=torch.bool, device=device)
 
 
+def _signal_and_noise(t: torch.Tensor, ratio: int) -> list[torch.Tensor]:
+    """A DIFF V2 layer's per-head tensor [b, h + n, ...] in groups [signal x ratio, noise] as [A1, A2], each
+    [b, h, ...]: the signal heads, and for each its group's noise head (ratio 1: heads 2i, 2i+1)."""
+    b, heads = t.shape[:2]
+    groups = t.view(b, heads // (ratio + 1), ratio + 1, *t.shape[2:])  # [b, n, r + 1, ...]
+    signal = groups[:, :, :ratio].reshape(b, -1, *t.shape[2:])
+    return [signal, groups[:, :, ratio].repeat_interleave(ratio, dim=1)]
+
+
 def _sdpa(layer: int, sink: Sink | None, logit_fn: LogitFn | None, v2: DiffV2SelfAttention | None):
     """torch SDPA's math, explicit, reporting the maps. For a DIFF V2 layer (`v2`, its attention) the 2h
     heads are reported as h pairs (even heads A1, odd heads A2) with the lambda of its forward [s, b, h]."""
@@ -129,7 +143,7 @@ def _sdpa(layer: int, sink: Sink | None, logit_fn: LogitFn | None, v2: DiffV2Sel
                 if v2.lam is None:
                     raise DiffmegError(f"layer {layer}: DIFF V2 attention ran without its lambda projection")
                 lam = v2.lam.permute(1, 2, 0).unsqueeze(-1)  # [s, b, h] -> [b, h, s, 1]
-                pairs = [[t[:, 0::2], t[:, 1::2]] for t in (logits, maps)]  # heads 2i, 2i+1 -> A1, A2 of i
+                pairs = [_signal_and_noise(t, v2.noise_ratio) for t in (logits, maps)]
                 sink(AttentionRecord(layer, "diff", pairs[0], pairs[1], keep, lam.to(maps.dtype)))
         return torch.matmul(maps, v.to(maps.dtype)).to(q.dtype)
 

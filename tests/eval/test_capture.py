@@ -16,8 +16,11 @@ from tests.builders import make_config, make_v2_config
 def _model(kind: str, layers: int = 2):
     from diffmeg.model import build_model
 
-    if kind == "v2":
-        cfg = make_v2_config(heads=2, kv_heads=1, head_dim=8, layers=layers)
+    if kind in ("v2", "gda_v2"):  # gda: grouped differential attention, 2 signal heads over 1 noise head
+        noise = 1 if kind == "gda_v2" else None
+        cfg = make_v2_config(heads=2, kv_heads=1, head_dim=8, layers=layers, noise=noise)
+    elif kind == "gda":
+        cfg = make_config(heads=2, kv_heads=1, head_dim=8, layers=layers, noise=1)
     else:
         cfg = make_config(heads=2, kv_heads=1, head_dim=8, layers=layers, diff_attention=kind == "diff")
     model = build_model(cfg, vocab_size=64, max_sequence_length=32, rotary_base=500.0, seed=3).double()
@@ -34,15 +37,13 @@ def _logits(model, tokens):
         return model(input_ids=tokens, position_ids=torch.arange(tokens.shape[1])[None], attention_mask=None)
 
 
-@pytest.mark.parametrize("kind", ["diff", "baseline", "v2"])
+@pytest.mark.parametrize("kind", ["diff", "baseline", "v2", "gda", "gda_v2"])
 def test_capture_changes_no_logit_and_reports_every_layer(single_rank_parallel_state, kind):
     from diffmeg.attention_v2 import DiffV2SelfAttention
 
     model = _model(kind)
     is_v2 = isinstance(decoder_layers(model)[0].self_attention, DiffV2SelfAttention)
-    if kind == "v2" and not is_v2:
-        pytest.skip("this checkout's local spec does not build DIFF V2 layers yet (diffmeg/layer_specs.py)")
-    assert is_v2 == (kind == "v2")
+    assert is_v2 == (kind in ("v2", "gda_v2"))
     tokens = torch.randint(0, 64, (1, 13), generator=torch.Generator().manual_seed(1))
     plain = _logits(model, tokens)
     records: list[AttentionRecord] = []
@@ -58,10 +59,12 @@ def test_capture_changes_no_logit_and_reports_every_layer(single_rank_parallel_s
             assert m.dtype == torch.float64 and m.shape == (1, heads, 13, 13)
             torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:-1], dtype=torch.float64))
             assert not m[..., ~rec.keep].any()  # nothing attends to a later token
-        if kind == "v2":  # per-token, per-head lambda in (0, 1)
+        if is_v2:  # per-token, per-head lambda in (0, 1)
             assert rec.lam.shape == (1, 2, 13, 1) and 0 < rec.lam.min() and rec.lam.max() < 1
-        elif kind == "diff":
+        elif kind != "baseline":
             assert isinstance(rec.lam, float)
+        if kind.startswith("gda"):  # both signal heads subtract their group's one noise map
+            torch.testing.assert_close(rec.maps[1][:, 0], rec.maps[1][:, 1], rtol=0, atol=0)
     with capture_attention(model, records.append, lambda logits, keep: logits * 0.0):  # uniform maps
         flattened = _logits(model, tokens)
     assert not torch.allclose(flattened, plain)
@@ -101,20 +104,23 @@ def test_the_capturing_sdpa_is_torch_sdpa(groups, masking):
         assert torch.equal(rec.keep, torch.ones(9, 9, dtype=torch.bool).tril())
 
 
-def test_diff_v2_heads_are_reported_as_pairs_with_their_lambda():
-    """Heads 2i and 2i+1 become A1 and A2 of pair i; the pair's effective map times V is DIFF V2's
-    combined output (`combine_head_groups`)."""
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_diff_v2_heads_are_reported_as_pairs_with_their_lambda(ratio):
+    """Heads 2i and 2i+1 become A1 and A2 of pair i (ratio 1; with grouped differential attention, each of
+    a group's `ratio` signal heads and the group's noise head); the pair's effective map times V is DIFF
+    V2's combined output (`combine_head_groups`)."""
     from diffmeg.fusions.diff_combine import combine_head_groups
 
-    q, k, v = _qkv(4, 1, 7, 7)
-    lam = torch.rand(7, 2, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # [s, b, h]
+    h = 2 * ratio  # 2 groups of `ratio` signal heads: h + 2 query heads
+    q, k, v = _qkv(h + 2, 1, 7, 7)
+    lam = torch.rand(7, 2, h, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # [s, b, h]
     records: list[AttentionRecord] = []
-    out = _sdpa(0, records.append, None, SimpleNamespace(lam=lam))(
+    out = _sdpa(0, records.append, None, SimpleNamespace(lam=lam, noise_ratio=ratio))(
         q, k, v, is_causal=True, scale=0.3, enable_gqa=True
     )
     (rec,) = records
-    assert rec.kind == "diff" and rec.lam.shape == (2, 2, 7, 1)
-    combined = combine_head_groups(out.permute(2, 0, 1, 3).reshape(7, 2, -1), lam)  # [s, b, h * d]
-    pairs = torch.matmul(rec.effective_map, v.expand(2, 2, 7, 8))  # [b, h, s, d]
+    assert rec.kind == "diff" and rec.lam.shape == (2, h, 7, 1)
+    combined = combine_head_groups(out.permute(2, 0, 1, 3).reshape(7, 2, -1), lam, ratio)  # [s, b, h * d]
+    pairs = torch.matmul(rec.effective_map, v.expand(2, h, 7, 8))  # [b, h, s, d]
     torch.testing.assert_close(pairs.permute(2, 0, 1, 3).reshape(7, 2, -1), combined)
     assert rec.mean_lambda == pytest.approx(float(lam.mean()))
