@@ -38,10 +38,13 @@ def dry_run_summary(run: RunConfig) -> dict:
     model, parallel, training, optim = run.model, run.parallel, run.training, run.optim
     tokens_per_batch = run.tokens_per_step
     v1 = model.diff_attention and model.diff_version == 1
+    architecture = ("diff" if v1 else "diff2") if model.diff_attention else "transformer"
+    if model.diff_attention and model.num_noise_heads not in (None, model.num_attention_heads):
+        architecture = "gda-v1" if v1 else "gda"  # grouped: fewer noise heads than signal heads
     return {
         "model": {
             "preset": model.preset,
-            "architecture": ("diff" if v1 else "diff2") if model.diff_attention else "transformer",
+            "architecture": architecture,
             "num_layers": model.num_layers,
             "hidden_size": model.hidden_size,
             "ffn_hidden_size": model.ffn_hidden_size,

@@ -58,10 +58,11 @@ CASES = [
     ("transformer_13b", "diff_13b.sh", [], {"ARCH": "transformer"}),
     ("diff_3b_64k", "diff_3b_64k.sh", [], {}),
     ("transformer_3b_64k", "diff_3b_64k.sh", [], {"ARCH": "transformer"}),
+    ("gda_3b_1T", "gda_3b_1T.sh", [], {}),
 ] + [
-    (f"{arch}-{size}", "diff_scaling.sh", [f"{arch}-{size}" if arch == "transformer" else size], {})
+    (f"{arch}-{size}", "diff_scaling.sh", [size if arch == "diff" else f"{arch}-{size}"], {})
     for size in ("830m", "1.4b", "2.8b", "6.8b", "13.1b")
-    for arch in ("diff", "transformer")
+    for arch in ("diff", "transformer", "gda")
 ]
 PAPER = [label for label, *_ in CASES]
 CASES += [
@@ -176,6 +177,23 @@ def check_common(
     assert config["memory_per_gpu_gib"]["total"] < 64, config["memory_per_gpu_gib"]
 
 
+def test_gda_3b_1T(resolved, python):
+    """The 3B run with grouped differential attention: the Transformer's 24 heads as signal heads over 6 noise
+    heads and 6 KV heads (DIFF V2 style, 4:1), everything else the paper's 3B recipe."""
+    head, c = resolved["gda_3b_1T"]
+    check_common(c, head, world=128, run_name="gda-3b-1T", python=python)
+    m, s = c["model"], c["schedule"]
+    assert m["architecture"] == "gda" and m["preset"] == "gda-3b"
+    assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"]) == (28, 3072, 8192)
+    assert (m["num_attention_heads"], m["num_noise_heads"], m["num_query_groups"]) == (24, 6, 6)
+    assert (m["head_dim"], m["value_head_dim"]) == (128, 128)
+    assert s["train_iters"] == 238419
+    assert (s["lr"], s["min_lr"], s["lr_warmup_iters"]) == (3.2e-4, 1.28e-5, 1000)
+    # against the Transformer: 6 more query heads and 18 fewer KV heads of 128, and lambda_proj, a layer
+    base = resolved["transformer_3b_1T"][1]["num_parameters"]
+    assert c["num_parameters"] - base == 28 * 3072 * (6 * 128 - 2 * 18 * 128 + 24)
+
+
 @pytest.mark.parametrize("arch", ["diff", "transformer"])
 def test_3b_1T(resolved, python, arch):
     head, c = resolved[f"{arch}_3b_1T"]
@@ -230,6 +248,8 @@ def check_scaling(c: dict, size: str, arch: str) -> None:
     assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"]) == (layers, hidden, _ffn(hidden))
     heads = diff_heads if arch == "diff" else 2 * diff_heads
     assert m["num_attention_heads"] == heads
+    if arch == "gda":  # the Transformer's heads as signal heads, a quarter as many noise and KV heads
+        assert m["num_noise_heads"] == m["num_query_groups"] == heads // 4
     # Head dim 128, except 830M: the table's 8 DIFF heads at hidden 1536 give 96 (presets follow the table).
     assert m["head_dim"] == (96 if size == "830m" else 128)
     assert m["seq_length"] == 2048
@@ -238,14 +258,14 @@ def check_scaling(c: dict, size: str, arch: str) -> None:
     assert (s["adam_beta1"], s["adam_beta2"], s["weight_decay"]) == (0.9, 0.98, 0.05)
 
 
-@pytest.mark.parametrize("arch", ["diff", "transformer"])
+@pytest.mark.parametrize("arch", ["diff", "transformer", "gda"])
 @pytest.mark.parametrize("size", list(SCALING))
 def test_scaling_sweep(resolved, python, size, arch):
     head, c = resolved[f"{arch}-{size}"]
     check_common(c, head, world=8, run_name=f"{arch}-{size}", python=python)
     check_scaling(c, size, arch)
     p = c["parallel"]
-    tp = {"830m": 1, "1.4b": 1, "2.8b": 1, "6.8b": 2, "13.1b": 4}[size]
+    tp = {"830m": 1, "1.4b": 1, "2.8b": 1, "6.8b": 2, "13.1b": 2 if arch == "gda" else 4}[size]
     assert p["tensor_model_parallel_size"] == tp and p["sequence_parallel"] == (tp > 1)
     assert (" --sequence-parallel " in _srun_line(head)) == (tp > 1)  # passed only where it applies
 
@@ -306,7 +326,7 @@ def test_outside_slurm_without_dry_run_refuses():
     "args,env,message",
     [
         (["999m"], {}, "usage: diff_scaling.sh SIZE"),
-        (["830m"], {"ARCH": "mamba"}, "ARCH must be diff, diff2 or transformer"),
+        (["830m"], {"ARCH": "mamba"}, "ARCH must be diff, diff2, gda or transformer"),
         (["830m"], {"DP": "4"}, "DP=4 but 8 ranks"),
         (["830m"], {"TP": "3"}, "not divisible by TP 3"),
     ],
