@@ -95,3 +95,45 @@ def test_diff2_presets_share_the_transformer_sizes():
     assert (p["num_attention_heads"], p["kv_channels"]) == (24, 128)
     n = _count(p)
     assert n == 4_053_543_936  # issue 13: 48 query heads, 24 KV heads, lambda_proj, untied output
+
+
+def test_gda_presets_are_diff2_with_a_quarter_as_many_noise_and_kv_heads():
+    """Motif-3's V2-style GDA at 4:1, one KV head per group of signal heads and their noise head."""
+    for name in PRESETS:
+        if name.startswith("gda-"):
+            gda, v2 = get_preset(name), get_preset(name.replace("gda-", "diff2-"))
+            groups = v2["num_attention_heads"] // 4
+            assert gda == {**v2, "num_noise_heads": groups, "num_query_groups": groups}, name
+
+
+def test_readme_gda_parameter_table_is_the_formulas():
+    """README's table of transformer-* / diff2-* / gda-* parameters and the GDA core's FLOPs against V2's is
+    what count_parameters and forward_flops_per_token give."""
+    import re
+
+    from diffmeg.training.flops import forward_flops_per_token
+    from tests.conftest import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("## Grouped differential attention") :]
+    rows = re.findall(r"^\| (\w[\w.]*) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \|$", section, re.M)
+    assert [r[0] for r in rows] == ["tiny", "830m", "1.4b", "2.8b", "3b", "6.8b", "13b"]
+
+    def core(p):
+        sizes = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels")
+        f = forward_flops_per_token(
+            **{k: p[k] for k in sizes},
+            num_query_groups=p.get("num_query_groups") or p["num_attention_heads"],
+            seq_length=p["seq_length"],
+            vocab_size=p["vocab_size"],
+            diff_attention=True,
+            diff_version=2,
+            num_noise_heads=p.get("num_noise_heads"),
+        )
+        return f.attention_core
+
+    for size, *counts, ratio in rows:
+        names = [f"{arch}-{size}" for arch in ("transformer", "diff2", "gda")]
+        assert [int(c.replace(",", "")) for c in counts] == [_count(get_preset(n)) for n in names], size
+        gda, v2 = get_preset(names[2]), get_preset(names[1])
+        assert float(ratio) == pytest.approx(core(gda) / core(v2), abs=5e-4), size
