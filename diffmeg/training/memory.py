@@ -160,7 +160,13 @@ def _activations(run: RunConfig, on_gpu: bool) -> tuple[float, float]:
     elif model.diff_attention:
         # the maps of the signal and the noise heads over the full sequence
         per_head_scores = (query_heads / tp / cp) * model.seq_length * cp
-        attn = 4 * (7 * q) + 4 * per_head_scores  # the math path runs in fp32
+        # GQA on the math path: a map whose query heads outnumber the KV heads keeps V repeated for them (2d
+        # a head; the signal map's h, the noise map's n) in place of the one V of g heads the maps share
+        # (what torch's CPU math kernel saved, tests/training/test_memory.py)
+        noise, groups = model.num_noise_heads or heads, model.num_query_groups
+        repeats = [2 * n_map * d / tp for n_map in (heads, noise) if n_map != groups]
+        repeated = sum(repeats) - (2 * groups * d / tp if repeats else 0)
+        attn = 4 * (7 * q + repeated) + 4 * per_head_scores  # the math path runs in fp32
     else:
         # SDPACoreAttention (the local spec) or TE's fused attention: post-RoPE q and k, the fused QKV
         # output (V is a view of it), the output, and an fp32 log-sum-exp per head (measured on CPU; the

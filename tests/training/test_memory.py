@@ -88,6 +88,23 @@ def test_per_layer_activation_terms_match_autograd(single_rank_parallel_state, e
         assert per_layer_estimated == pytest.approx(per_layer_measured, rel=0.03)
 
 
+@pytest.mark.parametrize(
+    "preset,extra",
+    [
+        ("gda-tiny", []),
+        ("diff-tiny", ["--num-noise-heads", "2"]),
+        ("diff-tiny", ["--num-noise-heads", "1"]),
+        ("diff-tiny", ["--num-query-groups", "2"]),
+    ],
+    ids=["v2_4to1", "v1_2to1", "v1_4to1", "v1_gqa"],
+)
+def test_grouped_activation_terms_match_autograd(single_rank_parallel_state, preset, extra):
+    """Grouped differential attention: h + n query heads, and V1's n noise maps and outputs, not h; on the
+    CPU's math path the K/V copies GQA repeats for a map's query heads (the 1:1 V1 with GQA too)."""
+    per_layer_measured, per_layer_estimated = _per_layer_bytes(preset, extra)
+    assert per_layer_estimated == pytest.approx(per_layer_measured, rel=0.03)
+
+
 def test_fused_swiglu_of_a_gpu_run_is_planned_at_3f(single_rank_parallel_state):
     """A GPU run builds megatron-core's fused SwiGLU (fc1 output and fc2 input kept: 3F per token, not
     the unfused 5F); the plan for a GPU counts that (the Transformer: its attention terms are the same on
