@@ -16,7 +16,7 @@
 #
 # Model: --use-checkpoint-args takes the shape and the tokenizer from INIT_CKPT's args.json (the upcycled
 # DIFF V2 has the source's layers, widths, RoPE base, epsilon and vocabulary, 2h query heads over its g KV
-# heads); --diff-attention --diff-version 2 (or --no-diff-attention) makes a mix-up of INIT_CKPT and ARCH
+# heads: one noise head per head, the only exact upcycle, so no grouped attention); --diff-attention --diff-version 2 (or --no-diff-attention) makes a mix-up of INIT_CKPT and ARCH
 # fail at load instead of training the wrong model. The data must be tokenized with the source's
 # tokenizer: pretrain_diff.py (and DRY_RUN) refuse datasets whose .tokenizer.json names another.
 # Starting point: --pretrained-checkpoint INIT_CKPT (weights only: fresh optimizer, schedule, counters)

@@ -11,6 +11,9 @@ needs `trust_remote_code=True`). What they can express, checked before anything 
   layer index (transformers computes it from `layer_idx`; ours uses megatron-core's 1-based layer
   number minus one, the same values); a constant `--lambda-init` has no DiffLlama equivalent. Its
   weightless head norm shares `rms_norm_eps`, so our head-norm epsilon must equal `--norm-epsilon`.
+- Grouped differential attention (`--num-noise-heads n` < h): DIFF V2's export carries it as config.json's
+  `num_noise_heads` (Motif's name; absent for the 1:1 model, whose export is unchanged). V1-style GDA has
+  no Hugging Face format yet (DiffLlama pairs every head with a noise head of its own): refused.
 """
 
 from __future__ import annotations
@@ -77,9 +80,19 @@ def layout_from_args(args: argparse.Namespace) -> ModelLayout:
         )
     diff = bool(getattr(args, "diff_attention", True))
     v2 = diff and int(getattr(args, "diff_version", 1)) == 2
+    heads, noise = int(args.num_attention_heads), getattr(args, "num_noise_heads", None)  # old args: None
+    grouped = diff and noise is not None and int(noise) != heads
     if diff and not v2:
+        if grouped:
+            raise DiffmegError(
+                f"V1-style grouped differential attention (--num-noise-heads {noise} for {heads} heads) has "
+                f"no Hugging Face export yet: DiffLlama gives each head a noise head of its own, and the "
+                f"export of grouped V1 models (Motif's format) is still to come; V2-style ones "
+                f"(--diff-version 2) export"
+            )
         _check_diff_args(args)
     layout = Diff2Layout if v2 else DiffLayout if diff else LlamaLayout
+    grouping = {"num_noise_heads": int(noise)} if v2 and grouped else {}
     return layout(
         num_layers=int(args.num_layers),
         hidden_size=int(args.hidden_size),
@@ -92,6 +105,7 @@ def layout_from_args(args: argparse.Namespace) -> ModelLayout:
         rotary_base=float(args.rotary_base),
         norm_eps=float(args.norm_epsilon),
         tied=bool(getattr(args, "tie_embeddings_and_output_weights", False)),  # absent from old args: untied
+        **grouping,
     )
 
 
@@ -136,6 +150,8 @@ def hf_config_dict(
         config["mlp_bias"] = False
     if isinstance(layout, Diff2Layout):
         config["auto_map"] = dict(AUTO_MAP)
+        if layout.num_noise_heads is not None:  # grouped: the 1:1 model's config has no such field
+            config["num_noise_heads"] = layout.num_noise_heads
     return config
 
 
@@ -204,6 +220,9 @@ def layout_from_hf_config(config: Mapping[str, Any]) -> ModelLayout:
                 f"DiffTransformerConfig): the head norm of this model cannot be reproduced"
             )
         heads, kv_heads = heads // 2, kv_heads // 2
+    grouping = {}
+    if layout_class is Diff2Layout and config.get("num_noise_heads") is not None:
+        grouping["num_noise_heads"] = int(config["num_noise_heads"])  # absent: the 1:1 DIFF V2
     return layout_class(
         num_layers=int(config["num_hidden_layers"]),
         hidden_size=hidden,
@@ -216,6 +235,7 @@ def layout_from_hf_config(config: Mapping[str, Any]) -> ModelLayout:
         rotary_base=_rope_theta(config),
         norm_eps=eps,
         tied=bool(config.get("tie_word_embeddings", False)),
+        **grouping,
     )
 
 
@@ -237,6 +257,8 @@ def pretrain_flags(layout: ModelLayout) -> list[str]:
         flags += ["--lambda-init", "exp"]
     elif isinstance(layout, Diff2Layout):
         flags += ["--diff-attention", "--diff-version", "2"]
+        if layout.num_noise_heads is not None:
+            flags += ["--num-noise-heads", str(layout.num_noise_heads)]
     else:
         flags += ["--no-diff-attention"]
     if layout.num_kv_heads != layout.num_heads:

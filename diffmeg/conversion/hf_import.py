@@ -144,7 +144,11 @@ def resolved_pretrain_args(
     except SystemExit as exc:  # argparse already printed what was wrong with the extra flags
         raise DiffmegError(f"invalid pretrain_diff.py flags after `--`: {shlex.join(extra)}") from exc
     transformer_config(RunConfig.from_args(resolved))  # the TP/PP split of heads, as pretrain_diff.py would
-    if layout_from_args(resolved) != layout:
+    try:
+        same = layout_from_args(resolved) == layout
+    except DiffmegError:  # the flags asked for a model no Hugging Face format holds (V1 with noise heads)
+        same = False
+    if not same:
         raise DiffmegError("the flags after `--` change the model's shape; drop them")
     return resolved
 

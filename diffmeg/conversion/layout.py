@@ -10,7 +10,8 @@ or untied output layer):
   heads (query groups), head dim d, the same counts in both formats.
 - `Diff2Layout`: a DIFF V2 model <-> diffmeg's own LLaMA-layout class (`modeling_diff2.py`, loaded with
   `trust_remote_code=True`) over transformers' own LlamaConfig. h output heads (2h query heads of d), g KV
-  heads, plus `lambda_proj`.
+  heads, plus `lambda_proj`; grouped differential attention (GDA, `--num-noise-heads n`): h + n query heads,
+  group by group `[signal x r, noise]` (r = h / n).
 
 Expected tensor shapes are derived here once, so both directions refuse a mismatching input before
 converting anything.
@@ -194,12 +195,19 @@ class LlamaLayout(ModelLayout):
 
 @dataclass(frozen=True)
 class Diff2Layout(ModelLayout):
-    """Sizes of one DIFF V2 model: h output heads (2h query heads of d) over g KV heads, lambda_proj h x H.
+    """Sizes of one DIFF V2 model: h output heads over g KV heads, lambda_proj h x H, and h + n query heads of
+    d (n noise heads; the 1:1 DIFF V2 has n = h, grouped differential attention n < h).
 
-    megatron-core's fused QKV holds, per KV group, its 2h/g query heads, one key and one value (Llama's
-    layout with 2h query heads); config.json counts `num_attention_heads = h`; `linear_proj` takes the h
+    megatron-core's fused QKV holds, per KV group, its (h + n)/g query heads, one key and one value (Llama's
+    layout with h + n query heads, laid out group by group `[signal x r, noise]`, r = h / n); config.json
+    counts `num_attention_heads = h` (and `num_noise_heads = n` when grouped); `linear_proj` takes the h
     combined heads (Llama's width).
     """
+
+    num_noise_heads: int | None = None
+    """n: noise heads of grouped differential attention (`--num-noise-heads`, config.json's
+    `num_noise_heads`); None for the 1:1 DIFF V2 (n = h: each head's own pair), which its export and
+    `pretrain_flags` leave out, so a 1:1 export stays what it was."""
 
     architecture = "Diff2ForCausalLM"
     model_type = "llama"
@@ -208,10 +216,31 @@ class Diff2Layout(ModelLayout):
     hf_name = "DIFF V2"
     _head_name = "DIFF V2 heads"
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        n, h, g = self.num_noise_heads, self.num_heads, self.num_kv_heads
+        if n == h:  # the 1:1 model, however it was named: one layout, one export
+            object.__setattr__(self, "num_noise_heads", None)
+        elif n is not None and (n < 1 or h % n or n % g):
+            raise DiffmegError(
+                f"num_noise_heads {n} must divide the {h} {self._head_name} and be a multiple of the {g} "
+                f"KV heads (a group of signal heads and its noise head share one KV head)"
+            )
+
+    @property
+    def noise_heads(self) -> int:
+        """n: noise heads (h for the 1:1 DIFF V2)."""
+        return self.num_heads if self.num_noise_heads is None else self.num_noise_heads
+
+    @property
+    def query_heads(self) -> int:
+        """h + n query heads of d (2h for the 1:1 DIFF V2)."""
+        return self.num_heads + self.noise_heads
+
     @property
     def queries_per_group(self) -> int:
-        """r: the 2h/g query heads of each KV group."""
-        return 2 * self.num_heads // self.num_kv_heads
+        """The (h + n)/g query heads of each KV group."""
+        return self.query_heads // self.num_kv_heads
 
     def mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = super().mcore_layer_shapes()
@@ -220,6 +249,6 @@ class Diff2Layout(ModelLayout):
 
     def hf_layer_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = super().hf_layer_shapes()
-        shapes["self_attn.q_proj.weight"] = (2 * self.num_heads * self.head_dim, self.hidden_size)
+        shapes["self_attn.q_proj.weight"] = (self.query_heads * self.head_dim, self.hidden_size)
         shapes["self_attn.lambda_proj.weight"] = (self.num_heads, self.hidden_size)
         return shapes

@@ -21,9 +21,10 @@ DIFF head layouts (h differential heads, g differential KV heads, head dim d, r 
 
 So one permutation serves Q, K and V alike: even sub-heads first, then odd ones.
 
-DIFF V2 (h heads, g KV heads): megatron-core's fused QKV is the Transformer baseline's with 2h query
-heads (query head j = row block j of q_proj, the definition's order, so heads 2i/2i+1 stay adjacent), and
-`linear_lambda` is `lambda_proj` as it is. DiffLlama's head
+DIFF V2 (h heads, g KV heads, n noise heads): megatron-core's fused QKV is the Transformer baseline's with
+h + n query heads (query head j = row block j of q_proj, the definition's order: group by group `[signal x r,
+noise]`, so the 1:1 model's heads 2i/2i+1 stay adjacent and a grouped model's r + 1 heads of a group stay
+in one KV group), and `linear_lambda` is `lambda_proj` as it is. DiffLlama's head
 RMSNorm has no weight; ours is folded into `o_proj`'s input columns (the norm output of head i is
 columns [2d i, 2d (i+1)) of `o_proj`), which is exact because only a linear map follows it. Importing
 back gives a head-norm weight of ones.

@@ -13,7 +13,12 @@ A Transformer with h query heads over g KV heads of width d becomes a DIFF V2 mo
 
 The upcycled model's logits therefore equal the source's. Training separates the copies: the gradient
 of head 2i's query is g, that of 2i+1 is -0.5 g. (DIFF V1 cannot do this: its V is 2d wide and its
-head RMSNorm has no identity setting.)
+head RMSNorm has no identity setting.) Nor can grouped differential attention with r = h / n > 1 signal
+heads per noise head: a bias-free sigmoid lambda is never 0, so each signal head keeps lambda times its
+group's noise map, which cancels into the head only when it is the head's own copy (r = 1), and r signal
+heads cannot all equal their one noise head. Such a start would be a warm start, not the source's function,
+so it is refused (`upcycle_io.refuse_grouped_target`); the target is always the 1:1 DIFF V2, over whatever
+KV grouping the source has.
 
 In megatron-core's fused QKV (TP=1 state dict) a Transformer group t holds [r query heads, key, value]
 of d rows each (r = h / g); the V2 group t holds [2r query heads, key, value], its query heads 2k and

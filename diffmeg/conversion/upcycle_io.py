@@ -188,6 +188,30 @@ def open_upcycle_source(path: str) -> UpcycleSource:
     )
 
 
+NOISE_HEADS_FLAG = "--num-noise-heads"
+
+
+def refuse_grouped_target(extra: Sequence[str], heads: int) -> None:
+    """Refuse grouped differential attention as the upcycle's target (`--num-noise-heads n` != h among the
+    pretrain_diff.py flags after `--`), in one line saying why: only one noise head per head (r = 1) is
+    function-preserving (DESIGN.md "Grouped differential attention")."""
+    extra = list(extra)
+    for at, flag in enumerate(extra):
+        name, _, value = flag.partition("=")
+        if name != NOISE_HEADS_FLAG:
+            continue
+        value = value or (extra[at + 1] if at + 1 < len(extra) else "")
+        if not value.strip().isdigit() or not 1 <= int(value) < heads:
+            continue  # n = h: today's exact upcycle by name; pretrain_diff.py's checks name the rest
+        raise DiffmegError(
+            f"upcycling into grouped differential attention ({NOISE_HEADS_FLAG} {int(value)} for {heads} "
+            f"heads) is not exact: with several signal heads per noise head no bias-free sigmoid lambda "
+            f"removes the shared noise map and the signal heads cannot all equal it, so it would be a warm "
+            f"start, not the source's function; only one noise head per head ({NOISE_HEADS_FLAG} {heads}, "
+            f"the default, over any KV grouping) upcycles exactly: leave {NOISE_HEADS_FLAG} out"
+        )
+
+
 def upcycled_args(
     source: UpcycleSource,
     extra: Sequence[str] = (),
@@ -201,6 +225,7 @@ def upcycled_args(
     from diffmeg.conversion.hf_import import resolved_pretrain_args
     from diffmeg.conversion.upcycle import diff2_layout
 
+    refuse_grouped_target(extra, source.layout.num_heads)
     target = diff2_layout(source.layout)
     resolved = resolved_pretrain_args(
         target,

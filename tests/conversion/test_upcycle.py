@@ -247,6 +247,30 @@ def test_what_cannot_upcycle_exactly_is_refused_in_one_line(tmp_path, capsys, mo
     assert message in err and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("flags", [["--num-noise-heads", "2"], ["--num-noise-heads=1"]])
+def test_upcycling_into_grouped_differential_attention_is_refused_in_one_line(tmp_path, capsys, flags):
+    """Only one noise head per head is function-preserving (DESIGN.md "Grouped differential attention"): a
+    grouped target is refused before anything is written, saying why and what is exact; n = h by name is
+    today's exact upcycle."""
+    from diffmeg.conversion.upcycle_io import open_upcycle_source, upcycled_args
+
+    folder = tmp_path / "src"
+    write_llama_folder(folder, tiny_llama_layout(4, 2))
+    argv = ["upcycle", "--load", folder, "--save", tmp_path / "out", "--", *flags]
+    err = refused(capsys, "convert_checkpoint", *argv)
+    n = flags[-1].rpartition("=")[2]
+    assert err == (
+        f"error: upcycling into grouped differential attention (--num-noise-heads {n} for 4 heads) is not "
+        "exact: with several signal heads per noise head no bias-free sigmoid lambda removes the shared "
+        "noise map and the signal heads cannot all equal it, so it would be a warm start, not the source's "
+        "function; only one noise head per head (--num-noise-heads 4, the default, over any KV grouping) "
+        "upcycles exactly: leave --num-noise-heads out"
+    )
+    assert not (tmp_path / "out").exists()
+    target, args = upcycled_args(open_upcycle_source(str(folder)), ["--num-noise-heads", "4"])
+    assert target.num_noise_heads is None and (args.num_noise_heads, args.num_query_groups) == (4, 2)
+
+
 def test_mistral_without_a_window_reads_as_llama_and_other_inputs_are_refused(tmp_path, capsys):
     from diffmeg.conversion.upcycle_io import open_upcycle_source
 
