@@ -6,7 +6,7 @@ model without it, or two models on the same path (DIFF V1 against the Transforme
 most two variants are alive at a time, so consecutive comparisons share a variant where they can: the one
 alive stays (the anchor) and only its new partner is built. The order is what the goals need first
 (`comparisons`): at the first length each model's defaults and its fast path (every lever expected to
-win), DIFF V1 against the Transformer, DIFF V1's attention candidates on the fast path, FP8 on the fast
+win), DIFF V1 against the Transformer, grouped DIFF V2 (GDA) against DIFF V2, DIFF V1's attention candidates on the fast path, FP8 on the fast
 path (torchao's FP8 refuses the grad-accum fusion, so its twin is the fast path without that fusion,
 itself a leave-one-out run against the fast path); then the other lengths; then, while time remains, the
 other leave-one-out runs (each lever's share: the fast path without it against the fast path).
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from benchmarks.campaign.plan import Plan
 
-ARCHS = ("transformer", "diff", "diff2")
+ARCHS = ("transformer", "diff", "diff2", "gda")
 """The architectures of `Plan.train_models`, in its order."""
-NAMES = {"transformer": "Transformer", "diff": "DIFF V1", "diff2": "DIFF V2"}
+NAMES = {"transformer": "Transformer", "diff": "DIFF V1", "diff2": "DIFF V2", "gda": "GDA 4:1"}
 GRAD_ACCUM = "grad-accum fusion"
 """The fast-path lever torchao's FP8 refuses (diffmeg.fusions.torchao_fp8.check_fp8)."""
 COMPILED = "compiled layers"
@@ -143,6 +143,8 @@ def _first_length(plan: Plan, p: _Paths) -> list[Comparison]:
             _ratio(p, p.fast("diff2"), anchor_t, "models"),
             _lever(p, "fast path vs defaults", p.fast("diff2"), p.defaults("diff2"), "models"),
         ]
+    if "gda" in p.models:  # grouped DIFF V2 against DIFF V2, whose fast path is alive from the row before
+        out.append(_ratio(p, p.fast("gda"), p.fast("diff2"), "models"))
     return out
 
 
