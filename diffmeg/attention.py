@@ -39,6 +39,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from diffmeg.collectives import SUM_GRAD_OVER_TP_ATTR
 from diffmeg.config import DiffTransformerConfig
 from diffmeg.core_attention import CoreAttention, SDPACoreAttention, SDPAFn
 from diffmeg.errors import DiffmegError
@@ -51,8 +52,6 @@ from diffmeg.registry import entry, resolve, select
 
 logger = logging.getLogger(__name__)
 
-SUM_GRAD_OVER_TP_ATTR = "diffmeg_sum_grad_over_tp"
-"""Marks a TP-replicated parameter whose per-rank gradient covers only that rank's heads."""
 
 
 @dataclass

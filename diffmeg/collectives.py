@@ -18,6 +18,11 @@ from diffmeg.errors import DiffmegError
 
 SUM = torch.distributed.ReduceOp.SUM
 MAX = torch.distributed.ReduceOp.MAX
+
+SUM_GRAD_OVER_TP_ATTR = "diffmeg_sum_grad_over_tp"
+"""Marks a TP-replicated parameter whose per-rank gradient covers only that rank's share of the work (DIFF's
+lambda vectors and head norm: its heads; PolyNorm's weights: its part of the FFN dimension): the step sums
+it over the TP group once (`diffmeg.training.grads`)."""
 T = TypeVar("T")
 
 

@@ -6,9 +6,10 @@ model without it, or two models on the same path (DIFF V1 against the Transforme
 most two variants are alive at a time, so consecutive comparisons share a variant where they can: the one
 alive stays (the anchor) and only its new partner is built. The order is what the goals need first
 (`comparisons`): at the first length each model's defaults and its fast path (every lever expected to
-win), DIFF V1 against the Transformer, grouped DIFF V2 (GDA) against DIFF V2, DIFF V1's attention candidates on the fast path, FP8 on the fast
+win), DIFF V1 against the Transformer, DIFF V1's attention candidates on the fast path, FP8 on the fast
 path (torchao's FP8 refuses the grad-accum fusion, so its twin is the fast path without that fusion,
-itself a leave-one-out run against the fast path); then the other lengths; then, while time remains, the
+itself a leave-one-out run against the fast path), DIFF V2 against the Transformer, grouped DIFF V2 (GDA)
+against DIFF V2; then the other lengths; then, while time remains, the
 other leave-one-out runs (each lever's share: the fast path without it against the fast path).
 """
 

@@ -70,7 +70,7 @@ class HeadRMSNorm(torch.nn.Module):
     """RMSNorm of each differential head's 2d-wide output; one weight shared by all heads of the layer.
 
     The weight is replicated over tensor-parallel ranks that each see their own heads: the attention that
-    owns it tags it for the TP gradient sum (`diffmeg.attention.SUM_GRAD_OVER_TP_ATTR`).
+    owns it tags it for the TP gradient sum (`diffmeg.collectives.SUM_GRAD_OVER_TP_ATTR`).
     """
 
     def __init__(

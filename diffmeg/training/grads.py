@@ -7,7 +7,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from diffmeg.attention import SUM_GRAD_OVER_TP_ATTR
+from diffmeg.collectives import SUM_GRAD_OVER_TP_ATTR
 
 
 def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
