@@ -547,6 +547,7 @@ def damaged_file(path: str, deep: bool = True) -> tuple[str, str] | None:
 SAVED_ARGS_DEFAULTS: dict[str, object] = {
     "diff_version": 1,  # DIFF V2 came later: every earlier run is the paper's DIFF
     "num_noise_heads": None,  # grouped attention came later: as many noise heads as differential heads
+    "mlp_activation": "swiglu",  # PolyNorm came with Motif's models: every earlier MLP was SwiGLU
     "virtual_pipeline_model_parallel_size": None,  # interleaving came later: one model chunk per rank
     "cp_comm_type": None,  # megatron-core's default context-parallel exchange
     "tie_embeddings_and_output_weights": False,  # the output layer was always its own matrix

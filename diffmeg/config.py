@@ -33,6 +33,10 @@ from diffmeg.parallel.validation import validate_cp
 from diffmeg.run_config import ModelConfig
 
 DIFF_VERSIONS = (1, 2)
+MLP_ACTIVATIONS = ("swiglu", "poly_norm")
+LAMBDA_INIT_SCHEDULES = {"exp": 1, "motif": 2}
+"""The layer-wise lambda_init schedules, `0.8 - 0.6 exp(-0.3 (l - k))` for 1-based layer l, by the k each
+subtracts: the paper's l - 1, Motif's checkpoints' layer_idx - 1 with a 0-based layer_idx = l - 1."""
 
 
 def megatron_head_counts(
@@ -76,6 +80,7 @@ def count_parameters(model: ModelConfig, tensor_parallel: int = 1, pipeline_para
     # by each: the two RMSNorms, V1's lambda vectors (4d) and head norm (2d).
     split = H * (q + kv) + out * H + (H * heads if v2 else 0) + 3 * H * F
     whole = 2 * H + (6 * d if model.diff_attention and not v2 else 0)
+    whole += 4 if model.mlp_activation == "poly_norm" else 0  # PolyNorm's weights [3] and bias [1]
     layers = model.num_layers // pipeline_parallel * (split // tensor_parallel + whole)
     embedding = V * H // tensor_parallel
     if pipeline_parallel > 1:  # the last stage: its layers, output layer and final norm
@@ -108,8 +113,14 @@ class DiffTransformerConfig(TransformerConfig):
     (the paper's and DIFF V2's 1:1 pairs, megatron-core's `num_attention_heads = 2h`)."""
 
     lambda_init: str | float = "exp"
-    """`"exp"`: the paper's layer-wise schedule from the global layer number; a float: a constant
-    lambda_init for every layer (the paper's ablation). Must lie in [0, 1)."""
+    """`"exp"`: the paper's layer-wise schedule from the global layer number, `0.8 - 0.6 exp(-0.3 (l - 1))`
+    for layer l = 1, 2, ...; `"motif"`: Motif's checkpoints' `0.8 - 0.6 exp(-0.3 (i - 1))` with i = l - 1
+    counted from 0 (one layer later in the schedule: -0.01 for the first layer); a float: a constant
+    lambda_init for every layer (the paper's ablation), in [0, 1)."""
+
+    mlp_activation: str = "swiglu"
+    """The gated MLP's activation: `"swiglu"` (megatron-core's, every preset's) or `"poly_norm"` (Motif's
+    PolyNorm, `diffmeg.mlp.PolyNormMLP`)."""
 
     lambda_std: float = 0.1
     """Std of the normal init of the four lambda reparameterization vectors (lq1, lk1, lq2, lk2)."""
@@ -153,6 +164,10 @@ class DiffTransformerConfig(TransformerConfig):
     precision, so FP8's numerics run on a CPU or a GPU without FP8 matmuls (tests; no speed-up)."""
 
     def __post_init__(self) -> None:
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise DiffmegError(
+                f"mlp_activation must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.mlp_activation!r}"
+            )
         self._validate_impls()
         self._validate_loss()
         if self.diff_attention and self.diff_version not in DIFF_VERSIONS:
@@ -258,12 +273,12 @@ class DiffTransformerConfig(TransformerConfig):
                 f"each rank needs whole K1/K2 pairs; use a TP size dividing the KV head count"
             )
         if isinstance(self.lambda_init, str):
-            if self.lambda_init != "exp":
+            if self.lambda_init not in LAMBDA_INIT_SCHEDULES:
                 try:
                     self.lambda_init = float(self.lambda_init)
                 except ValueError:
                     raise DiffmegError(
-                        f"lambda_init must be 'exp' or a number in [0, 1), got {self.lambda_init!r}"
+                        f"lambda_init must be 'exp', 'motif' or a number in [0, 1), got {self.lambda_init!r}"
                     ) from None
         if not isinstance(self.lambda_init, str) and not 0.0 <= self.lambda_init < 1.0:
             raise DiffmegError(f"constant lambda_init must lie in [0, 1), got {self.lambda_init}")
@@ -344,5 +359,5 @@ class DiffTransformerConfig(TransformerConfig):
     def lambda_init_at(self, layer_number: int) -> float:
         """lambda_init for megatron-core's global, 1-based `layer_number` (identical on every PP stage)."""
         if isinstance(self.lambda_init, str):
-            return lambda_init_for_layer(layer_number - 1)
+            return lambda_init_for_layer(layer_number - LAMBDA_INIT_SCHEDULES[self.lambda_init])
         return float(self.lambda_init)

@@ -62,6 +62,8 @@ def _init_kind(name: str) -> str:
     leaf = name.rsplit(".", 1)[-1]
     if leaf in _LAMBDA:
         return "lambda"
+    if ".poly_norm." in name:  # Motif's PolyNorm: weights 1/3, bias 0
+        return "third" if leaf == "weight" else "zeros"
     if "norm" in name and leaf in ("weight", "layer_norm_weight"):
         return "ones"
     if name.endswith(_OUTPUT_SCALED):
@@ -91,8 +93,8 @@ def initialize_parameters(model: torch.nn.Module, config: DiffTransformerConfig,
     for local_name, param in model.named_parameters():
         name = names[local_name]
         kind = _init_kind(name)
-        if kind == "ones":
-            param.fill_(1.0)
+        if kind in ("ones", "third", "zeros"):
+            param.fill_({"ones": 1.0, "third": 1.0 / 3.0, "zeros": 0.0}[kind])
             continue
         std = {"lambda": config.lambda_std, "scaled_normal": scaled_std, "normal": config.init_method_std}[
             kind

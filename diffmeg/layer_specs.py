@@ -26,6 +26,7 @@ from diffmeg.attention import DiffCoreAttention, DiffCoreAttentionSubmodules
 from diffmeg.attention_v2 import DiffV2SelfAttention, DiffV2SelfAttentionSubmodules
 from diffmeg.config import DiffTransformerConfig
 from diffmeg.errors import DiffmegError
+from diffmeg.mlp import PolyNormMLP
 from diffmeg.parallel import UlyssesAttention, UlyssesAttentionSubmodules
 from diffmeg.registry import select
 from diffmeg.runtime import transformer_engine_unavailable
@@ -112,15 +113,22 @@ def get_diff_layer_te_spec(config: DiffTransformerConfig) -> ModuleSpec:
     return spec
 
 
+def _with_mlp(layer: ModuleSpec, config: DiffTransformerConfig) -> ModuleSpec:
+    """The layer spec with the MLP `config.mlp_activation` names (megatron-core's own for SwiGLU)."""
+    if config.mlp_activation == "poly_norm":
+        layer.submodules.mlp.module = PolyNormMLP
+    return layer
+
+
 def get_diff_block_spec(config: DiffTransformerConfig, use_te: bool, vp_stage: int | None = None):
     """Block spec for this pipeline stage: its layers plus the final norm. With `config.fp8` set, the local
     layer spec goes through the FP8 linear converter (`diffmeg.fusions.torchao_fp8`) before anything is
     built; the Transformer Engine spec's linears are TE's, which megatron-core runs in FP8 from the config."""
     if use_te:
-        layer = get_diff_layer_te_spec(config)
+        layer = _with_mlp(get_diff_layer_te_spec(config), config)
         final_norm = select("norm", spec="transformer_engine").load()
     else:
-        layer = get_diff_layer_local_spec(config)
+        layer = _with_mlp(get_diff_layer_local_spec(config), config)
         final_norm = select("norm", config.norm_impl, spec="local").load()
         if config.fp8:
             layer = select("fp8_linear", spec="local").load()(config).convert(layer)

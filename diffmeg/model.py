@@ -106,6 +106,7 @@ def transformer_config(run: RunConfig) -> DiffTransformerConfig:
         num_noise_heads=noise,
         lambda_init=model.lambda_init,
         lambda_std=model.lambda_std,
+        mlp_activation=model.mlp_activation,
         diff_attn_backend=run.impls["diff_attn_backend"],
         cross_entropy_chunk_size=training.cross_entropy_chunk_size,
         cross_entropy_loss_fusion=training.cross_entropy_loss_fusion,

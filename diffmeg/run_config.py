@@ -79,6 +79,8 @@ class ModelConfig:
     Transformer baseline, which has none."""
     lambda_init: str = "exp"
     lambda_std: float = 0.1
+    mlp_activation: str = "swiglu"
+    """The gated MLP's activation: swiglu, or Motif's poly_norm."""
     transformer_impl: str = "local"
     tie_embeddings_and_output_weights: bool = False
     """One matrix for the word embedding and the output layer (False, the default and what an args.json

@@ -19,6 +19,22 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
+def poly_norm(z: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Motif's PolyNorm over the last dimension: w0 norm(z^3) + w1 norm(z^2) + w2 norm(z) + b."""
+
+    def norm(u):
+        return u / torch.sqrt((u * u).mean(-1, keepdim=True) + eps)
+
+    return w[0] * norm(z**3) + w[1] * norm(z**2) + w[2] * norm(z) + b[0]
+
+
+def mlp(hn: torch.Tensor, lw: dict) -> torch.Tensor:
+    """The gated MLP: down(act(gate hn) * up hn), act SwiGLU's silu or (`lw["poly_w"]` present) PolyNorm."""
+    gate = hn @ lw["gate"].T
+    act = poly_norm(gate, lw["poly_w"], lw["poly_b"]) if "poly_w" in lw else torch.nn.functional.silu(gate)
+    return (act * (hn @ lw["up"].T)) @ lw["down"].T
+
+
 def rope(x: torch.Tensor, base: float) -> torch.Tensor:
     """Non-interleaved (rotate-half) RoPE on x [s, heads, d], position = row index."""
     s, _, d = x.shape
@@ -62,13 +78,15 @@ def reference_logits(tokens: torch.Tensor, w: dict, cfg: dict) -> torch.Tensor:
         k1 = rope(torch.einsum("sH,gdH->sgd", hn, lw["wk1"]), cfg["rotary_base"]).transpose(0, 1)
         k2 = rope(torch.einsum("sH,gdH->sgd", hn, lw["wk2"]), cfg["rotary_base"]).transpose(0, 1)
         v = torch.einsum("sH,geH->sge", hn, lw["wv"]).transpose(0, 1)  # [g, s, 2d]
-        lam0 = lambda_init(li) if cfg.get("lambda_init") is None else cfg["lambda_init"]
+        # "motif": Motif's schedule, lambda_init(layer_idx - 1) for a 0-based layer_idx
+        lam0 = cfg.get("lambda_init")
+        lam0 = lambda_init(li) if lam0 is None else lambda_init(li - 1) if lam0 == "motif" else lam0
         attn = diff_heads(
             q1, q2, k1, k2, v, lw["lq1"], lw["lk1"], lw["lq2"], lw["lk2"], lw["head_norm"], lam0
         )
         x = x + attn @ lw["wo"].T
         hn = rmsnorm(x, lw["mlp_norm"], eps)
-        x = x + (torch.nn.functional.silu(hn @ lw["gate"].T) * (hn @ lw["up"].T)) @ lw["down"].T
+        x = x + mlp(hn, lw)
     return rmsnorm(x, w["final_norm"], eps) @ w["output"].T
 
 
@@ -145,7 +163,11 @@ def _global_weights(f64: dict) -> dict:
 def _dense_weights(f64: dict, p: str) -> dict:
     """Layer `p`'s norms, output projection and SwiGLU MLP (fc1 = [gate; up]), the same in V1 and V2."""
     fc1 = f64[p + "mlp.linear_fc1.weight"]
+    poly = {}
+    if p + "mlp.poly_norm.weight" in f64:
+        poly = {"poly_w": f64[p + "mlp.poly_norm.weight"], "poly_b": f64[p + "mlp.poly_norm.bias"]}
     return {
+        **poly,
         "input_norm": f64[p + "input_layernorm.weight"],
         "mlp_norm": f64[p + "pre_mlp_layernorm.weight"],
         "wo": f64[p + "self_attention.linear_proj.weight"],
@@ -194,7 +216,7 @@ def reference_logits_v2(tokens: torch.Tensor, w: dict, cfg: dict) -> torch.Tenso
         lam = torch.sigmoid(hn @ lw["wlambda"].T)  # [s, h]
         x = x + diff_v2_heads(q, k, v, lam, cfg.get("noise_heads")) @ lw["wo"].T
         hn = rmsnorm(x, lw["mlp_norm"], eps)
-        x = x + (torch.nn.functional.silu(hn @ lw["gate"].T) * (hn @ lw["up"].T)) @ lw["down"].T
+        x = x + mlp(hn, lw)
     return rmsnorm(x, w["final_norm"], eps) @ w["output"].T
 
 

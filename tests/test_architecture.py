@@ -65,6 +65,7 @@ FLOORS = [
                 "diffmeg.attention",
                 "diffmeg.attention_v2",
                 "diffmeg.self_attention",
+                "diffmeg.mlp",
                 "diffmeg.core_attention",
                 "diffmeg.registry",
                 "diffmeg.fusions",

@@ -168,3 +168,35 @@ def test_core_attention_with_torch_norm_matches_the_eager_core(single_rank_paral
         assert (core.head_norm.norm_fn is rms_norm_torch) == (norm_impl == "torch")
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("noise", [None, 1])
+def test_motif_shaped_model_matches_reference(single_rank_parallel_state, noise):
+    """Motif's model (PolyNorm MLP, its lambda_init schedule, grouped V1 attention or the 1:1 pairs) vs the
+    float64 equations: logits and every gradient, PolyNorm's weights included."""
+    heads, kv_heads, d, layers = 4, 1, 8, 3
+    motif = {"mlp_activation": "poly_norm", "lambda_init": "motif"}
+    cfg = make_config(heads, kv_heads, d, layers=layers, noise=noise, **motif)
+    gen = torch.Generator().manual_seed(8)
+    model = perturbed_model(cfg, gen, lambda_std=0.4)
+    with torch.no_grad():  # PolyNorm's weights off their init (1/3, 0)
+        for name, p in model.named_parameters():
+            if ".poly_norm." in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    core = model.decoder.layers[0].self_attention.core_attention
+    assert core.lambda_init == pytest.approx(lambda_init(-1))  # Motif's first layer: -0.01
+    tokens = torch.randint(0, 64, (1, 13), generator=gen)
+    logits = model(input_ids=tokens, position_ids=torch.arange(13)[None], attention_mask=None)
+    sd = {k: v.detach().clone().requires_grad_(True) for k, v in model.state_dict().items() if v is not None}
+    shape = {"heads": heads, "kv_heads": kv_heads, "noise_heads": noise or heads, "head_dim": d}
+    shape["layers"] = layers
+    w = semantic_weights_from_mcore(sd, shape)
+    assert all("poly_w" in layer for layer in w["layers"])
+    ref = reference_logits(tokens[0], w, {"rotary_base": 500.0, "lambda_init": "motif"})
+    torch.testing.assert_close(logits[0], ref, rtol=1e-7, atol=1e-8)
+    grad = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (logits[0] * grad).sum().backward()
+    (ref * grad).sum().backward()
+    for name, p in model.named_parameters():  # as in test_full_model_matches_reference
+        error = (p.grad - sd[name].grad).abs().max() / sd[name].grad.abs().max()
+        assert error < (3e-5 if "lambda" in name else 1e-6), (name, error.item())

@@ -9,7 +9,7 @@ all-reduced over the TP group (in backward the per-token sums the RMS normalisat
 
 - `poly_norm` (the entry point) runs `PolyNormFunction`: it saves the input as it came and the three
   per-token reciprocal RMS values, and recomputes the powers in backward. Autograd of the eager
-  expression (`poly_norm_eager`, its twin) keeps about ten fp32 copies of the [tokens, F / tp] input,
+  expression (`poly_norm_eager`, its twin) keeps seven fp32 copies of the [tokens, F / tp] input,
   on a 3B model with F = 8192 the largest activation of the layer.
 - `PolyNorm` holds the parameters. Both are replicated on the TP ranks while each rank's gradient covers
   its own share of the FFN dimension: the module that owns them tags them for the TP gradient sum
@@ -19,7 +19,7 @@ all-reduced over the TP group (in backward the per-token sums the RMS normalisat
 from __future__ import annotations
 
 import torch
-import torch.distributed.nn.functional as dist_fn
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from diffmeg.collectives import SUM, SUM_GRAD_OVER_TP_ATTR
 
@@ -44,6 +44,27 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over `group` in forward and in backward (each rank's share feeds every rank's output): the eager
+    twin's TP sums, under plain autograd."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return _all_reduce(t.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+def _terms(powers, rms, weight, bias) -> torch.Tensor:
+    """w0 n(z^3) + w1 n(z^2) + w2 n(z) + b from the powers and their reciprocal RMS [..., 3]: one order of
+    operations for the Function and its twin."""
+    out = sum(weight[i] * u * rms[..., i : i + 1] for i, u in enumerate(powers))
+    return out + bias
+
+
 class PolyNormFunction(torch.autograd.Function):
     """`PolyNorm(z)` over the last dimension of `z` (its whole length `features`, split over `group`)."""
 
@@ -54,8 +75,7 @@ class PolyNormFunction(torch.autograd.Function):
         powers = [x**p for p in POWERS]
         squares = torch.stack([(u * u).sum(-1) for u in powers], dim=-1)  # [..., 3]
         rms = torch.rsqrt(_all_reduce(squares, group) / features + eps)  # [..., 3] reciprocal RMS
-        w = weight.to(wide)
-        out = sum(w[i] * u * rms[..., i : i + 1] for i, u in enumerate(powers)) + bias.to(wide)
+        out = _terms(powers, rms, weight.to(wide), bias.to(wide))
         ctx.save_for_backward(z, weight, rms)
         ctx.features, ctx.group = features, group
         return out.to(z.dtype)
@@ -94,14 +114,12 @@ def poly_norm_eager(
     whose backward all-reduces too)."""
     wide = _wide(z.dtype)
     x, features = z.to(wide), features or z.shape[-1]
-    out = bias.to(wide)
-    for i, p in enumerate(POWERS):
-        u = x**p
-        squares = (u * u).sum(-1, keepdim=True)
-        if _tp(group):
-            squares = dist_fn.all_reduce(squares, op=SUM, group=group)
-        out = out + weight.to(wide)[i] * u * torch.rsqrt(squares / features + eps)
-    return out.to(z.dtype)
+    powers = [x**p for p in POWERS]
+    squares = torch.stack([(u * u).sum(-1) for u in powers], dim=-1)  # [..., 3]
+    if _tp(group):
+        squares = _AllReduceSum.apply(squares, group)
+    rms = torch.rsqrt(squares / features + eps)
+    return _terms(powers, rms, weight.to(wide), bias.to(wide)).to(z.dtype)
 
 
 class PolyNorm(torch.nn.Module):
@@ -118,3 +136,8 @@ class PolyNorm(torch.nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return poly_norm(z, self.weight, self.bias, self.eps, self.features, self.group)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """megatron-core's MLP asks each submodule for its sharded state: the two tensors, replicated."""
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {}, sharded_offsets)

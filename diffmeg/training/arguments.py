@@ -189,7 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="differential attention version: 1, the paper's (default); 2, DIFF V2 (2h query heads over "
         "ordinary GQA attention, per-token sigmoid lambda, no head norm). The diff2-* presets set 2",
     )
-    g.add_argument("--lambda-init", default="exp", help="'exp' (layer-wise schedule) or a constant in [0, 1)")
+    g.add_argument(
+        "--lambda-init",
+        default="exp",
+        help="'exp' (the paper's layer-wise schedule), 'motif' (Motif's checkpoints' schedule, one layer "
+        "later: lambda_init from their 0-based layer_idx - 1) or a constant in [0, 1)",
+    )
+    g.add_argument(
+        "--mlp-activation",
+        default="swiglu",
+        choices=["swiglu", "poly_norm"],
+        help="the gated MLP's activation: swiglu, or poly_norm (Motif's PolyNorm: w0 norm(z^3) + "
+        "w1 norm(z^2) + w2 norm(z) + b over the FFN dimension)",
+    )
     g.add_argument("--lambda-std", type=float, default=0.1)
     g.add_argument(
         "--transformer-impl",

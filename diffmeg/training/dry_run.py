@@ -51,6 +51,7 @@ def dry_run_summary(run: RunConfig) -> dict:
             "num_attention_heads": model.num_attention_heads,
             "num_query_groups": model.num_query_groups,
             "num_noise_heads": model.num_noise_heads if model.diff_attention else None,
+            "mlp_activation": model.mlp_activation,
             "head_dim": model.kv_channels,
             "value_head_dim": 2 * model.kv_channels if v1 else model.kv_channels,
             "seq_length": model.seq_length,

@@ -173,6 +173,10 @@ def _activations(run: RunConfig, on_gpu: bool) -> tuple[float, float]:
         # projection input is the norms' share, as for DIFF).
         attn = b_act * (3 * q + 3 * k) + 4 * heads / tp
     mlp = (3 if on_gpu else 5) * b_act * F / tp  # fused SwiGLU on a GPU (bias_activation_fusion)
+    if model.mlp_activation == "poly_norm":
+        # fc1's output (the Function keeps the gate, the product the up half of it), PolyNorm's output and
+        # fc2's input, plus three fp32 reciprocal RMS values a token (diffmeg.fusions.poly_norm)
+        mlp = 4 * b_act * F / tp + 4 * 3
     rope = 2 * 2 * 4 * d * cp / training.micro_batch_size  # fp32 cos/sin for q and k, per sequence
     per_layer_per_token = 2 * norm + attn + mlp + rope
     layers = model.num_layers // parallel.pipeline_model_parallel_size

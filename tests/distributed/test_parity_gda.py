@@ -1,9 +1,10 @@
 """Grouped differential attention on every parallel layout reproduces its single-rank run: losses, grad
 norms, then final weights (lambda vectors and head norm, or the lambda projection, included).
 
-Two models: V1-style GDA (diff-tiny with 2 noise heads for its 4 heads over 2 K1/K2 pairs: 6 query
-sub-heads over 4 K/V sub-groups, the spread fused QKV, 3 over 2 on each tensor-parallel rank) and V2-style
-GDA (gda-tiny: 8 signal heads, 2 noise heads, 2 KV heads). Between them every layout runs once: TP with
+Two models: V1-style GDA shaped as Motif's checkpoints (diff-tiny with 2 noise heads for its 4 heads over 2
+K1/K2 pairs: 6 query sub-heads over 4 K/V sub-groups, the spread fused QKV, 3 over 2 on each
+tensor-parallel rank; Motif's PolyNorm MLP, whose means span the FFN dimension split over TP, and its
+lambda_init schedule) and V2-style GDA (gda-tiny: 8 signal heads, 2 noise heads, 2 KV heads). Between them every layout runs once: TP with
 sequence parallelism (V1) and without (V2), the interleaved pipeline, the distributed optimizer over DP,
 and Ulysses context parallelism (both), which shards whole noise groups.
 """
@@ -15,7 +16,7 @@ import pytest
 from tests.distributed.runner import assert_same_run, run_saved, single_rank_runs
 
 ITERS = ["--train-iters", "8"]
-V1 = ["--num-noise-heads", "2", *ITERS]
+V1 = ["--num-noise-heads", "2", "--mlp-activation", "poly_norm", "--lambda-init", "motif", *ITERS]
 V2 = ["--model", "gda-tiny", *ITERS]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 LAYOUTS = {
@@ -36,5 +37,5 @@ def test_grouped_layout_matches_single_rank(single_rank, single_rank_parallel_st
     model, flags = LAYOUTS[layout]
     run_saved(single_rank, layout, [*model, *flags], nproc=2)
     v1 = layout.startswith("v1")
-    expect = ("lambda_q1", "head_norm") if v1 else ("linear_lambda",)
+    expect = ("lambda_q1", "head_norm", "poly_norm") if v1 else ("linear_lambda",)
     assert_same_run(single_rank, "v1" if v1 else "v2", layout, iterations=8, expect=expect)

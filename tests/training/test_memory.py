@@ -95,8 +95,10 @@ def test_per_layer_activation_terms_match_autograd(single_rank_parallel_state, e
         ("diff-tiny", ["--num-noise-heads", "2"]),
         ("diff-tiny", ["--num-noise-heads", "1"]),
         ("diff-tiny", ["--num-query-groups", "2"]),
+        ("diff-tiny", ["--mlp-activation", "poly_norm", "--num-noise-heads", "1"]),
+        ("diff2-tiny", ["--mlp-activation", "poly_norm", "--bf16"]),
     ],
-    ids=["v2_4to1", "v1_2to1", "v1_4to1", "v1_gqa"],
+    ids=["v2_4to1", "v1_2to1", "v1_4to1", "v1_gqa", "v1_polynorm", "v2_polynorm_bf16"],
 )
 def test_grouped_activation_terms_match_autograd(single_rank_parallel_state, preset, extra):
     """Grouped differential attention: h + n query heads, and V1's n noise maps and outputs, not h; on the
