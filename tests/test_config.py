@@ -110,7 +110,10 @@ def test_baseline_skips_diff_validation():
         (4, 1, {"diff_version": 2, "num_noise_heads": 1}),
         (2, 1, {"num_noise_heads": 1, "mlp_activation": "poly_norm"}),
     ],
-    ids=["diff", "transformer", "diff2", "diff2-gqa", "diff2-tied", "gda-v1", "gda-v2", "gda-v2-4to1", "motif"],
+    ids=[
+        *("diff", "transformer", "diff2", "diff2-gqa", "diff2-tied"),
+        *("gda-v1", "gda-v2", "gda-v2-4to1", "motif"),
+    ],
 )
 def test_count_matches_built_model(single_rank_parallel_state, heads, kv_heads, kind):
     """Hidden 64; heads as on the command line: DIFF 2 (4 sub-heads), baseline 4, DIFF V2 4 (8 queries);

@@ -1,12 +1,12 @@
 """Grouped differential attention on every parallel layout reproduces its single-rank run: losses, grad
 norms, then final weights (lambda vectors and head norm, or the lambda projection, included).
 
-Two models: V1-style GDA shaped as Motif's checkpoints (diff-tiny with 2 noise heads for its 4 heads over 2
-K1/K2 pairs: 6 query sub-heads over 4 K/V sub-groups, the spread fused QKV, 3 over 2 on each
-tensor-parallel rank; Motif's PolyNorm MLP, whose means span the FFN dimension split over TP, and its
-lambda_init schedule) and V2-style GDA (gda-tiny: 8 signal heads, 2 noise heads, 2 KV heads). Between them every layout runs once: TP with
-sequence parallelism (V1) and without (V2), the interleaved pipeline, the distributed optimizer over DP,
-and Ulysses context parallelism (both), which shards whole noise groups.
+Two models. V1-style GDA shaped as Motif's checkpoints: diff-tiny with 2 noise heads for its 4 heads over
+2 K1/K2 pairs (6 query sub-heads over 4 K/V sub-groups, the spread fused QKV, 3 over 2 on each
+tensor-parallel rank), Motif's PolyNorm MLP (its means span the FFN dimension split over TP) and its
+lambda_init schedule. V2-style GDA: gda-tiny (8 signal heads, 2 noise heads, 2 KV heads). Between them
+every layout runs once: TP with sequence parallelism (V1) and without (V2), the interleaved pipeline, the
+distributed optimizer over DP, and Ulysses context parallelism (both), which shards whole noise groups.
 """
 
 from __future__ import annotations
