@@ -164,6 +164,7 @@ def assert_same_run(
     layout could get wrong)."""
     import pytest
 
+    worst = {}
     for key in ("lm_loss", "grad_norm"):
         a, b = read_metric(tmp, ref, key), read_metric(tmp, got, key)
         assert sorted(b) == (logged or list(range(1, iterations + 1)))
@@ -171,8 +172,12 @@ def assert_same_run(
             assert b[it] == pytest.approx(a[it], rel=1e-5), (
                 f"{got} {key} at iteration {it}: {b[it]} vs {a[it]}"
             )
+        worst[key] = max(abs(b[it] - a[it]) / abs(a[it]) for it in b)
     if weights:
         assert_same_weights(load_weights(tmp / ref), load_weights(tmp / got), got, iterations, expect)
+    # the figures, for `pytest -s` (a closing note's parity table)
+    print(f"parity {got} vs {ref}: max relative difference loss {worst['lm_loss']:.2e}, "
+          f"grad norm {worst['grad_norm']:.2e} over {len(b)} iterations", flush=True)
 
 
 def assert_same_weights(
