@@ -657,10 +657,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_layers % pp:
         raise DiffmegError(f"{args.num_layers} layers cannot be split into {pp} pipeline stages evenly")
     heads = args.num_attention_heads
-    if args.diff_attention:
-        _validate_noise_heads(args, tp)
     if heads % tp:
         raise DiffmegError(f"{heads} attention heads cannot be split over tensor-model-parallel-size {tp}")
+    if args.diff_attention:
+        _validate_noise_heads(args, tp)
     if args.num_query_groups % tp or heads % args.num_query_groups:
         raise DiffmegError(
             f"--num-query-groups {args.num_query_groups} must divide the {heads} heads "
