@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A CPU-scale comparison that learns: DIFF V1, DIFF V2 (when this checkout has it) and the Transformer on
-# multi-query associative recall (MQAR) at several difficulties, and on language modelling at equal
-# tokens. Everything trains through pretrain_diff.py. Results: OUT/results.json, OUT/plots/*.png and
+# A CPU-scale comparison that learns: DIFF V1, DIFF V2, GDA 4:1 (when this checkout has them) and the
+# Transformer on multi-query associative recall (MQAR) at several difficulties, and on language modelling at
+# equal tokens. Everything trains through pretrain_diff.py. Results: OUT/results.json, OUT/plots/*.png and
 # OUT/tables.md (the tables of docs/results.md, from tools/toy_compare_results.py).
 #
 #   bash examples/toy_compare.sh                 # the full comparison (~80 minutes on 2 idle cores, est.)
@@ -24,7 +24,8 @@
 #
 # Environment (defaults in brackets; TOY_SMOKE=1 shrinks the starred ones):
 #   TOY_OUT [runs/toy_compare]     output directory, recreated (only one this script made is emptied)
-#   TOY_MODELS [auto]              diff transformer (+ diff2 when pretrain_diff.py has --diff-version)
+#   TOY_MODELS [auto]              diff transformer (+ diff2 when pretrain_diff.py has --diff-version, + gda
+#                                  when it has --num-noise-heads)
 #   TOY_SETTINGS* [4:4:0 8:4:0 8:4:2]  MQAR settings, pairs:queries:distractors-per-pair
 #   TOY_LRS* [1e-3 3e-3]           learning rates swept with the first seed
 #   TOY_SEEDS* [1 2 3]             seeds (the first also sweeps the learning rate)
@@ -74,7 +75,10 @@ step 0/6 "checking the environment"
     || die "diffmeg's dependencies are missing: run scripts/setup.sh"
 if [ "${TOY_MODELS:-auto}" = auto ]; then
     models=(diff transformer)
-    if "$py" pretrain_diff.py --help 2>/dev/null | grep -q -- --diff-version; then
+    help=$("$py" pretrain_diff.py --help 2>/dev/null || true)
+    if grep -q -- --num-noise-heads <<<"$help"; then
+        models=(diff diff2 gda transformer)
+    elif grep -q -- --diff-version <<<"$help"; then
         models=(diff diff2 transformer)
     fi
 else

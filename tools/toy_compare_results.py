@@ -3,6 +3,7 @@ r"""The toy comparison's results (examples/toy_compare.sh): collect them, choose
     python tools/toy_compare_results.py collect runs/toy_compare          # -> results.json + plots
     python tools/toy_compare_results.py best-lr runs/toy_compare --model diff --setting kv16
     python tools/toy_compare_results.py tables docs/results/toy_compare.json > tables.md
+    python tools/toy_compare_results.py merge A/results.json B/results.json --output results.json --plots DIR
 
 results.json holds `mqar` rows {model, setting, seed, lr, step, accuracy, split} (split "test": the
 held-out test set; "valid": the validation set, whose final step chooses the learning rate; both at
@@ -37,6 +38,7 @@ from diffmeg.eval.toy_compare import (  # noqa: E402
     collect,
     format_lr,
     load,
+    merge,
     model_flags,
     tables,
     write_results,
@@ -58,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     b.add_argument("--setting", required=True)
     t = sub.add_parser("tables", help="print the markdown tables of docs/results.md")
     t.add_argument("results")
+    m = sub.add_parser("merge", help="one results.json from runs of the same protocol over other models")
+    m.add_argument("results", nargs="+", help="results.json files (the committed one, a TOY_MODELS=gda run)")
+    m.add_argument("--output", required=True, help="the merged results.json")
+    m.add_argument("--plots", help="draw the plots of the merged results into this directory")
     f = sub.add_parser("model-flags", help="flags for a preset at another size (dry-run JSON on stdin)")
     f.add_argument("--layers", type=int, required=True)
     f.add_argument("--hidden", type=int, required=True)
@@ -67,16 +73,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @cli_errors(interrupted="results.json is written whole or not at all; run it again to redraw the plots")
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.command == "collect":
-        results = collect(args.out)
-        path = os.path.join(args.out, "results.json")
+    if args.command in ("collect", "merge"):
+        if args.command == "collect":
+            results, path = collect(args.out), os.path.join(args.out, "results.json")
+            plots = None if args.no_plot else os.path.join(args.out, "plots")
+        else:
+            results = merge([load(p) for p in args.results], args.results)
+            path, plots = args.output, args.plots
         write_results(path, results)
         written = [path]
-        if not args.no_plot:
-            os.makedirs(os.path.join(args.out, "plots"), exist_ok=True)
+        if plots:
+            os.makedirs(plots, exist_ok=True)
             from diffmeg.eval.toy_compare_plots import plot  # matplotlib: only when plotting
 
-            written += plot(results, os.path.join(args.out, "plots"))
+            written += plot(results, plots)
         counts = ", ".join(f"{len(results[k])} {k} rows" for k in ("mqar", "lm", "attention", "outliers"))
         print(f"{counts}; wrote {', '.join(written)}")
     elif args.command == "model-flags":

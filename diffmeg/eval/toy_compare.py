@@ -22,7 +22,9 @@ from diffmeg.storage import write_json
 
 TARGET = 0.9
 """The accuracy a run must reach to count as having learned the task (the issue's 90%)."""
-MODEL_NAMES = {"diff": "DIFF V1", "diff2": "DIFF V2", "transformer": "Transformer"}
+MODEL_NAMES = {
+    "diff": "DIFF V1", "diff2": "DIFF V2", "gda": "GDA 4:1 (V2 style)", "transformer": "Transformer"
+}
 SOURCE_COLUMNS = ("label", "iteration", "setting")
 """`diffmeg.eval.mqar_attention.table_rows` columns that become model, seed, step and the run's setting."""
 
@@ -119,6 +121,49 @@ def collect(out: str) -> dict:
         "attention": attention,
         "outliers": outliers,
     }
+
+
+PROTOCOL = (
+    "settings", "lrs", "seeds", "mqar_iters", "mqar_batch", "eval_every", "eval_docs", "layers", "hidden",
+    "vocab", "init_method_std", "lm_iters", "lm_eval_every", "lm_tokens_per_iter",
+)
+"""The meta keys two runs of the comparison must share to sit in one table: same data, budget and seeds."""
+SOURCE_META = ("models", "date", "jobs", "threads_per_run")
+ROW_KEYS = ("mqar", "mqar_positions", "lm", "attention", "outliers")
+
+
+def merge(parts: list[dict], sources: list[str]) -> dict:
+    """One results.json from runs of the same protocol over different models (a model added later, e.g.
+    `TOY_MODELS=gda`), refused in one line when the protocols differ or a model is in two parts."""
+    first, merged = parts[0]["meta"], {k: [] for k in ROW_KEYS}
+    models: list[str] = []
+    for part, source in zip(parts, sources, strict=True):
+        meta = part["meta"]
+        if meta.get("smoke"):
+            raise DiffmegError(f"{source} is a smoke run (TOY_SMOKE=1); merge only full runs")
+        differ = [k for k in PROTOCOL if meta.get(k) != first.get(k)]
+        if differ:
+            raise DiffmegError(
+                f"{source} was run with other {', '.join(differ)} than {sources[0]} "
+                f"({', '.join(f'{k} {meta.get(k)} vs {first.get(k)}' for k in differ)}): run it with the "
+                "same TOY_* settings"
+            )
+        twice = sorted(set(meta["models"]) & set(models))
+        if twice:
+            raise DiffmegError(f"{source} holds {', '.join(twice)} again; merge each model from one run")
+        models += meta["models"]
+        for key in ROW_KEYS:
+            merged[key] += part.get(key, [])
+    meta = {k: first[k] for k in PROTOCOL if k in first} | {
+        "models": model_order(models),
+        "arch": {m: a for part in parts for m, a in part["meta"]["arch"].items()},
+        "runs": [run for part in parts for run in part["meta"].get("runs", [])],
+        "merged": [  # where each model's runs came from, and how they were run
+            {"source": os.path.basename(src)} | {k: part["meta"].get(k) for k in SOURCE_META}
+            for part, src in zip(parts, sources, strict=True)
+        ],
+    }
+    return {"meta": meta, **merged}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -360,19 +405,37 @@ def model_flags(dry_run: dict, layers: int, hidden: int) -> str:
     `dry_run` is `pretrain_diff.py --model <preset> --dry-run`'s JSON. The head size is kept and the
     head and KV-group counts scale with the width, so the presets' DIFF / Transformer pairing (identical
     projections) holds at every size; the SwiGLU width is 8/3 of the hidden size (as the presets').
+    A grouped preset (fewer noise than signal heads) keeps its grouping instead: r signal heads per noise
+    head and the preset's noise heads per KV head; where the width holds fewer than one noise group at the
+    preset's head size, the head size shrinks to fit one (gda-tiny at hidden 64: 4 signal heads of 16
+    over 1 noise head and 1 KV head), since r:1 is what the row compares.
     """
     m = dry_run["model"]
     scale = hidden / m["hidden_size"]
     heads, groups = m["num_attention_heads"] * scale, m["num_query_groups"] * scale
+    noise = m.get("num_noise_heads") or m["num_attention_heads"]
+    ffn = max(64, int(4 * hidden * 2 / 3 / 64) * 64)
+    size = f"--model {m['preset']} --num-layers {layers} --hidden-size {hidden}"
+    if noise < m["num_attention_heads"]:
+        ratio, per_kv = m["num_attention_heads"] // noise, noise // m["num_query_groups"]
+        n = max(per_kv, round(noise * scale))
+        head_dim = hidden / (ratio * n)
+        if head_dim != int(head_dim):
+            raise DiffmegError(
+                f"hidden {hidden} cannot hold {m['preset']}'s {ratio}:1 grouping ({ratio * n} signal heads "
+                f"over {n} noise heads); pick a multiple of {ratio * per_kv} signal heads' width"
+            )
+        return (
+            f"{size} --num-attention-heads {ratio * n} --num-noise-heads {n} "
+            f"--num-query-groups {n // per_kv} --kv-channels {int(head_dim)} --ffn-hidden-size {ffn}"
+        )
     if heads != int(heads) or groups != int(groups) or heads < 1 or groups < 1:
         raise DiffmegError(
             f"hidden {hidden} cannot scale {m['preset']}'s {m['num_attention_heads']} heads and "
             f"{m['num_query_groups']} KV groups of {m['head_dim']} at hidden {m['hidden_size']}; "
             "pick a multiple of the preset's width per head"
         )
-    ffn = max(64, int(4 * hidden * 2 / 3 / 64) * 64)
     return (
-        f"--model {m['preset']} --num-layers {layers} --hidden-size {hidden} "
-        f"--num-attention-heads {int(heads)} --num-query-groups {int(groups)} "
+        f"{size} --num-attention-heads {int(heads)} --num-query-groups {int(groups)} "
         f"--kv-channels {m['head_dim']} --ffn-hidden-size {ffn}"
     )

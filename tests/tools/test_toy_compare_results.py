@@ -171,6 +171,64 @@ def test_model_flags_keep_the_head_size_and_scale_the_heads():
     assert proc.returncode == 2 and "cannot scale transformer-tiny" in proc.stderr
 
 
+def test_model_flags_keep_a_grouped_preset_grouping():
+    """gda-tiny (8 signal heads of 32 over 2 noise heads and 2 KV heads at hidden 256) at hidden 64: one
+    noise group of 4 signal heads, so the head size shrinks to 16; at hidden 128 it keeps 32."""
+    import subprocess
+
+    from tests.tools.helpers import tool_cmd, tool_env
+
+    def flags(hidden: int) -> subprocess.CompletedProcess:
+        dry = {"model": {"preset": "gda-tiny", "hidden_size": 256, "num_attention_heads": 8}}
+        dry["model"].update(num_query_groups=2, num_noise_heads=2, head_dim=32)
+        cmd = tool_cmd("toy_compare_results", "model-flags", "--layers", "2", "--hidden", str(hidden))
+        return subprocess.run(cmd, input=json.dumps(dry), env=tool_env(), capture_output=True, text=True)
+
+    want = {
+        64: "--num-attention-heads 4 --num-noise-heads 1 --num-query-groups 1 --kv-channels 16",
+        128: "--num-attention-heads 4 --num-noise-heads 1 --num-query-groups 1 --kv-channels 32",
+        512: "--num-attention-heads 16 --num-noise-heads 4 --num-query-groups 4 --kv-channels 32",
+    }
+    for hidden, heads in want.items():
+        proc = flags(hidden)
+        assert proc.returncode == 0 and heads in proc.stdout, (hidden, proc.stdout, proc.stderr)
+    proc = flags(66)
+    assert proc.returncode == 2 and "cannot hold gda-tiny's 4:1 grouping" in proc.stderr
+
+
+def _part(models: list[str], **meta) -> dict:
+    protocol = {"settings": ["kv8"], "lrs": [0.001], "seeds": [1], "mqar_iters": 10, "hidden": 64}
+    rows = {k: [{"model": m, "seed": 1} for m in models] for k in ("mqar", "lm", "attention", "outliers")}
+    return {"meta": protocol | {"models": models, "arch": {m: f"--model {m}-tiny" for m in models}} | meta} | rows
+
+
+def test_merge_adds_a_model_run_later(tmp_path):
+    """A model run on its own (TOY_MODELS=gda) joins the committed results when the protocol matches;
+    another protocol, a model in both, or a smoke run is one line."""
+    first, later = tmp_path / "a.json", tmp_path / "b.json"
+    _write(first, _part(["diff", "transformer"], date="d1", runs=[{"model": "diff"}]))
+    _write(later, _part(["gda"], date="d2", runs=[{"model": "gda"}]))
+    out = tmp_path / "merged.json"
+    proc = run_tool("toy_compare_results", "merge", first, later, "--output", out)
+    assert proc.returncode == 0, proc.stderr
+    merged = json.loads(out.read_text())
+    assert merged["meta"]["models"] == ["diff", "gda", "transformer"]  # the tables' order
+    assert merged["meta"]["arch"] == {m: f"--model {m}-tiny" for m in ("diff", "transformer", "gda")}
+    assert [r["model"] for r in merged["meta"]["runs"]] == ["diff", "gda"]
+    assert [(m["source"], m["date"]) for m in merged["meta"]["merged"]] == [("a.json", "d1"), ("b.json", "d2")]
+    assert [r["model"] for r in merged["lm"]] == ["diff", "transformer", "gda"]
+    assert merged["meta"]["settings"] == ["kv8"] and merged["meta"]["mqar_iters"] == 10
+    _write(later, _part(["gda"], mqar_iters=20))
+    proc = run_tool("toy_compare_results", "merge", first, later, "--output", out)
+    assert proc.returncode == 2 and "other mqar_iters" in proc.stderr and "20 vs 10" in proc.stderr
+    _write(later, _part(["diff"]))
+    proc = run_tool("toy_compare_results", "merge", first, later, "--output", out)
+    assert proc.returncode == 2 and "holds diff again" in proc.stderr
+    _write(later, _part(["gda"], smoke=True))
+    proc = run_tool("toy_compare_results", "merge", first, later, "--output", out)
+    assert proc.returncode == 2 and "is a smoke run" in proc.stderr
+
+
 def test_docs_results_show_the_committed_json():
     """docs/results.md's tables are the ones generated from docs/results/toy_compare.json, so no figure
     there is typed by hand and the two cannot drift apart."""
