@@ -199,7 +199,8 @@ def test_model_flags_keep_a_grouped_preset_grouping():
 def _part(models: list[str], **meta) -> dict:
     protocol = {"settings": ["kv8"], "lrs": [0.001], "seeds": [1], "mqar_iters": 10, "hidden": 64}
     rows = {k: [{"model": m, "seed": 1} for m in models] for k in ("mqar", "lm", "attention", "outliers")}
-    return {"meta": protocol | {"models": models, "arch": {m: f"--model {m}-tiny" for m in models}} | meta} | rows
+    arch = {m: f"--model {m}-tiny" for m in models}
+    return {"meta": protocol | {"models": models, "arch": arch} | meta} | rows
 
 
 def test_merge_adds_a_model_run_later(tmp_path):
@@ -215,7 +216,8 @@ def test_merge_adds_a_model_run_later(tmp_path):
     assert merged["meta"]["models"] == ["diff", "gda", "transformer"]  # the tables' order
     assert merged["meta"]["arch"] == {m: f"--model {m}-tiny" for m in ("diff", "transformer", "gda")}
     assert [r["model"] for r in merged["meta"]["runs"]] == ["diff", "gda"]
-    assert [(m["source"], m["date"]) for m in merged["meta"]["merged"]] == [("a.json", "d1"), ("b.json", "d2")]
+    sources = [(m["source"], m["date"]) for m in merged["meta"]["merged"]]
+    assert sources == [("a.json", "d1"), ("b.json", "d2")]
     assert [r["model"] for r in merged["lm"]] == ["diff", "transformer", "gda"]
     assert merged["meta"]["settings"] == ["kv8"] and merged["meta"]["mqar_iters"] == 10
     _write(later, _part(["gda"], mqar_iters=20))
