@@ -70,7 +70,6 @@ class Cluster:
         return (out[0], out[1]) if len(out) >= 2 else ("", "")
 
 
-TERMINAL_STABLE_S = 10.0
 TERMINAL = {
     "COMPLETED",
     "FAILED",
@@ -110,8 +109,21 @@ class Job:
         self.job_id = match.group(1)
         threading.Thread(target=self._watch, daemon=True).start()
 
+    def _requeue_pending(self) -> bool:
+        """Whether the job's last run announced a requeue that no later run has started after: its
+        output holds as many "requeueing job N" lines as run headers "job N (restart k)". A job
+        requeueing itself passes through CANCELLED (its old run) before PENDING; read from the output,
+        that passage is told from the end of the job without a timing guess."""
+        if not self.output.exists():
+            return False
+        text = self.output.read_text(errors="replace")
+        if "scontrol requeue was refused" in text:
+            return False
+        requeues = len(re.findall(rf"requeueing job {self.job_id} to resume", text))
+        runs = len(re.findall(rf"job {self.job_id} \(restart \d+\)", text))
+        return requeues > 0 and requeues >= runs
+
     def _watch(self) -> None:
-        terminal_since: float | None = None
         while not self._stop.is_set():
             fields = dict(
                 kv.split("=", 1)
@@ -121,17 +133,10 @@ class Job:
                 if "=" in kv
             )
             state, reason = fields.get("JobState", ""), fields.get("Reason", "")
-            if state in TERMINAL:
-                # A job requeueing itself passes through CANCELLED (its old run) before PENDING: only a
-                # state that stays terminal for TERMINAL_STABLE_S is the end of the job.
-                terminal_since = terminal_since or time.time()
-                if time.time() - terminal_since >= TERMINAL_STABLE_S:
-                    code, sig = (int(x) for x in fields.get("ExitCode", "0:0").split(":"))
-                    self.exit_code = code if sig == 0 else 128 + sig
-                    return
-                time.sleep(0.3)
-                continue
-            terminal_since = None
+            if state in TERMINAL and not self._requeue_pending():
+                code, sig = (int(x) for x in fields.get("ExitCode", "0:0").split(":"))
+                self.exit_code = code if sig == 0 else 128 + sig
+                return
             if state == "PENDING" and reason == "BeginTime":
                 self.cluster.run("scontrol", "update", f"JobId={self.job_id}", "StartTime=now", check=False)
             if self.signal_after and self.signalled_at is None and state == "RUNNING":
