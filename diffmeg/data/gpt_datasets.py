@@ -104,7 +104,7 @@ def build_gpt_datasets(
     if tokenizer is not None:  # ids made with another vocabulary would train silently on wrong tokens
         check_datasets(prefixes, record_of(tokenizer))
     if vocab_size is not None:  # an id past the embedding is an index error inside the first step
-        check_vocabulary(prefixes, vocab_size)
+        check_vocabulary(prefixes, vocab_size, cache_path, collective=True)  # every rank is here
     check_splits_nonempty(prefixes, split)
     config = GPTDatasetConfig(
         random_seed=seed,

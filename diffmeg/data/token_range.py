@@ -1,14 +1,17 @@
 """The smallest and largest token id a dataset holds, so a run refuses data its vocabulary cannot embed
 (`diffmeg.data.tokenizers.check_vocabulary`) before a step, instead of an index error inside the embedding.
 
-A dataset's range is `{prefix}.ids.json` beside its `.bin`/`.idx`: `min_id`, `max_id` and the `.bin`'s
-size and modification time it was taken from. diffmeg's writers record it as they write
-(`diffmeg.data.indexed.IndexedWriter`); a dataset from elsewhere (Megatron-LM's own tools, a copy without
-it) gets it computed once on first use - numpy over the memory-mapped `.bin` in chunks of `CHUNK_TOKENS`,
-so a multi-GB file never sits in memory - and cached beside the data when that folder is writable, else
-under `$DIFFMEG_CACHE_DIR/token_ranges/`, else in memory for this process. A `.bin` whose size or
-modification time differs from the recorded one is scanned again, so a replaced file is never judged by
-its predecessor's range.
+A dataset's range is a small record: `min_id`, `max_id` and the `.bin`'s size and modification time it was
+taken from. diffmeg's writers record it as they write (`{prefix}.ids.json`, `diffmeg.data.indexed.
+IndexedWriter`); a dataset from elsewhere (Megatron-LM's own tools, a copy without it) gets it computed once
+on first use - numpy over the memory-mapped `.bin` in chunks of `CHUNK_TOKENS`, so a multi-GB file never
+sits in memory. In a multi-rank job (`collective=True`) the ranks split that scan: each reads 1/world of
+the `.bin` and one all-reduce combines the parts, so a 4 TB corpus costs 31 GB a rank at 128 ranks, not
+4 TB each. The record is kept where the next job finds it: under the job's `--data-cache-path` when given
+(beside megatron-core's index cache), else beside the data when that folder is writable, else under
+`$DIFFMEG_CACHE_DIR/token_ranges/` (one node's home: said in one line), else in memory for this process
+(said too). A `.bin` whose size or modification time differs from the recorded one is scanned again, so a
+replaced file is never judged by its predecessor's range.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import json
 import os
 
 import numpy as np
+import torch
 from megatron.core.datasets.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
 
+from diffmeg.collectives import MAX, all_reduce
 from diffmeg.storage import default_cache_dir, write_json
 
 RANGE_SUFFIX = ".ids.json"
@@ -43,10 +48,21 @@ def _bin_key(prefix: str) -> dict[str, int]:
     return {"bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns}
 
 
-def _cache_file(prefix: str) -> str:
-    """The fallback cache entry of a dataset whose own folder is read-only (one per absolute path)."""
+def _memory_key(prefix: str) -> tuple[str, int, int]:
+    key = _bin_key(prefix)
+    return os.path.realpath(prefix), key["bin_bytes"], key["bin_mtime_ns"]
+
+
+def _cache_file(prefix: str, cache_dir: str | None = None) -> str:
+    """The dataset's entry in a cache folder (one per absolute path): the job's `cache_dir`, else the
+    per-user default."""
     name = hashlib.sha256(os.path.realpath(prefix).encode()).hexdigest()[:32]
-    return os.path.join(default_cache_dir(), "token_ranges", name + ".json")
+    return os.path.join(cache_dir or default_cache_dir(), "token_ranges", name + ".json")
+
+
+def _places(prefix: str, cache_dir: str | None) -> list[str]:
+    """Where the record may be, in the order it is looked for and written."""
+    return [*([_cache_file(prefix, cache_dir)] if cache_dir else []), range_path(prefix), _cache_file(prefix)]
 
 
 def _read(path: str, key: dict[str, int]) -> tuple[bool, TokenRange]:
@@ -74,45 +90,87 @@ def _write(path: str, key: dict[str, int], ids: TokenRange) -> bool:
         return False
 
 
-def scan_range(prefix: str, chunk_tokens: int = CHUNK_TOKENS) -> TokenRange:
-    """The range of the `.bin`'s tokens, read a chunk at a time through a memory map of that chunk."""
+def scan_range(prefix: str, chunk_tokens: int = CHUNK_TOKENS, part: tuple[int, int] = (0, 1)) -> TokenRange:
+    """The range of the `.bin`'s tokens, read a chunk at a time through a memory map of that chunk.
+    `part` = (index, parts): only the index-th of `parts` near-equal token ranges (a rank's share)."""
     path = get_bin_path(prefix)
     dtype = np.dtype(_IndexReader(get_idx_path(prefix), multimodal=False).dtype)  # what its `.idx` names
     count = os.path.getsize(path) // dtype.itemsize
+    index, parts = part
+    first, last = count * index // parts, count * (index + 1) // parts
     ids: TokenRange = None
-    for start in range(0, count, chunk_tokens):
-        size = min(chunk_tokens, count - start)
-        part = np.memmap(path, dtype=dtype, mode="r", offset=start * dtype.itemsize, shape=(size,))
-        ids = combine(ids, (int(part.min()), int(part.max())))
-        del part  # unmapped: its pages leave this process
+    for start in range(first, last, chunk_tokens):
+        size = min(chunk_tokens, last - start)
+        part_ids = np.memmap(path, dtype=dtype, mode="r", offset=start * dtype.itemsize, shape=(size,))
+        ids = combine(ids, (int(part_ids.min()), int(part_ids.max())))
+        del part_ids  # unmapped: its pages leave this process
     return ids
 
 
 def record_range(prefix: str, ids: TokenRange) -> None:
     """Record the range a writer just wrote to `{prefix}.bin` (after it is in place)."""
-    _store(prefix, _bin_key(prefix), ids)
+    _store(prefix, _bin_key(prefix), ids, None)
 
 
-def _store(prefix: str, key: dict[str, int], ids: TokenRange) -> None:
-    _IN_MEMORY[(os.path.realpath(prefix), key["bin_bytes"], key["bin_mtime_ns"])] = ids
-    if not _write(range_path(prefix), key, ids):
-        _write(_cache_file(prefix), key, ids)  # else: this process's memory only
+def _store(prefix: str, key: dict[str, int], ids: TokenRange, cache_dir: str | None) -> str | None:
+    """Keep the record in the first place it can be written; that place, or None (memory only)."""
+    _IN_MEMORY[_memory_key(prefix)] = ids
+    return next((path for path in _places(prefix, cache_dir) if _write(path, key, ids)), None)
 
 
-def token_range(prefix: str) -> TokenRange:
-    """The dataset's (smallest, largest) token id: its record, else the fallback cache, else a scan (then
-    recorded where it can be)."""
-    key = _bin_key(prefix)
-    memory_key = (os.path.realpath(prefix), key["bin_bytes"], key["bin_mtime_ns"])
-    if memory_key in _IN_MEMORY:
-        return _IN_MEMORY[memory_key]
-    for path in (range_path(prefix), _cache_file(prefix)):
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+_NONE = np.iinfo(np.int64).min
+"""A part of no tokens in the all-reduce of (-min, max): the identity of MAX."""
+
+
+def _split_scan(prefix: str, rank: int, world: int) -> TokenRange:
+    """This rank's share of the scan, combined over the world by one all-reduce of (-min, max)."""
+    ids = scan_range(prefix, part=(rank, world))
+    mine = [_NONE, _NONE] if ids is None else [-ids[0], ids[1]]
+    lo, hi = (int(v) for v in all_reduce(mine, op=MAX, dtype=torch.int64).tolist())
+    return None if hi == _NONE else (-lo, hi)
+
+
+def token_range(prefix: str, cache_dir: str | None = None, collective: bool = False) -> TokenRange:
+    """The dataset's (smallest, largest) token id: its record, else a scan (then recorded where it can
+    be). `cache_dir`: the job's `--data-cache-path`. `collective`: every rank of the default group calls
+    this for the same prefix; they agree whether any of them lacks the record and, if so, split the scan."""
+    key, memory_key = _bin_key(prefix), _memory_key(prefix)
+    found, ids = memory_key in _IN_MEMORY, _IN_MEMORY.get(memory_key)
+    for path in [] if found else _places(prefix, cache_dir):
         found, ids = _read(path, key)
         if found:
             _IN_MEMORY[memory_key] = ids
+            break
+    rank, world = _world() if collective else (0, 1)
+    if world > 1:
+        missing = all_reduce([0 if found else 1], op=MAX, dtype=torch.int64).item()
+        if not missing:
             return ids
-    ids = scan_range(prefix)
-    _store(prefix, key, ids)
+        ids = _split_scan(prefix, rank, world)
+    elif found:
+        return ids
+    else:
+        ids = scan_range(prefix)
+    if rank == 0:
+        kept = _store(prefix, key, ids, cache_dir)
+        if kept is None or (kept == _cache_file(prefix) and (world > 1 or cache_dir)):
+            where = f"in {kept}, one node's cache" if kept else "in memory only: nothing could be written"
+            print(
+                f"token-id range of {prefix} kept {where}; pass --data-cache-path on storage every node "
+                "can write so the next job skips the scan",
+                flush=True,
+            )
+    else:
+        _IN_MEMORY[memory_key] = ids
+    if world > 1:
+        torch.distributed.barrier()  # the record is in place before any rank goes on
     return ids
 
 

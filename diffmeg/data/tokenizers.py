@@ -265,12 +265,15 @@ def check_datasets(prefixes: Sequence[str], run: TokenizerRecord) -> None:
             )
 
 
-def check_vocabulary(prefixes: Sequence[str], vocab_size: int) -> None:
+def check_vocabulary(
+    prefixes: Sequence[str], vocab_size: int, cache_dir: str | None = None, collective: bool = False
+) -> None:
     """Every dataset's token ids are rows of the run's embedding (0 <= id < `vocab_size`), or one line naming
     the first that is not, its largest id and the fix. Reads each dataset's recorded id range (one scan of
-    its `.bin` the first time for data from elsewhere: `diffmeg.data.token_range`)."""
+    its `.bin` the first time for data from elsewhere, split over the ranks when `collective`, recorded
+    under `cache_dir` when given: `diffmeg.data.token_range`)."""
     for prefix in prefixes:
-        ids = token_range(prefix)
+        ids = token_range(prefix, cache_dir, collective)
         if ids is None:
             continue
         lo, hi = ids

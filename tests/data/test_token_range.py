@@ -38,7 +38,7 @@ def foreign(prefix, docs, dtype=np.int32) -> str:
 def no_scan(monkeypatch):
     """Fail any scan of a .bin: the range must come from a record or a cache."""
 
-    def scan(prefix, chunk_tokens=tr.CHUNK_TOKENS):
+    def scan(prefix, chunk_tokens=tr.CHUNK_TOKENS, part=(0, 1)):
         raise AssertionError(f"{prefix}.bin scanned again")
 
     monkeypatch.setattr(tr, "scan_range", scan)
@@ -66,7 +66,7 @@ def test_data_from_elsewhere_is_scanned_once_then_read_from_its_cache(tmp_path, 
     assert not (tmp_path / "mlm.ids.json").exists()
     scans = []
     real_scan = tr.scan_range
-    monkeypatch.setattr(tr, "scan_range", lambda p, chunk_tokens=2: scans.append(p) or real_scan(p, 2))
+    monkeypatch.setattr(tr, "scan_range", lambda p, part=(0, 1): scans.append(p) or real_scan(p, 2, part))
     assert tr.token_range(prefix) == (5, 100276) and len(scans) == 1  # chunks of 2 tokens: 3 chunks
     assert json.loads((tmp_path / "mlm.ids.json").read_text())["max_id"] == 100276
     monkeypatch.setattr(tr, "_IN_MEMORY", {})  # a new process: the file beside the data answers
@@ -113,3 +113,65 @@ def test_the_dataset_builder_checks_every_prefix_of_a_blend(tmp_path, gloo):
         build_gpt_datasets(blend, *args, str(tmp_path / "c"), vocab_size=1024)
     train, _, _ = build_gpt_datasets(blend, *args, str(tmp_path / "c"), vocab_size=2048)
     assert len(train) >= 8
+
+
+def _extremes_everywhere(tmp_path) -> str:
+    """A dataset from elsewhere of 61 tokens (uneven over 2 and 3 parts) whose smallest and largest ids
+    sit in each part: every part's own range differs, so a lost part changes the combined one."""
+    ids = np.arange(1000, 1061)
+    ids[[0, 20, 40]] = [7, 8, 9]
+    ids[[19, 39, 60]] = [5000, 5001, 5002]
+    return foreign(tmp_path / "parts", [ids[:30].tolist(), ids[30:].tolist()])
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_the_parts_of_a_split_scan_make_the_whole(tmp_path, parts):
+    prefix = _extremes_everywhere(tmp_path)
+    whole = tr.scan_range(prefix, chunk_tokens=4)
+    assert whole == (7, 5002)
+    ranges = [tr.scan_range(prefix, chunk_tokens=4, part=(i, parts)) for i in range(parts)]
+    assert len(set(ranges)) == parts  # each part has its own extremes
+    combined = None
+    for ids in ranges:
+        combined = tr.combine(combined, ids)
+    assert combined == whole
+
+
+def _split_scan_worker(rank: int, port: int, prefix: str, cache: str, results: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["DIFFMEG_CACHE_DIR"] = os.path.join(cache, "home")
+    tr.RANGE_SUFFIX = ".bin/ids.json"  # the data folder is read-only (parts.bin is a file)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    try:
+        parts = []
+        real_scan = tr.scan_range
+        tr.scan_range = lambda p, chunk_tokens=4, part=(0, 1): parts.append(part) or real_scan(p, 4, part)
+        if rank == 1:  # one rank already holds it: all must still scan together, none may wait alone
+            tr._IN_MEMORY[tr._memory_key(prefix)] = (7, 5002)
+        first = tr.token_range(prefix, cache_dir=os.path.join(cache, "job"), collective=True)
+        tr._IN_MEMORY.clear()  # the next job: the record under the job's cache answers every rank
+        second = tr.token_range(prefix, cache_dir=os.path.join(cache, "job"), collective=True)
+        with open(os.path.join(results, f"{rank}.json"), "w") as f:
+            json.dump({"first": first, "second": second, "parts": parts}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_three_ranks_split_the_scan_and_keep_one_record_under_the_data_cache_path(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    prefix = _extremes_everywhere(tmp_path)
+    results = tmp_path / "results"
+    results.mkdir()
+    mp.spawn(_split_scan_worker, args=(free_port(), prefix, str(tmp_path), str(results)), nprocs=3)
+    seen = [json.loads((results / f"{rank}.json").read_text()) for rank in range(3)]
+    for rank, got in enumerate(seen):
+        assert tuple(got["first"]) == tuple(got["second"]) == (7, 5002)
+        assert got["parts"] == [[rank, 3]]  # one share each, and nothing read by the second job
+    (entry,) = (tmp_path / "job" / "token_ranges").iterdir()
+    assert json.loads(entry.read_text())["max_id"] == 5002
+    assert not (tmp_path / "home").exists()  # the job's cache, not one node's home
