@@ -123,3 +123,28 @@ def build_gpt_datasets(
     )
     train, valid, test = builder.build()
     return train, valid, test
+
+
+EPOCH_NOTE_MARGIN = 0.01
+"""A train split exceeded by less than this share is noted: a second epoch indexed for a sliver of it."""
+
+
+def epoch_note(train, train_iters: int) -> str | None:
+    """One line when a dataset's train split is exceeded by under `EPOCH_NOTE_MARGIN` (megatron-core then
+    indexes a second epoch, silently: 487M samples for 244M at 1T tokens), naming the `--train-iters`
+    that stays in one epoch; None otherwise. `train`: a GPTDataset, or a BlendedDataset of them."""
+    for dataset in getattr(train, "datasets", [train]):
+        if not isinstance(dataset, GPTDataset) or not dataset.num_samples:
+            continue
+        extra = int(dataset.config.add_extra_token_to_sequence)
+        tokens = int(dataset.dataset.sequence_lengths[dataset.indices].sum())  # the split's epoch
+        per_epoch = (tokens - extra) // dataset.config.sequence_length
+        asked = dataset.num_samples
+        if per_epoch < asked <= per_epoch * (1 + EPOCH_NOTE_MARGIN):
+            iters = train_iters * per_epoch // asked
+            return (
+                f"note: {dataset.dataset.path_prefix}'s train split holds {per_epoch:,} samples and the run "
+                f"asks {asked:,}: 2 epochs are indexed for {100 * (asked / per_epoch - 1):.2f}% more; "
+                f"--train-iters {iters} stays in one epoch"
+            )
+    return None

@@ -28,6 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from diffmeg import collectives
 from diffmeg.compat import model_parallel_manual_seed
+from diffmeg.data.gpt_datasets import epoch_note
 from diffmeg.model import lambda_parameters
 from diffmeg.run_config import RunConfig
 from diffmeg.training import ddp
@@ -93,6 +94,8 @@ class Trainer:
         self.checkpoints.lock_save_target(self.num_parameters)  # one run per --save, room for a checkpoint
         self.checkpoints.resolve()  # a bad --load, or a checkpoint this run cannot start from, stops here
         self.train_ds, self.valid_ds, _ = build_datasets(run)  # data of another vocabulary: before the model
+        if note := epoch_note(self.train_ds, run.training.train_iters):
+            self.log(note)
         self._rss_before_model = _rss_bytes("VmRSS")
         # `model`: the DDP-wrapped chunks, one per virtual pipeline stage (one without interleaving)
         self.model_config, self.model, self.optimizer, self.scheduler = build_training_objects(run)

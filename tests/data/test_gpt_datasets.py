@@ -3,9 +3,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffmeg.data.gpt_datasets import build_gpt_datasets, parse_data_path
+from diffmeg.data.gpt_datasets import build_gpt_datasets, epoch_note, parse_data_path
 from diffmeg.data.indexed import IndexedWriter
+from diffmeg.data.tokenizers import NULL, build_tokenizer
 from diffmeg.errors import DiffmegError
+from tests.data.helpers import write_dataset
 
 
 def make_dataset(prefix, n_docs: int, token: int, length: int = 50) -> str:
@@ -92,3 +94,18 @@ def test_zero_document_split_fails_instead_of_hanging(gloo, tokenizer, tmp_path)
         [small], "1,0,0", 8, 1, (10, 0, 0), tokenizer, str(tmp_path / "c")
     )
     assert len(train) >= 10 and valid is None and test is None
+
+
+@pytest.mark.parametrize("asked, noted", [(124, False), (125, True), (126, False), (248, False)])
+def test_a_train_split_exceeded_by_a_sliver_is_noted(tmp_path, gloo, asked, noted):
+    prefix = write_dataset(tmp_path / "d", [[3] * 50] * 40)  # 2000 tokens: 124 samples of 16 (+1) an epoch
+    tokenizer = build_tokenizer(NULL, vocab_size=64)
+    train, _, _ = build_gpt_datasets([prefix], "1,0,0", 16, 1, (asked, 0, 0), tokenizer, str(tmp_path / "c"))
+    note = epoch_note(train, train_iters=asked)  # one sample per iteration
+    if not noted:
+        assert note is None
+        return
+    assert note == (
+        f"note: {prefix}'s train split holds 124 samples and the run asks {asked}: 2 epochs are indexed for "
+        f"{100 * (asked / 124 - 1):.2f}% more; --train-iters 124 stays in one epoch"
+    )
