@@ -180,8 +180,11 @@ def test_input_errors(tmp_path, bpe_file):
         find_inputs([str(tmp_path / "*.jsonl")])
     with pytest.raises(DiffmegError, match="does not exist"):
         find_inputs([str(tmp_path / "missing.jsonl")])
-    (tmp_path / "data.parquet").write_bytes(b"")
+    (tmp_path / "data.csv").write_bytes(b"")
     with pytest.raises(DiffmegError, match="unsupported file type"):
+        find_inputs([str(tmp_path / "data.csv")])
+    (tmp_path / "data.parquet").write_bytes(b"")  # read as Parquet (diffmeg/data/tables.py): not one
+    with pytest.raises(DiffmegError, match="data.parquet cannot be read as Parquet: its footer is damaged"):
         find_inputs([str(tmp_path / "data.parquet")])
     (tmp_path / "a.txt").write_text("x")
     with pytest.raises(DiffmegError, match="plain-text inputs carry only the 'text' field"):
