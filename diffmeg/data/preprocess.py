@@ -165,13 +165,26 @@ def check_format(f: InputFile) -> InputFile:
         raise DiffmegError(
             f"--input {f.path} is {tool}-compressed data {named}, so it cannot be read as named; {fix}"
         )
-    if f.kind != "jsonl" or not f.size:
+    if not f.size:
         return f
     with open(f.path, "rb") as raw:
-        head = _open_stream(raw, f).read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n")
+        head = _open_stream(raw, f).read(1 << 16)
+    tool = next((t for _, suffix, t in _COMPRESSED if suffix == f.compression), None)
+    wide = wide_encoding(head)
+    if wide is not None:
+        encoding, bom = wide
+        stem, ext = os.path.splitext(base)
+        source = "" if tool else f" {f.path}"
+        fix = f"iconv -f {encoding[:6] if bom else encoding} -t UTF-8{source} > {stem}.utf8{ext}"
+        raise DiffmegError(
+            f"--input {f.path} is {encoding} text{' (it starts with a byte-order mark)' if bom else ''}, not "
+            f"UTF-8; convert it first, e.g. {f'{tool} -dc {f.path} | ' if tool else ''}{fix}"
+        )
+    if f.kind != "jsonl":
+        return f
+    head = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     out = os.path.splitext(base)[0] + ".jsonl"
     out = os.path.splitext(base)[0] + ".lines.jsonl" if out == base else out  # never the input itself
-    tool = next((t for _, suffix, t in _COMPRESSED if suffix == f.compression), None)
 
     array = "'.[]'"
 
@@ -189,6 +202,40 @@ def check_format(f: InputFile) -> InputFile:
             f"object per line); convert it first, e.g. {convert('.')}"
         )
     return f
+
+
+_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32LE"),
+    (b"\x00\x00\xfe\xff", "UTF-32BE"),
+    (b"\xff\xfe", "UTF-16LE"),
+    (b"\xfe\xff", "UTF-16BE"),
+)
+_NUL_PATTERNS = (  # where an ASCII-heavy text's NUL bytes fall, by position modulo 4
+    ((1, 2, 3), "UTF-32LE"),
+    ((0, 1, 2), "UTF-32BE"),
+    ((1, 3), "UTF-16LE"),
+    ((0, 2), "UTF-16BE"),
+)
+
+
+def wide_encoding(head: bytes) -> tuple[str, bool] | None:
+    """UTF-16/UTF-32 (the encoding, and whether a byte-order mark says so) from a file's first bytes: by its
+    byte-order mark, else by where its NUL bytes fall (UTF-8 text holds none). Every line of such a file
+    would otherwise be a bad line, "not valid UTF-8"."""
+    for bom, encoding in _BOMS:
+        if head.startswith(bom):
+            return encoding, True
+    sample = head[: len(head) // 4 * 4]
+    if len(sample) < 8 or b"\x00" not in sample:
+        return None
+    quarter = len(sample) // 4
+    nul = [sample[i::4].count(0) / quarter for i in range(4)]
+    for positions, encoding in _NUL_PATTERNS:
+        if all(nul[i] > 0.5 for i in positions) and all(
+            nul[i] < 0.05 for i in range(4) if i not in positions
+        ):
+            return encoding, False
+    return None
 
 
 def split_segments(segments: list[Segment], n: int) -> list[list[Segment]]:
@@ -456,6 +503,14 @@ class _Writers:
             raise DiffmegError(
                 f"--input {' '.join(cfg.inputs)} holds no documents ({skipped} bad lines skipped); "
                 f"nothing written: check the input and --json-keys"
+            )
+        eods = cfg is not None and cfg.append_eod
+        empty = [k for k, w in self.by_key.items() if w.tokens == (w.documents if eods else 0)]
+        if cfg is not None and empty:
+            documents = next(iter(self.by_key.values())).documents
+            raise DiffmegError(
+                f"--input {' '.join(cfg.inputs)} holds {documents} documents whose {empty[0]!r} texts are "
+                f"all empty (0 tokens); nothing written: check that --json-keys names the field with the text"
             )
         for writer in self.by_key.values():
             writer.commit()

@@ -3,6 +3,8 @@ give the same datasets, byte for byte, as the same texts in JSON lines, read a r
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -211,6 +213,48 @@ def test_a_cut_arrow_stream_names_the_record_batch(tmp_path):
     path.write_bytes(path.read_bytes()[: layout.bounds[2] + 200])
     with pytest.raises(DiffmegError, match=rf"^--input {path}: record batch \d cannot be read as Arrow \("):
         tables.read_layout(str(path))
+
+
+def _cache_as_hub_dataset(cache: Path, repo: str, parquet: Path) -> None:
+    """Put `parquet` in the `datasets` cache folder `cache` as the prepared train split of the Hub dataset
+    `repo`, as `load_dataset(repo)` leaves it on a node with network (none here to download it)."""
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    builder = Parquet(
+        cache_dir=str(cache), data_files={"train": str(parquet)}, dataset_name=repo.split("/")[1]
+    )
+    builder.download_and_prepare()
+    target = cache / repo.replace("/", "___") / "default" / "0.0.0" / "local"
+    target.parent.mkdir(parents=True)
+    shutil.move(builder.cache_dir, target)
+
+
+def test_hf_dataset_from_the_local_cache_offline(tmp_path, bpe_file, reference, monkeypatch):
+    """hf:NAME reads the cached split's Arrow files; tests/tools/test_preprocess_data.py: one not cached."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    before = (datasets.config.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE"))
+    write_parquet(tmp_path / "rows.parquet", TEXTS, 50, title=TITLES)
+    _cache_as_hub_dataset(tmp_path / "cache", "someone/tiny", tmp_path / "rows.parquet")
+    run(
+        tmp_path,
+        ["hf:someone/tiny"],
+        "hf",
+        json_keys=["text", "title"],
+        append_eod=True,
+        tokenizer_file=bpe_file,
+    )
+    assert outputs(tmp_path, "hf", ("text", "title")) == reference
+    with pytest.raises(DiffmegError) as info:
+        find_inputs(["hf:someone/tiny:test"])
+    assert (
+        str(info.value)
+        == """--input hf:someone/tiny:test: Unknown split "test". Should be one of ['train']."""
+    )
+    assert (
+        datasets.config.HF_HUB_OFFLINE,
+        os.environ.get("HF_HUB_OFFLINE"),
+    ) == before  # offline for the call
 
 
 def test_hf_names_are_parsed():
