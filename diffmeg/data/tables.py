@@ -9,6 +9,7 @@ between ranks, partitions and workers: a table's coordinates are its units' stor
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Iterator
@@ -55,6 +56,16 @@ class TableLayout:
         return f"row {row}"
 
 
+def _require(module: str, what: str) -> None:
+    """One line, not an ImportError, where the optional package that reads tables is missing."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise DiffmegError(
+            f"{what} needs the {module} package: pip install 'diffmeg[tables]' (or pip install {module})"
+        ) from None
+
+
 def _reason(exc: BaseException) -> str:
     """pyarrow's message, on one line."""
     text = " ".join(str(exc).split())
@@ -69,6 +80,7 @@ def _arrow_format(path: str) -> str:
 def read_layout(path: str) -> TableLayout:
     """The units of the Parquet or Arrow file ``path``, from its metadata (Parquet's footer) or by walking its
     batches over a memory map (an Arrow stream has no footer; no data is copied)."""
+    _require("pyarrow", f"--input {path}")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -284,6 +296,7 @@ def _offline() -> Iterator[None]:
 def hf_cached_files(spec: str) -> list[str]:
     """The Arrow files of ``hf:NAME[:SPLIT]`` in the local Hugging Face cache, never downloading."""
     name, config, split = parse_hf(spec)
+    _require("datasets", f"--input {spec}")
     with _offline():
         import datasets
 

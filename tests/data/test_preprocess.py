@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import importlib.util
 import os
 import re
 import stat
@@ -184,7 +185,12 @@ def test_input_errors(tmp_path, bpe_file):
     with pytest.raises(DiffmegError, match="unsupported file type"):
         find_inputs([str(tmp_path / "data.csv")])
     (tmp_path / "data.parquet").write_bytes(b"")  # read as Parquet (diffmeg/data/tables.py): not one
-    with pytest.raises(DiffmegError, match="data.parquet cannot be read as Parquet: its footer is damaged"):
+    reason = (
+        "cannot be read as Parquet: its footer is damaged"
+        if importlib.util.find_spec("pyarrow")
+        else ("needs the pyarrow package: pip install 'diffmeg\\[tables\\]'")
+    )
+    with pytest.raises(DiffmegError, match=f"data.parquet {reason}"):
         find_inputs([str(tmp_path / "data.parquet")])
     (tmp_path / "a.txt").write_text("x")
     with pytest.raises(DiffmegError, match="plain-text inputs carry only the 'text' field"):

@@ -7,8 +7,6 @@ import os
 import shutil
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from diffmeg.data import preprocess as pp
@@ -17,6 +15,9 @@ from diffmeg.data.indexed import merge_datasets
 from diffmeg.data.preprocess import PreprocessConfig, find_inputs, preprocess
 from diffmeg.errors import DiffmegError
 from tests.data.helpers import leftovers, write_jsonl
+
+pa = pytest.importorskip("pyarrow", reason="pyarrow not installed (pip install 'diffmeg[tables]')")
+pq = pytest.importorskip("pyarrow.parquet")
 
 TEXTS = [
     "Hello world.",
