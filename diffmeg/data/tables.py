@@ -9,12 +9,15 @@ between ranks, partitions and workers: a table's coordinates are its units' stor
 
 from __future__ import annotations
 
+import bisect
 import importlib
+import itertools
 import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 from diffmeg.errors import DiffmegError
 
@@ -36,24 +39,26 @@ class TableLayout:
     def unit(self) -> str:
         return "row group" if self.format == "parquet" else "record batch"
 
+    @cached_property
+    def _row_starts(self) -> tuple[int, ...]:
+        """The file's row (from 0) where each unit starts; a datasets Arrow file has thousands of units."""
+        return tuple(itertools.accumulate(self.rows, initial=0))
+
     def next_bound(self, offset: int) -> int:
         """The first unit boundary at or after ``offset``: where a slice of the table may start."""
-        return next((b for b in self.bounds if b >= offset), self.bounds[-1])
+        return self.bounds[min(bisect.bisect_left(self.bounds, offset), len(self.bounds) - 1)]
 
     def units(self, start: int, end: int) -> range:
         """The units covering ``[start, end)`` (both unit boundaries)."""
-        return range(self.bounds.index(start), self.bounds.index(end))
+        return range(bisect.bisect_left(self.bounds, start), bisect.bisect_left(self.bounds, end))
 
     def first_row(self, unit: int) -> int:
-        return sum(self.rows[:unit])
+        return self._row_starts[unit]
 
     def where(self, row: int) -> str:
         """A row of the file (counted from 0) as its unit and its row within it."""
-        for unit, rows in enumerate(self.rows):
-            if row < rows:
-                return f"{self.unit} {unit}, row {row} (counted from 0)"
-            row -= rows
-        return f"row {row}"
+        unit = bisect.bisect_right(self._row_starts, row) - 1  # the last unit starting there: not empty
+        return f"{self.unit} {unit}, row {row - self._row_starts[unit]} (counted from 0)"
 
 
 def _require(module: str, what: str) -> None:
