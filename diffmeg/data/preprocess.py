@@ -149,8 +149,9 @@ def find_inputs(patterns: Iterable[str]) -> list[InputFile]:
 
 def check_format(f: InputFile) -> InputFile:
     """One line, before any work, for an input whose content is not what its name says, where reading it
-    as named would blame every line on its own: a compressed file without its suffix, a JSON array
-    (`[{...}, ...]`) or pretty-printed JSON where JSON Lines (one object per line) are expected."""
+    as named would blame every line on its own: a compressed file without its suffix, UTF-16 or UTF-32
+    text, a JSON array (`[{...}, ...]`) or pretty-printed JSON where JSON Lines (one object per line) are
+    expected."""
     with open(f.path, "rb") as raw:
         magic = raw.read(10)
     found = next(((suffix, tool) for regex, suffix, tool in _COMPRESSED if regex.match(magic)), None)
@@ -167,8 +168,11 @@ def check_format(f: InputFile) -> InputFile:
         )
     if not f.size:
         return f
-    with open(f.path, "rb") as raw:
-        head = _open_stream(raw, f).read(1 << 16)
+    try:
+        with open(f.path, "rb") as raw:
+            head = _open_stream(raw, f).read(1 << 16)
+    except (OSError, EOFError) as exc:
+        raise DiffmegError(f"cannot read {f.path}: {exc}") from None
     tool = next((t for _, suffix, t in _COMPRESSED if suffix == f.compression), None)
     wide = wide_encoding(head)
     if wide is not None:

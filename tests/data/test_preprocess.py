@@ -192,6 +192,9 @@ def test_input_errors(tmp_path, bpe_file):
     )
     with pytest.raises(DiffmegError, match=f"data.parquet {reason}"):
         find_inputs([str(tmp_path / "data.parquet")])
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(b"a text cut short" * 10)[:15])
+    with pytest.raises(DiffmegError, match=r"cannot read \S+cut\.txt\.gz: Compressed file ended before"):
+        find_inputs([str(tmp_path / "cut.txt.gz")])  # its first bytes are read before any work
     (tmp_path / "a.txt").write_text("x")
     with pytest.raises(DiffmegError, match="plain-text inputs carry only the 'text' field"):
         run(tmp_path, [tmp_path / "a.txt"], json_keys=["body"], tokenizer_file=bpe_file)
