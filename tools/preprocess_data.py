@@ -1,10 +1,13 @@
-r"""Tokenize JSONL / text corpora with cl100k_base (or a Hugging Face tokenizer) into megatron-core
-indexed datasets.
+r"""Tokenize JSONL / text / Parquet / Arrow corpora (also `datasets` save_to_disk folders and
+hf:NAME[:SPLIT] from the local Hugging Face cache) with cl100k_base (or a Hugging Face tokenizer) into
+megatron-core indexed datasets.
 
     python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' --output-prefix data/corpus \
         --append-eod --workers 16 --tokenizer-file cl100k_base.tiktoken
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/llama --append-eod \
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model hf/llama   # an upcycled Llama's own tokenizer
+    python tools/preprocess_data.py --input 'fineweb/*.parquet' --json-keys text \
+        --output-prefix data/fineweb --append-eod --workers 16    # Parquet: a row group at a time
 
 writes data/corpus_text_document.bin/.idx (one per --json-keys key) and .tokenizer.json (which tokenizer:
 pretrain_diff.py refuses data of another vocabulary); pass
@@ -33,7 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.dataset_parser(
         __doc__, f"files or globs ({SUPPORTED})", "writes {prefix}_{key}_document.bin/.idx"
     )
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize (default: text)")
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="JSON fields, or a table's columns (Parquet, Arrow, datasets), to tokenize (default: text)",
+    )
     p.add_argument(
         "--append-eod",
         action="store_true",

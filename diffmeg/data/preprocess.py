@@ -1,9 +1,12 @@
 """Tokenize corpora into megatron-core indexed datasets: the logic behind tools/preprocess_data.py.
 
 Inputs: JSON lines (``.jsonl``, or ``.json`` holding one object per line as in Megatron-LM) and
-plain text (``.txt``: the whole file is one document), each optionally ``.gz`` or ``.zst``.
+plain text (``.txt``: the whole file is one document), each optionally ``.gz`` or ``.zst``; tables
+(diffmeg/data/tables.py): Parquet and Arrow files, ``datasets`` save_to_disk folders and ``hf:NAME[:SPLIT]``
+from the local Hugging Face cache, a row per record and ``--json-keys`` naming columns.
 Every input record becomes one document stored as one sequence, in input order, so document i of
-every ``{prefix}_{key}_document`` dataset is record i. Empty texts are kept as empty documents
+every ``{prefix}_{key}_document`` dataset is record i (a table's rows give the same datasets as the same
+texts in JSON lines). Empty texts are kept as empty documents
 (or a lone EOD with ``--append-eod``) to keep that alignment; blank lines are not records.
 
 Parallelism, from the outside in:
@@ -13,7 +16,8 @@ Parallelism, from the outside in:
   into the output at the end;
 - ``--workers`` (in total, shared among partitions) encode batches of lines; the reading process
   writes their results in order. With one worker per partition, encoding runs in that process.
-Uncompressed JSON lines are split at line boundaries; compressed and text files go whole.
+Uncompressed JSON lines are split at line boundaries, tables between row groups (Parquet) or record batches
+(Arrow); compressed and text files go whole.
 
 Outputs are written under temporary names and renamed when complete (diffmeg/data/indexed.py): an
 interrupted run leaves nothing that looks like a dataset, the next run for the same prefix removes what
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diffmeg.data import tables
 from diffmeg.data.indexed import (
     DiskFullError,
     IndexedWriter,
@@ -56,8 +61,11 @@ from diffmeg.data.tokenizers import record_of, write_dataset_record
 from diffmeg.errors import DiffmegError, stderr
 from diffmeg.storage import directory_bytes
 
-SUPPORTED = ".jsonl, .json (one object per line), .txt (one document per file), each optionally .gz/.zst"
-_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text"}
+SUPPORTED = (
+    ".jsonl, .json (one object per line), .txt (one document per file), each optionally .gz/.zst; "
+    ".parquet, .arrow, a datasets save_to_disk folder, hf:NAME[:SPLIT] (the local Hugging Face cache)"
+)
+_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text", ".parquet": "table", ".arrow": "table"}
 _COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
 _COMPRESSED = (
     (re.compile(rb"\x1f\x8b"), "gz", "gzip"),
@@ -74,20 +82,24 @@ BATCH_BYTES = 1 << 20
 class InputFile:
     path: str
     kind: str
-    """"jsonl" or "text"."""
+    """"jsonl", "text" or "table"."""
     compression: str
     """"", "gz" or "zst"."""
     size: int
+    """Bytes stored; a table's: those of its row groups or record batches (`layout.bounds[-1]`)."""
+    layout: tables.TableLayout | None = None
+    """A table's units (row groups, record batches): its offsets are theirs, not the file's."""
 
     @property
     def splittable(self) -> bool:
-        """Whether byte ranges of the file can be read on their own (plain JSON lines only)."""
-        return self.kind == "jsonl" and not self.compression
+        """Whether ranges of the file can be read on their own (plain JSON lines, tables)."""
+        return self.kind == "table" or (self.kind == "jsonl" and not self.compression)
 
 
 @dataclass(frozen=True)
 class Segment:
-    """Bytes ``[start, end)`` of a stored file; starts and ends on line boundaries."""
+    """Bytes ``[start, end)`` of a stored file; starts and ends on line boundaries (a table's: on unit
+    boundaries of its `layout`)."""
 
     file: InputFile
     start: int
@@ -99,19 +111,25 @@ class Segment:
 
 
 def find_inputs(patterns: Iterable[str]) -> list[InputFile]:
-    """Files named by paths or globs, globs sorted, each file once, in the order given."""
+    """Files named by paths, globs, save_to_disk folders or ``hf:`` names, globs sorted, each file once, in
+    the order given."""
     paths: list[str] = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if pattern.startswith("hf:"):
+            matches = tables.hf_cached_files(pattern)
+        else:
+            matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not matches:
             raise DiffmegError(f"--input {pattern!r} matches no file")
-        for path in matches:
-            if os.path.isdir(path):
-                raise DiffmegError(f"--input {path} is a directory; pass a glob such as '{path}/*.jsonl'")
-            if not os.path.isfile(path):
-                raise DiffmegError(f"--input {path} does not exist")
-            if path not in paths:
-                paths.append(path)
+        for match in matches:
+            saved = tables.saved_dataset_files(match) if os.path.isdir(match) else None
+            for path in saved if saved is not None else [match]:
+                if os.path.isdir(path):
+                    raise DiffmegError(tables.describe_folder(path, SUPPORTED))
+                if not os.path.isfile(path):
+                    raise DiffmegError(f"--input {path} does not exist")
+                if path not in paths:
+                    paths.append(path)
     files = []
     for path in paths:
         name = os.path.basename(path).lower()
@@ -119,16 +137,21 @@ def find_inputs(patterns: Iterable[str]) -> list[InputFile]:
         compression = _COMPRESSIONS.get(ext, "")
         if compression:
             stem, ext = os.path.splitext(stem)
-        if ext not in _KINDS:
+        if ext not in _KINDS or (compression and _KINDS[ext] == "table"):
             raise DiffmegError(f"--input {path}: unsupported file type; supported: {SUPPORTED}")
+        if _KINDS[ext] == "table":
+            layout = tables.read_layout(path)
+            files.append(InputFile(path, "table", "", layout.bounds[-1], layout))
+            continue
         files.append(check_format(InputFile(path, _KINDS[ext], compression, os.path.getsize(path))))
     return files
 
 
 def check_format(f: InputFile) -> InputFile:
     """One line, before any work, for an input whose content is not what its name says, where reading it
-    as named would blame every line on its own: a compressed file without its suffix, a JSON array
-    (`[{...}, ...]`) or pretty-printed JSON where JSON Lines (one object per line) are expected."""
+    as named would blame every line on its own: a compressed file without its suffix, UTF-16 or UTF-32
+    text, a JSON array (`[{...}, ...]`) or pretty-printed JSON where JSON Lines (one object per line) are
+    expected."""
     with open(f.path, "rb") as raw:
         magic = raw.read(10)
     found = next(((suffix, tool) for regex, suffix, tool in _COMPRESSED if regex.match(magic)), None)
@@ -143,13 +166,29 @@ def check_format(f: InputFile) -> InputFile:
         raise DiffmegError(
             f"--input {f.path} is {tool}-compressed data {named}, so it cannot be read as named; {fix}"
         )
-    if f.kind != "jsonl" or not f.size:
+    if not f.size:
         return f
-    with open(f.path, "rb") as raw:
-        head = _open_stream(raw, f).read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n")
+    try:
+        with open(f.path, "rb") as raw:
+            head = _open_stream(raw, f).read(1 << 16)
+    except (OSError, EOFError) as exc:
+        raise DiffmegError(f"cannot read {f.path}: {exc}") from None
+    tool = next((t for _, suffix, t in _COMPRESSED if suffix == f.compression), None)
+    wide = wide_encoding(head)
+    if wide is not None:
+        encoding, bom = wide
+        stem, ext = os.path.splitext(base)
+        source = "" if tool else f" {f.path}"
+        fix = f"iconv -f {encoding[:6] if bom else encoding} -t UTF-8{source} > {stem}.utf8{ext}"
+        raise DiffmegError(
+            f"--input {f.path} is {encoding} text{' (it starts with a byte-order mark)' if bom else ''}, not "
+            f"UTF-8; convert it first, e.g. {f'{tool} -dc {f.path} | ' if tool else ''}{fix}"
+        )
+    if f.kind != "jsonl":
+        return f
+    head = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     out = os.path.splitext(base)[0] + ".jsonl"
     out = os.path.splitext(base)[0] + ".lines.jsonl" if out == base else out  # never the input itself
-    tool = next((t for _, suffix, t in _COMPRESSED if suffix == f.compression), None)
 
     array = "'.[]'"
 
@@ -169,6 +208,40 @@ def check_format(f: InputFile) -> InputFile:
     return f
 
 
+_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32LE"),
+    (b"\x00\x00\xfe\xff", "UTF-32BE"),
+    (b"\xff\xfe", "UTF-16LE"),
+    (b"\xfe\xff", "UTF-16BE"),
+)
+_NUL_PATTERNS = (  # where an ASCII-heavy text's NUL bytes fall, by position modulo 4
+    ((1, 2, 3), "UTF-32LE"),
+    ((0, 1, 2), "UTF-32BE"),
+    ((1, 3), "UTF-16LE"),
+    ((0, 2), "UTF-16BE"),
+)
+
+
+def wide_encoding(head: bytes) -> tuple[str, bool] | None:
+    """UTF-16/UTF-32 (the encoding, and whether a byte-order mark says so) from a file's first bytes: by its
+    byte-order mark, else by where its NUL bytes fall (UTF-8 text holds none). Every line of such a file
+    would otherwise be a bad line, "not valid UTF-8"."""
+    for bom, encoding in _BOMS:
+        if head.startswith(bom):
+            return encoding, True
+    sample = head[: len(head) // 4 * 4]
+    if len(sample) < 8 or b"\x00" not in sample:
+        return None
+    quarter = len(sample) // 4
+    nul = [sample[i::4].count(0) / quarter for i in range(4)]
+    for positions, encoding in _NUL_PATTERNS:
+        if all(nul[i] > 0.5 for i in positions) and all(
+            nul[i] < 0.05 for i in range(4) if i not in positions
+        ):
+            return encoding, False
+    return None
+
+
 def split_segments(segments: list[Segment], n: int) -> list[list[Segment]]:
     """``n`` contiguous runs of the input with about equal bytes, cut only at line starts.
 
@@ -186,7 +259,7 @@ def split_segments(segments: list[Segment], n: int) -> list[list[Segment]]:
             for target in targets:
                 local = seg.start + target - offset
                 if start < local < seg.end:
-                    cut = _next_line_start(seg.file.path, local, seg.end)
+                    cut = _next_cut(seg.file, local, seg.end)
                     if cut > start:
                         pieces.append((Segment(seg.file, start, cut), offset + (start + cut) / 2 - seg.start))
                         start = cut
@@ -198,6 +271,13 @@ def split_segments(segments: list[Segment], n: int) -> list[list[Segment]]:
         index = min(n - 1, int(middle * n // total)) if total else 0
         parts[index].append(piece)
     return parts
+
+
+def _next_cut(f: InputFile, offset: int, limit: int) -> int:
+    """Where a splittable file may be cut at or after ``offset`` (at most ``limit``)."""
+    if f.layout is not None:
+        return min(limit, f.layout.next_bound(offset))
+    return _next_line_start(f.path, offset, limit)
 
 
 def _next_line_start(path: str, offset: int, limit: int) -> int:
@@ -337,6 +417,9 @@ def preprocess(
         )
     if any(f.kind == "text" for f in files) and cfg.json_keys != ["text"]:
         raise DiffmegError("plain-text inputs carry only the 'text' field; drop --json-keys or use JSONL")
+    for f in files:
+        if f.layout is not None:
+            tables.check_columns(f.path, f.layout, cfg.json_keys)
     base = cfg.output_prefix if world_size == 1 else rank_prefix(cfg.output_prefix, rank, world_size)
     prefixes = {key: output_prefix(base, key) for key in cfg.json_keys}
     check_can_write(prefixes.values(), cfg.overwrite)
@@ -425,6 +508,14 @@ class _Writers:
                 f"--input {' '.join(cfg.inputs)} holds no documents ({skipped} bad lines skipped); "
                 f"nothing written: check the input and --json-keys"
             )
+        eods = cfg is not None and cfg.append_eod
+        empty = [k for k, w in self.by_key.items() if w.tokens == (w.documents if eods else 0)]
+        if cfg is not None and empty:
+            documents = next(iter(self.by_key.values())).documents
+            raise DiffmegError(
+                f"--input {' '.join(cfg.inputs)} holds {documents} documents whose {empty[0]!r} texts are "
+                f"all empty (0 tokens); nothing written: check that --json-keys names the field with the text"
+            )
         for writer in self.by_key.values():
             writer.commit()
 
@@ -483,8 +574,9 @@ class _Progress:
 
 # ----- reading -------------------------------------------------------------------------------
 # A batch: (segment number, 1-based line of its first record within the segment, kind,
-# records as bytes, stored bytes it covers).
-_Batch = tuple[int, int, str, list[bytes], int]
+# records as bytes, stored bytes it covers); a table's: the row of the file (from 0) of its first record,
+# "table", records as tuples of the --json-keys columns' values.
+_Batch = tuple[int, int, str, list[bytes] | list[tuple], int]
 
 
 def _open_stream(raw: io.BufferedReader, f: InputFile) -> io.BufferedIOBase:
@@ -502,9 +594,15 @@ def _open_stream(raw: io.BufferedReader, f: InputFile) -> io.BufferedIOBase:
     return raw
 
 
-def _iter_batches(segments: list[Segment]) -> Iterator[_Batch]:
+def _iter_batches(segments: list[Segment], keys: list[str]) -> Iterator[_Batch]:
     for number, seg in enumerate(segments):
         f = seg.file
+        if f.layout is not None:
+            for first, rows, nbytes in tables.read_rows(
+                f.path, f.layout, seg.start, seg.end, keys, BATCH_BYTES
+            ):
+                yield number, first, "table", rows, nbytes
+            continue
         try:
             with open(f.path, "rb") as raw:
                 raw.seek(seg.start)
@@ -586,7 +684,12 @@ def _encode_batch(batch: _Batch) -> tuple[int, int, list[tuple[int, str]], dict,
     return number, first, bad, arrays, nbytes
 
 
-def _texts(record: bytes, kind: str, keys: list[str], line: int, bad: list) -> list[str] | None:
+def _texts(record: bytes | tuple, kind: str, keys: list[str], line: int, bad: list) -> list[str] | None:
+    if kind == "table":
+        texts, reason = tables.row_texts(record, keys)
+        if texts is None:
+            bad.append((line, reason))
+        return texts
     if kind == "text":
         try:
             return [record.decode("utf-8")]
@@ -653,15 +756,21 @@ def _encode_part(
             pool = _mp_context().Pool(
                 workers, initializer=_init_worker_process, initargs=(*init_args, os.getpid())
             )
-            results = _ordered_map(pool, _encode_batch, _iter_batches(segments), 2 * workers + 2)
+            batches = _iter_batches(segments, cfg.json_keys)
+            results = _ordered_map(pool, _encode_batch, batches, 2 * workers + 2)
         else:
             _init_worker(*init_args)
-            results = map(_encode_batch, _iter_batches(segments))
+            results = map(_encode_batch, _iter_batches(segments, cfg.json_keys))
         for number, _first, bad, arrays, nbytes in results:
             if bad:
                 if not cfg.skip_bad_lines:
                     seg = segments[number]
                     line, reason = bad[0]
+                    if seg.file.layout is not None:
+                        where = seg.file.layout.where(line)
+                        raise DiffmegError(
+                            f"{seg.file.path}: {where}: {reason}; fix it or pass --skip-bad-lines"
+                        )
                     line += _lines_before(seg.file.path, seg.start) if seg.start else 0
                     raise DiffmegError(f"{seg.file.path}:{line}: {reason}; fix it or pass --skip-bad-lines")
                 skipped += len(bad)

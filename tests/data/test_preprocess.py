@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import importlib.util
 import os
 import re
 import stat
@@ -180,9 +181,20 @@ def test_input_errors(tmp_path, bpe_file):
         find_inputs([str(tmp_path / "*.jsonl")])
     with pytest.raises(DiffmegError, match="does not exist"):
         find_inputs([str(tmp_path / "missing.jsonl")])
-    (tmp_path / "data.parquet").write_bytes(b"")
+    (tmp_path / "data.csv").write_bytes(b"")
     with pytest.raises(DiffmegError, match="unsupported file type"):
+        find_inputs([str(tmp_path / "data.csv")])
+    (tmp_path / "data.parquet").write_bytes(b"")  # read as Parquet (diffmeg/data/tables.py): not one
+    reason = (
+        "cannot be read as Parquet: its footer is damaged"
+        if importlib.util.find_spec("pyarrow")
+        else ("needs the pyarrow package: pip install 'diffmeg\\[tables\\]'")
+    )
+    with pytest.raises(DiffmegError, match=f"data.parquet {reason}"):
         find_inputs([str(tmp_path / "data.parquet")])
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(b"a text cut short" * 10)[:15])
+    with pytest.raises(DiffmegError, match=r"cannot read \S+cut\.txt\.gz: Compressed file ended before"):
+        find_inputs([str(tmp_path / "cut.txt.gz")])  # its first bytes are read before any work
     (tmp_path / "a.txt").write_text("x")
     with pytest.raises(DiffmegError, match="plain-text inputs carry only the 'text' field"):
         run(tmp_path, [tmp_path / "a.txt"], json_keys=["body"], tokenizer_file=bpe_file)
@@ -468,3 +480,48 @@ def test_overwrite_replaces_only_the_prefix_files_and_never_with_nothing(tmp_pat
         (tmp_path / f"out_text_document.loss_mask{suffix}").write_bytes(b"")
     with pytest.raises(DiffmegError, match=r"out_text_document\.loss_mask\.bin/\.idx is the loss mask of"):
         run(tmp_path, [corpus], tokenizer_file=bpe_file, overwrite=True)
+
+
+@pytest.mark.parametrize(
+    "encoding,bom,named,iconv",
+    [
+        ("utf-16", True, "UTF-16LE text (it starts with a byte-order mark)", "UTF-16"),  # Python writes LE
+        ("utf-16-be", False, "UTF-16BE text", "UTF-16BE"),
+        ("utf-32-le", False, "UTF-32LE text", "UTF-32LE"),
+        ("utf-32", True, "UTF-32LE text (it starts with a byte-order mark)", "UTF-32"),
+    ],
+)
+def test_utf16_and_utf32_inputs_are_named_with_the_conversion(tmp_path, encoding, bom, named, iconv):
+    """Every line of them would otherwise be "not valid UTF-8; fix it or pass --skip-bad-lines"."""
+    text = '{"text": "caf\u00e9 and more text"}\n{"text": "second line"}\n'
+    (tmp_path / "wide.jsonl").write_bytes(text.encode(encoding))
+    with pytest.raises(DiffmegError) as info:
+        find_inputs([str(tmp_path / "wide.jsonl")])
+    assert str(info.value) == (
+        f"--input {tmp_path}/wide.jsonl is {named}, not UTF-8; convert it first, e.g. iconv -f {iconv} -t "
+        f"UTF-8 {tmp_path}/wide.jsonl > {tmp_path}/wide.utf8.jsonl"
+    )
+    with gzip.open(tmp_path / "wide.txt.gz", "wb") as f:
+        f.write("a plain text document".encode(encoding))
+    with pytest.raises(DiffmegError) as info:
+        find_inputs([str(tmp_path / "wide.txt.gz")])
+    assert str(info.value).endswith(
+        f"e.g. gzip -dc {tmp_path}/wide.txt.gz | iconv -f {iconv} -t UTF-8 > {tmp_path}/wide.utf8.txt"
+    )
+    (tmp_path / "ascii.jsonl").write_bytes(b'{"text": "ascii \\u0000 is escaped in JSON"}\n')
+    assert pp.wide_encoding((tmp_path / "ascii.jsonl").read_bytes()) is None
+
+
+@pytest.mark.parametrize("partitions,append_eod", [(1, False), (2, True)])
+def test_a_corpus_of_empty_texts_is_refused_and_nothing_is_written(
+    tmp_path, bpe_file, partitions, append_eod
+):
+    """Documents of no tokens (the text is in another field) made a dataset of nothing with rc 0."""
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": "", "body": f"the text {i}"} for i in range(40)])
+    with pytest.raises(DiffmegError) as info:
+        run(tmp_path, [path], tokenizer_file=bpe_file, partitions=partitions, append_eod=append_eod)
+    assert str(info.value) == (
+        f"--input {path} holds 40 documents whose 'text' texts are all empty (0 tokens); nothing written: "
+        f"check that --json-keys names the field with the text"
+    )
+    assert leftovers(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]

@@ -222,3 +222,88 @@ def test_full_disk_on_a_small_tmpfs_is_one_line(tmp_path, bpe_file, small_disk):
     assert re.search(r": [\d.]+ (B|KiB) free after [\d.]+ (KiB|MiB) of output were written", line), line
     assert "partial output was removed" in line
     assert os.listdir(small_disk) == []
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """The tool's last stderr line, checked to be its only `error:` line and no traceback (exit 2)."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and proc.stderr.strip().splitlines()[-1] == errors[0], proc.stderr
+    return errors[0]
+
+
+def test_a_fineweb_parquet_shard_tokenizes_like_its_jsonl(tmp_path, tokenizer, bpe_file):
+    """The FineWeb case of docs/data.md: a shard of several row groups, its `text` column, 2 workers."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = [r["text"] for r in RECORDS]
+    table = pa.table(
+        {"text": texts, "id": [f"<urn:{i}>" for i in range(len(texts))], "score": [0.5] * len(texts)}
+    )
+    pq.write_table(table, tmp_path / "fineweb-000.parquet", row_group_size=7)
+    args = f"--input {tmp_path}/fineweb-000.parquet --json-keys text --output-prefix {tmp_path}/fineweb"
+    proc = run_tool(
+        "preprocess_data", *args.split(), "--append-eod", "--workers", "2", "--tokenizer-file", bpe_file
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"done: {len(texts)} documents" in proc.stderr
+    got = [d.tolist() for d in read_documents(f"{tmp_path}/fineweb_text_document")]
+    assert got == [tokenizer.tokenize(t) + [EOD_ID] for t in texts]
+
+
+def test_a_damaged_parquet_shard_exits_2_naming_the_row_group(tmp_path, bpe_file):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    shard = tmp_path / "shard.parquet"
+    table = pa.table({"text": [f"row {i} " * 9 for i in range(40)]})
+    pq.write_table(table, shard, row_group_size=10, use_dictionary=False, compression="NONE")
+    data = bytearray(shard.read_bytes())
+    offset = pq.ParquetFile(shard).metadata.row_group(2).column(0).data_page_offset
+    data[offset : offset + 16] = b"\xff" * 16
+    shard.write_bytes(bytes(data))
+    args = f"--input {shard} --output-prefix {tmp_path}/out --tokenizer-file {bpe_file}"
+    line = _one_error_line(run_tool("preprocess_data", *args.split()))
+    assert line.startswith(f"error: {shard}: row group 2 cannot be read ("), line
+    assert leftovers(tmp_path) == []
+
+
+def _hf_env(home) -> dict[str, str]:
+    env = tool_env(HF_HOME=str(home))
+    for var in ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_OFFLINE"):
+        env.pop(var, None)
+    return env
+
+
+def test_hf_dataset_not_in_the_cache_is_one_line_with_how_to_cache_it(tmp_path, bpe_file):
+    pytest.importorskip("datasets")
+    args = f"--input hf:someone/absent:validation --output-prefix {tmp_path}/out --tokenizer-file {bpe_file}"
+    line = _one_error_line(run_tool("preprocess_data", *args.split(), env=_hf_env(tmp_path / "home")))
+    assert line.startswith(
+        f"error: --input hf:someone/absent:validation: not in the local Hugging Face cache ({tmp_path}/home/"
+    ), line
+    assert line.endswith(
+        """nothing is downloaded here; cache it on a node with network: python3 -c "import datasets; """
+        """datasets.load_dataset('someone/absent', split='validation')" (same HF_HOME), or save_to_disk it """
+        "and pass that folder"
+    ), line
+    assert leftovers(tmp_path) == []
+
+
+def test_an_empty_corpus_and_a_utf16_file_exit_2_in_one_line(tmp_path, bpe_file):
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"text": "", "url": "u"}] * 5)
+    args = f"--input {empty} --output-prefix {tmp_path}/out --tokenizer-file {bpe_file}"
+    line = _one_error_line(run_tool("preprocess_data", *args.split()))
+    assert line == (
+        f"error: --input {empty} holds 5 documents whose 'text' texts are all empty (0 tokens); nothing "
+        f"written: check that --json-keys names the field with the text"
+    )
+    wide = tmp_path / "wide.jsonl"
+    wide.write_bytes(json.dumps(RECORDS[0]).encode("utf-16") + "\n".encode("utf-16-le"))
+    args = f"--input {wide} --output-prefix {tmp_path}/out --tokenizer-file {bpe_file}"
+    line = _one_error_line(run_tool("preprocess_data", *args.split()))
+    assert line == (
+        f"error: --input {wide} is UTF-16LE text (it starts with a byte-order mark), not UTF-8; convert it "
+        f"first, e.g. iconv -f UTF-16 -t UTF-8 {wide} > {tmp_path}/wide.utf8.jsonl"
+    )
+    assert leftovers(tmp_path) == []
