@@ -25,6 +25,7 @@ from diffmeg.run_config import SHAPE_SIZES
 from diffmeg.runtime import transformer_engine_available
 from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
+from diffmeg.training.distributed import launch_world_size
 
 # Defaults of the flags a preset may set (Megatron-LM's where it has one; the others' is None). The parser
 # leaves them unset, so a preset sits between the default and what the user types.
@@ -444,8 +445,9 @@ def resolve_args(
 ) -> argparse.Namespace:
     """Parse, apply the preset, fill defaults, derive sizes, and validate (without distributed state).
 
-    `world_size` defaults to the launcher's (WORLD_SIZE, else SLURM_NTASKS, else 1). `placeholders`: the
-    arguments a checkpoint records rather than a run to start (an import), where `PLACEHOLDERS` may be 0.
+    `world_size` defaults to the launcher's (`launch_world_size`: WORLD_SIZE, else SLURM_NTASKS, else 1).
+    `placeholders`: the arguments a checkpoint records rather than a run to start (an import), where
+    `PLACEHOLDERS` may be 0.
     """
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -465,9 +467,10 @@ def resolve_args(
     args = argparse.Namespace(**values)
     args.explicit_flags = sorted(k for k in explicit if k != "model")
     _derive(args, placeholders)
+    source = ""
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    validate_args(args, world_size=world_size)
+        world_size, source = launch_world_size()
+    validate_args(args, world_size=world_size, world_source=source)
     args.dropped_flags = dropped_flags(args, explicit)
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         for note in args.dropped_flags:
@@ -640,8 +643,12 @@ def _divisors_line(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Every impossible combination gets one line saying what is wrong and what to change."""
+def validate_args(args: argparse.Namespace, world_size: int, world_source: str = "") -> None:
+    """Every impossible combination gets one line saying what is wrong and what to change.
+
+    `world_source`: the environment variable the world size came from (a layout error names it: a WORLD_SIZE
+    left in the shell is otherwise invisible)."""
+    origin = f" ({world_source}={world_size} in the environment)" if world_source else ""
     tp, pp, cp = (
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
@@ -649,7 +656,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     )
     if world_size % (tp * pp * cp):
         raise DiffmegError(
-            f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}; "
+            f"world size {world_size}{origin} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}; "
             f"change the parallel sizes or the number of processes"
         )
     dp = world_size // (tp * pp * cp)
@@ -696,7 +703,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise DiffmegError(
             f"global batch {args.global_batch_size} is not divisible by "
             f"micro batch {args.micro_batch_size} x "
-            f"data-parallel size {dp}"
+            f"data-parallel size {dp}{origin}; change the batch sizes or the number of processes"
         )
     _validate_virtual_pipeline(args, pp, dp)
     if args.bf16 and args.fp16:

@@ -198,3 +198,18 @@ def test_every_numeric_flag_out_of_its_range_is_one_line_naming_it(monkeypatch, 
     with pytest.raises(DiffmegError, match="^" + re.escape(f"{flag} must be {rule}")) as err:
         resolve_args(["--model", "diff-tiny", flag, bad])
     assert f"got {kind(float(bad))}" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "SLURM_NTASKS"])
+def test_a_layout_error_names_the_world_size_variable(monkeypatch, variable):
+    """A WORLD_SIZE (or salloc's SLURM_NTASKS) left in the shell sets the data-parallel size unseen: the
+    batch error names the variable and that it came from the environment."""
+    for key in ("WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(variable, "8")
+    with pytest.raises(DiffmegError) as err:
+        resolve_args(["--model", "diff-tiny", "--global-batch-size", "4", "--micro-batch-size", "1"])
+    assert str(err.value) == (
+        f"global batch 4 is not divisible by micro batch 1 x data-parallel size 8 ({variable}=8 in the "
+        "environment); change the batch sizes or the number of processes"
+    )
