@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from diffmeg import registry
+from diffmeg.checkpoints import holds_hf_export
 from diffmeg.data.tokenizers import resolve_tokenizer_args
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions import grad_accum
@@ -755,6 +756,11 @@ def validate_args(args: argparse.Namespace, world_size: int, world_source: str =
         raise DiffmegError("--ckpt-step needs --load (the checkpoint directory whose iteration it names)")
     from diffmeg.storage import check_output  # the logs' outputs, before anything is built (--save: later)
 
+    if args.save is not None and os.path.isdir(args.save) and holds_hf_export(args.save):
+        raise DiffmegError(
+            f"--save {args.save} holds a Hugging Face model export (config.json and safetensors weights): a "
+            "run's checkpoints would be mixed into it; pick another --save folder"
+        )
     if args.tensorboard_dir:
         check_output(args.tensorboard_dir, "--tensorboard-dir", folder=True)
     if args.metrics_file:

@@ -213,3 +213,21 @@ def test_a_layout_error_names_the_world_size_variable(monkeypatch, variable):
         f"global batch 4 is not divisible by micro batch 1 x data-parallel size 8 ({variable}=8 in the "
         "environment); change the batch sizes or the number of processes"
     )
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "model.safetensors.index.json"])
+def test_save_into_a_hugging_face_export_is_refused(tmp_path, weights):
+    """A folder the exporter wrote (config.json with safetensors weights, one file or sharded) is no place
+    for a run's checkpoints."""
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    (export / weights).write_text("{}")
+    with pytest.raises(DiffmegError) as err:
+        resolve_args(["--model", "diff-tiny", "--save", str(export)], world_size=1)
+    assert str(err.value) == (
+        f"--save {export} holds a Hugging Face model export (config.json and safetensors weights): a run's "
+        "checkpoints would be mixed into it; pick another --save folder"
+    )
+    (export / weights).unlink()  # config.json alone is no export
+    assert resolve_args(["--model", "diff-tiny", "--save", str(export)], world_size=1).save == str(export)
