@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from diffmeg import registry
 from diffmeg.checkpoints import holds_hf_export
+from diffmeg.data.splits import split_matrix
 from diffmeg.data.tokenizers import resolve_tokenizer_args
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions import grad_accum
@@ -473,9 +474,12 @@ def resolve_args(
         world_size, source = launch_world_size()
     validate_args(args, world_size=world_size, world_source=source)
     args.dropped_flags = dropped_flags(args, explicit)
+    args.run_warnings = run_warnings(args, explicit)
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         for note in args.dropped_flags:
             print(f"note: {note}", file=sys.stderr, flush=True)
+        for line in args.run_warnings:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     return args
 
 
@@ -878,6 +882,25 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
     if args.mock_data and "data_path" in explicit:
         notes.append("--data-path is ignored: --mock-data generates the data")
     return notes
+
+
+def run_warnings(args: argparse.Namespace, explicit: dict[str, object]) -> list[str]:
+    """What the resolved run will do that its flags suggest it would not, each a line (printed as warnings
+    by `resolve_args`, a dry run's included): it runs, but likely not as meant."""
+    lines = []
+    if args.lr_warmup_iters > 0 and args.lr_warmup_iters >= args.train_iters:
+        lines.append(
+            f"--lr-warmup-iters {args.lr_warmup_iters} is not shorter than the run's {args.train_iters} "
+            f"iterations: the learning rate never reaches --lr {args.lr:g}; shorten the warmup (or lengthen "
+            "the run)"
+        )
+    asks_eval = "eval_interval" in explicit or "eval_iters" in explicit
+    if asks_eval and args.eval_iters > 0 and not args.mock_data and split_matrix(args.split)[1] is None:
+        lines.append(
+            f"--split {args.split} gives validation no data: validation will not run, whatever "
+            "--eval-interval says; give the valid split a weight (e.g. --split 969,30,1) to evaluate"
+        )
+    return lines
 
 
 def _no_sdpa_reason(args: argparse.Namespace) -> str | None:
