@@ -152,7 +152,14 @@ def test_a_plain_python_with_world_size_left_stops_before_any_rendezvous(tmp_pat
     """`WORLD_SIZE=2 RANK=0 python pretrain_diff.py` (no torchrun): one line at once, not the 10-minute
     distributed timeout."""
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "pretrain_diff.py"), "--model", "diff-tiny", "--train-iters", "1"],
+        [
+            sys.executable,
+            str(REPO_ROOT / "pretrain_diff.py"),
+            "--model",
+            "diff-tiny",
+            "--lr-warmup-iters",
+            "0",
+        ],
         env=_plain_env(WORLD_SIZE="2", RANK="0"),
         cwd=tmp_path,
         capture_output=True,
