@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from diffmeg import registry
 from diffmeg.checkpoints import holds_hf_export
+from diffmeg.data.indexed import datasets_in
 from diffmeg.data.splits import split_matrix
 from diffmeg.data.tokenizers import resolve_tokenizer_args
 from diffmeg.errors import DiffmegError
@@ -765,10 +766,31 @@ def validate_args(args: argparse.Namespace, world_size: int, world_source: str =
             f"--save {args.save} holds a Hugging Face model export (config.json and safetensors weights): a "
             "run's checkpoints would be mixed into it; pick another --save folder"
         )
+    if not args.mock_data:
+        for entry in args.data_path or []:
+            if os.path.isdir(entry):
+                raise DiffmegError(_data_folder_line(entry))
     if args.tensorboard_dir:
         check_output(args.tensorboard_dir, "--tensorboard-dir", folder=True)
     if args.metrics_file:
         check_output(args.metrics_file, "--metrics-file", folder=False)
+
+
+def _data_folder_line(folder: str) -> str:
+    """--data-path names a folder: what it holds and the prefix to pass instead (a dataset is a `.bin`/`.idx`
+    pair's path without the extension, not the folder around it)."""
+    found = datasets_in(folder)
+    if not found:
+        return (
+            f"--data-path {folder} is a folder, not a dataset, and holds no .bin/.idx dataset: pass the "
+            "prefix of a .bin/.idx pair written by tools/preprocess_data.py (its path without the extension)"
+        )
+    names = [os.path.basename(p) for p in found]
+    shown = ", ".join(names[:4]) + (f" (and {len(names) - 4} more)" if len(names) > 4 else "")
+    return (
+        f"--data-path {folder} is a folder, not a dataset: it holds {len(names)} dataset(s), {shown}; pass "
+        f"{os.path.join(folder, names[0])} (the prefix, without .bin/.idx), or several as 'w1 p1 w2 p2 ...'"
+    )
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int, dp: int) -> None:

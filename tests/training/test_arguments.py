@@ -231,3 +231,31 @@ def test_save_into_a_hugging_face_export_is_refused(tmp_path, weights):
     )
     (export / weights).unlink()  # config.json alone is no export
     assert resolve_args(["--model", "diff-tiny", "--save", str(export)], world_size=1).save == str(export)
+
+
+def test_a_data_path_that_is_a_folder_names_the_datasets_inside(tmp_path):
+    """`--data-path FOLDER`: the folder and the prefixes it holds (what to pass), not missing .bin/.idx."""
+    import numpy as np
+
+    from diffmeg.data.indexed import IndexedWriter
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    with pytest.raises(DiffmegError) as err:
+        resolve_args(["--model", "diff-tiny", "--data-path", str(folder)], world_size=1)
+    assert str(err.value) == (
+        f"--data-path {folder} is a folder, not a dataset, and holds no .bin/.idx dataset: pass the prefix "
+        "of a .bin/.idx pair written by tools/preprocess_data.py (its path without the extension)"
+    )
+    for name in ("web_text_document", "code_text_document"):
+        with IndexedWriter(str(folder / name), dtype=np.int32) as writer:
+            writer.add_document(np.arange(8, dtype=np.int32))
+            writer.commit()
+    (folder / "notes.txt").write_text("")
+    with pytest.raises(DiffmegError) as err:
+        resolve_args(["--model", "diff-tiny", "--data-path", "1", str(folder)], world_size=1)
+    assert str(err.value) == (
+        f"--data-path {folder} is a folder, not a dataset: it holds 2 dataset(s), code_text_document, "
+        f"web_text_document; pass {folder}/code_text_document (the prefix, without .bin/.idx), or several as "
+        "'w1 p1 w2 p2 ...'"
+    )
