@@ -107,6 +107,16 @@ def holds_saves(root: str) -> bool:
     return read_tracker(root) is not None or any(name.startswith("iter_") for name in os.listdir(root))
 
 
+def holds_hf_export(root: str) -> bool:
+    """`root` is a Hugging Face model folder as `tools/convert_checkpoint.py` exports one: config.json with
+    safetensors weights (one file or an index of shards), and no checkpoint tracker."""
+    if not os.path.isfile(os.path.join(root, HF_CONFIG_FILE)) or read_tracker(root) is not None:
+        return False
+    return any(
+        name.endswith(".safetensors") or name == "model.safetensors.index.json" for name in os.listdir(root)
+    )
+
+
 def holds_only_run_files(root: str) -> bool:
     """Empty, or only what a run writes before its first checkpoint (its lock, its arguments, temporaries)."""
     return all(

@@ -335,7 +335,7 @@ def resolve_prefixes(specs: Sequence[str]) -> list[str]:
     prefixes: list[str] = []
     for spec in specs:
         if os.path.isdir(spec):
-            found = _prefixes_from_paths(glob.glob(os.path.join(spec, "*.idx")))
+            found = datasets_in(spec)
             if not found:
                 raise DiffmegError(f"directory {spec} holds no .bin/.idx dataset")
         elif glob.has_magic(spec):
@@ -349,6 +349,11 @@ def resolve_prefixes(specs: Sequence[str]) -> list[str]:
             found = [prefix]
         prefixes.extend(p for p in found if p not in prefixes)
     return prefixes
+
+
+def datasets_in(folder: str) -> list[str]:
+    """The complete datasets (``.bin`` + ``.idx``, loss masks left out) directly inside `folder`, sorted."""
+    return _prefixes_from_paths(glob.glob(os.path.join(glob.escape(folder), "*.idx")))
 
 
 def strip_ext(path: str) -> str:

@@ -18,8 +18,10 @@ Text becomes ids with cl100k_base, or, for a mock-vocabulary checkpoint, as whit
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -192,6 +194,57 @@ def resolve_tasks(names: Sequence[str]) -> list[str]:
     return tasks
 
 
+def check_tasks(tasks: Sequence[str], known: Collection[str]) -> None:
+    """Every task is one of lm-eval's `known` names (tasks, groups, tags) or an existing task YAML, else one
+    line naming it with the nearest names (a typo would otherwise end in lm-eval's KeyError traceback after
+    the checkpoints loaded)."""
+    for task in tasks:
+        if task in known or os.path.isfile(task):
+            continue
+        if task.endswith((".yaml", ".yml")) or os.sep in task:
+            raise DiffmegError(f"task file {task} does not exist")
+        near = difflib.get_close_matches(task, list(known), n=5, cutoff=0.6)
+        hint = f"nearest: {', '.join(near)}" if near else "give an lm-eval task or group name, or a task YAML"
+        raise DiffmegError(f"unknown task {task!r}; {hint}")
+
+
+def load_task_data(tasks: Sequence[str], manager) -> None:
+    """Build the tasks as `simple_evaluate` will (their datasets downloaded or read from the cache) before any
+    checkpoint loads: a missing local data file or a dataset an offline machine has not cached is one line
+    naming it and what to do, not `datasets`' traceback."""
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict(list(tasks), manager)
+    except FileNotFoundError as exc:
+        if type(exc).__name__ == "LocalEntryNotFoundError":  # huggingface_hub, offline: not in its cache
+            raise DiffmegError(_offline_line(str(exc), tasks)) from None
+        found = re.search(r"Unable to find '([^']+)'", str(exc))
+        missing = found.group(1) if found else str(exc)
+        named_by = [t for t in tasks if os.path.isfile(t) and missing in open(t, encoding="utf-8").read()]
+        where = f" (named by task file {', '.join(named_by)})" if named_by else ""
+        raise DiffmegError(
+            f"task data file {missing} does not exist{where}: fix the task's dataset_kwargs data_files path"
+        ) from None
+    except ConnectionError as exc:  # datasets' "Couldn't reach ... on the Hub", huggingface_hub offline mode
+        raise DiffmegError(_offline_line(str(exc), tasks)) from None
+
+
+def _offline_line(message: str, tasks: Sequence[str]) -> str:
+    found = re.search(r"'([^'\s]+)'", message)  # "Couldn't reach 'allenai/ai2_arc' on the Hub"
+    dataset = f"the dataset {found.group(1)}" if found else "a dataset"
+    fetch = (
+        'python -c "from lm_eval.tasks import TaskManager, get_task_dict; '
+        f'get_task_dict({list(tasks)!r}, TaskManager())"'
+    )
+    return (
+        f"lm-eval needs {dataset} from the Hugging Face Hub, which this machine cannot reach (offline, or "
+        "HF_DATASETS_OFFLINE/HF_HUB_OFFLINE set) and has not cached: on a machine with network run "
+        f"`{fetch}` with the same HF_HOME, copy that folder here, and keep HF_DATASETS_OFFLINE=1 "
+        "HF_HUB_OFFLINE=1"
+    )
+
+
 @dataclass
 class HarnessConfig(common.EvalConfig):
     tasks: list[str] = field(default_factory=lambda: ["paper"])
@@ -248,6 +301,8 @@ def run_harness(cfg: HarnessConfig, log: common.Log = stderr) -> dict:
     # Indexing lm-eval's own ~10k task files takes tens of seconds: skip it when every task is a YAML file.
     own_only = all(os.path.isfile(task) for task in tasks)
     manager = TaskManager(include_path=cfg.include_path, include_defaults=not own_only)
+    check_tasks(tasks, manager.task_index)
+    load_task_data(tasks, manager)
     limit = int(cfg.limit) if cfg.limit is not None and cfg.limit >= 1 else cfg.limit
     results, rows, samples = {}, [], []
     for info, model in common.loaded_models(infos, cfg.dtype, cfg.seed):

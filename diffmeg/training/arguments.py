@@ -15,6 +15,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from diffmeg import registry
+from diffmeg.checkpoints import holds_hf_export
+from diffmeg.data.indexed import datasets_in
+from diffmeg.data.splits import split_matrix
 from diffmeg.data.tokenizers import resolve_tokenizer_args
 from diffmeg.errors import DiffmegError
 from diffmeg.fusions import grad_accum
@@ -25,6 +28,7 @@ from diffmeg.run_config import SHAPE_SIZES
 from diffmeg.runtime import transformer_engine_available
 from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
+from diffmeg.training.distributed import launch_world_size
 
 # Defaults of the flags a preset may set (Megatron-LM's where it has one; the others' is None). The parser
 # leaves them unset, so a preset sits between the default and what the user types.
@@ -444,8 +448,9 @@ def resolve_args(
 ) -> argparse.Namespace:
     """Parse, apply the preset, fill defaults, derive sizes, and validate (without distributed state).
 
-    `world_size` defaults to the launcher's (WORLD_SIZE, else SLURM_NTASKS, else 1). `placeholders`: the
-    arguments a checkpoint records rather than a run to start (an import), where `PLACEHOLDERS` may be 0.
+    `world_size` defaults to the launcher's (`launch_world_size`: WORLD_SIZE, else SLURM_NTASKS, else 1).
+    `placeholders`: the arguments a checkpoint records rather than a run to start (an import), where
+    `PLACEHOLDERS` may be 0.
     """
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -465,13 +470,17 @@ def resolve_args(
     args = argparse.Namespace(**values)
     args.explicit_flags = sorted(k for k in explicit if k != "model")
     _derive(args, placeholders)
+    source = ""
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    validate_args(args, world_size=world_size)
+        world_size, source = launch_world_size()
+    validate_args(args, world_size=world_size, world_source=source)
     args.dropped_flags = dropped_flags(args, explicit)
+    args.run_warnings = run_warnings(args, explicit)
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         for note in args.dropped_flags:
             print(f"note: {note}", file=sys.stderr, flush=True)
+        for line in args.run_warnings:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     return args
 
 
@@ -640,8 +649,12 @@ def _divisors_line(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Every impossible combination gets one line saying what is wrong and what to change."""
+def validate_args(args: argparse.Namespace, world_size: int, world_source: str = "") -> None:
+    """Every impossible combination gets one line saying what is wrong and what to change.
+
+    `world_source`: the environment variable the world size came from (a layout error names it: a WORLD_SIZE
+    left in the shell is otherwise invisible)."""
+    origin = f" ({world_source}={world_size} in the environment)" if world_source else ""
     tp, pp, cp = (
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
@@ -649,7 +662,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     )
     if world_size % (tp * pp * cp):
         raise DiffmegError(
-            f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}; "
+            f"world size {world_size}{origin} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}; "
             f"change the parallel sizes or the number of processes"
         )
     dp = world_size // (tp * pp * cp)
@@ -696,7 +709,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise DiffmegError(
             f"global batch {args.global_batch_size} is not divisible by "
             f"micro batch {args.micro_batch_size} x "
-            f"data-parallel size {dp}"
+            f"data-parallel size {dp}{origin}; change the batch sizes or the number of processes"
         )
     _validate_virtual_pipeline(args, pp, dp)
     if args.bf16 and args.fp16:
@@ -748,10 +761,36 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise DiffmegError("--ckpt-step needs --load (the checkpoint directory whose iteration it names)")
     from diffmeg.storage import check_output  # the logs' outputs, before anything is built (--save: later)
 
+    if args.save is not None and os.path.isdir(args.save) and holds_hf_export(args.save):
+        raise DiffmegError(
+            f"--save {args.save} holds a Hugging Face model export (config.json and safetensors weights): a "
+            "run's checkpoints would be mixed into it; pick another --save folder"
+        )
+    if not args.mock_data:
+        for entry in args.data_path or []:
+            if os.path.isdir(entry):
+                raise DiffmegError(_data_folder_line(entry))
     if args.tensorboard_dir:
         check_output(args.tensorboard_dir, "--tensorboard-dir", folder=True)
     if args.metrics_file:
         check_output(args.metrics_file, "--metrics-file", folder=False)
+
+
+def _data_folder_line(folder: str) -> str:
+    """--data-path names a folder: what it holds and the prefix to pass instead (a dataset is a `.bin`/`.idx`
+    pair's path without the extension, not the folder around it)."""
+    found = datasets_in(folder)
+    if not found:
+        return (
+            f"--data-path {folder} is a folder, not a dataset, and holds no .bin/.idx dataset: pass the "
+            "prefix of a .bin/.idx pair written by tools/preprocess_data.py (its path without the extension)"
+        )
+    names = [os.path.basename(p) for p in found]
+    shown = ", ".join(names[:4]) + (f" (and {len(names) - 4} more)" if len(names) > 4 else "")
+    return (
+        f"--data-path {folder} is a folder, not a dataset: it holds {len(names)} dataset(s), {shown}; pass "
+        f"{os.path.join(folder, names[0])} (the prefix, without .bin/.idx), or several as 'w1 p1 w2 p2 ...'"
+    )
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int, dp: int) -> None:
@@ -865,6 +904,25 @@ def dropped_flags(args: argparse.Namespace, explicit: dict[str, object]) -> list
     if args.mock_data and "data_path" in explicit:
         notes.append("--data-path is ignored: --mock-data generates the data")
     return notes
+
+
+def run_warnings(args: argparse.Namespace, explicit: dict[str, object]) -> list[str]:
+    """What the resolved run will do that its flags suggest it would not, each a line (printed as warnings
+    by `resolve_args`, a dry run's included): it runs, but likely not as meant."""
+    lines = []
+    if args.lr_warmup_iters > 0 and args.lr_warmup_iters >= args.train_iters:
+        lines.append(
+            f"--lr-warmup-iters {args.lr_warmup_iters} is not shorter than the run's {args.train_iters} "
+            f"iterations: the learning rate never reaches --lr {args.lr:g}; shorten the warmup (or lengthen "
+            "the run)"
+        )
+    asks_eval = "eval_interval" in explicit or "eval_iters" in explicit
+    if asks_eval and args.eval_iters > 0 and not args.mock_data and split_matrix(args.split)[1] is None:
+        lines.append(
+            f"--split {args.split} gives validation no data: validation will not run, whatever "
+            "--eval-interval says; give the valid split a weight (e.g. --split 969,30,1) to evaluate"
+        )
+    return lines
 
 
 def _no_sdpa_reason(args: argparse.Namespace) -> str | None:

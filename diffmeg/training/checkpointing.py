@@ -360,7 +360,8 @@ class CheckpointManager:
         """The checkpoint the run starts from has this run's model shape (`check_shape`), ties (or unties)
         its output layer as this run does (a tied checkpoint has no output-layer tensor to load, an untied
         one's would be dropped unseen), holds ids of this run's tokenizer, and (a resume that loads the
-        optimizer) has this run's learning-rate schedule (`_check_schedule`)."""
+        optimizer) has this run's precision (`_check_precision`) and learning-rate schedule
+        (`_check_schedule`)."""
         model = self.run.model
         check_shape(start.where, start.args, model)
         saved = bool(start.args["tie_embeddings_and_output_weights"])
@@ -377,7 +378,24 @@ class CheckpointManager:
             )
         check_checkpoint(start.args, record_of_args(vars(self.run.data)), start.where)
         if self._loads_optimizer(start):
+            self._check_precision(start)
             self._check_schedule(start)
+
+    def _check_precision(self, start: StartPoint) -> None:
+        """A resume that loads the optimizer has the checkpoint's precision (its saved arguments' --bf16 /
+        --fp16): a bf16 model's optimizer holds fp32 main weights an fp32 run has not, so the load fails
+        deep in megatron-core (a KeyError, a missing tensor); one line says which flag matches, or that
+        --no-load-optim loads the weights alone (they convert)."""
+        saved = "bf16" if start.args.get("bf16") else "fp16" if start.args.get("fp16") else "fp32"
+        ours = self.run.training.precision
+        if saved == ours:
+            return
+        match = [f"drop --{ours}"] if ours != "fp32" else []
+        match += [f"pass --{saved}"] if saved != "fp32" else []
+        raise DiffmegError(
+            f"{start.where} was saved with {saved} and this run is {ours}: {' and '.join(match)} to match, "
+            f"or add --no-load-optim to load only the weights (a fresh optimizer)"
+        )
 
     def _check_schedule(self, start: StartPoint) -> None:
         """The checkpoint the run resumes has this run's learning-rate schedule, or one line naming each

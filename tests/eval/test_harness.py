@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from diffmeg.errors import DiffmegError
+from tests.conftest import REPO_ROOT
 from tests.eval.helpers import MOCK_VOCAB, write_indexed_dataset
 from tests.tools.helpers import run_tool, tool_env
 
@@ -157,3 +158,72 @@ def test_generation_is_greedy_and_stops_at_the_first_stop_string(tiny_ckpts):
         stopped, full = lm.generate_until([request, free])
         assert stopped == text[: text.index(stop)] and len(stopped) < len(text)
         assert full == _ids(greedy[:4])
+
+
+def test_a_misspelt_task_is_one_line_naming_the_nearest(tiny_ckpts, tmp_path):
+    """`--tasks hellaswagg`: one line with lm-eval's nearest names and exit 2, before any checkpoint loads
+    (lm-eval's own answer is a KeyError traceback)."""
+    proc = run_tool(
+        "eval_harness", "--load", tiny_ckpts["diff"], "--tasks", "hellaswagg", "--output-dir", tmp_path / "o",
+        env=tool_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"),
+    )  # fmt: skip
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: unknown task 'hellaswagg'; nearest: hellaswag, ")
+
+
+def _missing_data_task(root, data_file) -> str:
+    yaml = root / "missing.yaml"
+    yaml.write_text(
+        f"task: toy_missing\ndataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data_file}\noutput_type: multiple_choice\ndoc_to_text: '{{{{context}}}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    return str(yaml)
+
+
+def test_a_task_whose_data_file_is_missing_is_one_line_naming_it(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    from diffmeg.eval.harness import check_tasks, load_task_data
+
+    yaml = _missing_data_task(tmp_path, tmp_path / "gone.jsonl")
+    manager = TaskManager(include_defaults=False)
+    check_tasks([yaml], manager.task_index)
+    with pytest.raises(DiffmegError) as err:
+        load_task_data([yaml], manager)
+    assert str(err.value) == (
+        f"task data file {tmp_path / 'gone.jsonl'} does not exist (named by task file {yaml}): fix the "
+        "task's dataset_kwargs data_files path"
+    )
+    with pytest.raises(DiffmegError, match=f"^task file {tmp_path / 'other.yaml'} does not exist$"):
+        check_tasks([str(tmp_path / "other.yaml")], manager.task_index)
+
+
+def test_a_hub_dataset_on_an_offline_machine_is_one_line_saying_how_to_cache_it(tmp_path):
+    """A task whose dataset lives on the Hub, offline and uncached: which dataset, and the command that
+    caches it on a machine with network."""
+    import subprocess
+    import sys
+
+    yaml = tmp_path / "hub.yaml"
+    yaml.write_text(
+        "task: hub_task\ndataset_path: someone/never_cached_here\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{c}}'\ndoc_to_target: 0\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    code = (
+        "from lm_eval.tasks import TaskManager\n"
+        "from diffmeg.errors import DiffmegError\n"
+        "from diffmeg.eval.harness import load_task_data\n"
+        f"try:\n    load_task_data([{str(yaml)!r}], TaskManager(include_defaults=False))\n"
+        "except DiffmegError as exc:\n    print(exc)\n"
+    )
+    env = tool_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = proc.stdout.strip().splitlines()
+    assert line.startswith("lm-eval needs the dataset someone/never_cached_here from the Hugging Face Hub")
+    assert f"get_task_dict([{str(yaml)!r}], TaskManager())" in line and line.endswith("HF_HUB_OFFLINE=1")

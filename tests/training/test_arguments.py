@@ -198,3 +198,64 @@ def test_every_numeric_flag_out_of_its_range_is_one_line_naming_it(monkeypatch, 
     with pytest.raises(DiffmegError, match="^" + re.escape(f"{flag} must be {rule}")) as err:
         resolve_args(["--model", "diff-tiny", flag, bad])
     assert f"got {kind(float(bad))}" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "SLURM_NTASKS"])
+def test_a_layout_error_names_the_world_size_variable(monkeypatch, variable):
+    """A WORLD_SIZE (or salloc's SLURM_NTASKS) left in the shell sets the data-parallel size unseen: the
+    batch error names the variable and that it came from the environment."""
+    for key in ("WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(variable, "8")
+    with pytest.raises(DiffmegError) as err:
+        resolve_args(["--model", "diff-tiny", "--global-batch-size", "4", "--micro-batch-size", "1"])
+    assert str(err.value) == (
+        f"global batch 4 is not divisible by micro batch 1 x data-parallel size 8 ({variable}=8 in the "
+        "environment); change the batch sizes or the number of processes"
+    )
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "model.safetensors.index.json"])
+def test_save_into_a_hugging_face_export_is_refused(tmp_path, weights):
+    """A folder the exporter wrote (config.json with safetensors weights, one file or sharded) is no place
+    for a run's checkpoints."""
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    (export / weights).write_text("{}")
+    with pytest.raises(DiffmegError) as err:
+        resolve_args(["--model", "diff-tiny", "--save", str(export)], world_size=1)
+    assert str(err.value) == (
+        f"--save {export} holds a Hugging Face model export (config.json and safetensors weights): a run's "
+        "checkpoints would be mixed into it; pick another --save folder"
+    )
+    (export / weights).unlink()  # config.json alone is no export
+    assert resolve_args(["--model", "diff-tiny", "--save", str(export)], world_size=1).save == str(export)
+
+
+def test_a_data_path_that_is_a_folder_names_the_datasets_inside(tmp_path):
+    """`--data-path FOLDER`: the folder and the prefixes it holds (what to pass), not missing .bin/.idx."""
+    import numpy as np
+
+    from diffmeg.data.indexed import IndexedWriter
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    with pytest.raises(DiffmegError) as err:
+        resolve_args(["--model", "diff-tiny", "--data-path", str(folder)], world_size=1)
+    assert str(err.value) == (
+        f"--data-path {folder} is a folder, not a dataset, and holds no .bin/.idx dataset: pass the prefix "
+        "of a .bin/.idx pair written by tools/preprocess_data.py (its path without the extension)"
+    )
+    for name in ("web_text_document", "code_text_document"):
+        with IndexedWriter(str(folder / name), dtype=np.int32) as writer:
+            writer.add_document(np.arange(8, dtype=np.int32))
+            writer.commit()
+    (folder / "notes.txt").write_text("")
+    with pytest.raises(DiffmegError) as err:
+        resolve_args(["--model", "diff-tiny", "--data-path", "1", str(folder)], world_size=1)
+    assert str(err.value) == (
+        f"--data-path {folder} is a folder, not a dataset: it holds 2 dataset(s), code_text_document, "
+        f"web_text_document; pass {folder}/code_text_document (the prefix, without .bin/.idx), or several as "
+        "'w1 p1 w2 p2 ...'"
+    )

@@ -315,3 +315,63 @@ def test_use_checkpoint_keeps_the_checkpoints_schedule(four_iterations):
     flags = ("--train-iters", "8", "--lr", "6e-3", "--use-checkpoint-opt-param-scheduler")
     lr = _first_resumed_lr(four_iterations, *flags)
     assert lr == pytest.approx(3e-4)  # its decay ended at iteration 4
+
+
+# ------------------------------------------------------------------------------------ precision
+
+
+def _bf16_copy(root: str, tmp_path) -> str:
+    """`root`'s latest iteration as a bf16 run would have saved it, without weights (the precision check
+    reads its args.json before anything loads)."""
+    import json
+    from pathlib import Path
+
+    saved = json.loads((Path(root) / "iter_0000004" / "args.json").read_text())
+    fake_checkpoint(
+        tmp_path / "bf16", 4, {**saved, "bf16": True}, torch.load(f"{root}/iter_0000004/common.pt")
+    )
+    (tmp_path / "bf16" / TRACKER_FILE).write_text("4")
+    return str(tmp_path / "bf16")
+
+
+def test_an_fp32_checkpoint_resumed_with_bf16_is_one_line(four_iterations):
+    """The optimizer of an fp32 run has no fp32 main weights for a bf16 one: named before anything loads,
+    not megatron-core's missing-tensor error ending in 'point the run at another checkpoint'."""
+    flags = [*SMALL, "--min-lr", "3e-4", "--train-iters", "4", "--load", four_iterations, "--bf16"]
+    with pytest.raises(DiffmegError) as err:
+        CheckpointManager(RunConfig.from_args(resolve_args(flags, world_size=1))).resolve()
+    assert str(err.value) == (
+        f"checkpoint {four_iterations}/iter_0000004 was saved with fp32 and this run is bf16: drop --bf16 to "
+        "match, or add --no-load-optim to load only the weights (a fresh optimizer)"
+    )
+
+
+def test_a_bf16_checkpoint_resumed_in_fp32_is_one_line(four_iterations, tmp_path):
+    """Without --bf16 megatron-core's optimizer load ends in `KeyError: 'pre_wd_mult'`."""
+    root = _bf16_copy(four_iterations, tmp_path)
+    flags = [*SMALL, "--min-lr", "3e-4", "--train-iters", "4", "--load", root]
+    with pytest.raises(DiffmegError) as err:
+        CheckpointManager(RunConfig.from_args(resolve_args(flags, world_size=1))).resolve()
+    assert str(err.value) == (
+        f"checkpoint {root}/iter_0000004 was saved with bf16 and this run is fp32: pass --bf16 to match, or "
+        "add --no-load-optim to load only the weights (a fresh optimizer)"
+    )
+    flags += ["--no-load-optim"]
+    assert CheckpointManager(RunConfig.from_args(resolve_args(flags, world_size=1))).resolve() is not None
+
+
+def test_no_load_optim_loads_an_fp32_checkpoints_weights_into_a_bf16_run(four_iterations):
+    """The fix the precision line offers works: the weights convert, the optimizer starts fresh."""
+    trainer = _trainer(SMALL, "--min-lr", "3e-4", "--train-iters", "4", "--load", four_iterations)
+    try:
+        fp32 = [p.detach().clone() for p in trainer.model[0].parameters()]
+    finally:
+        _release(trainer)
+    flags = ("--train-iters", "8", "--load", four_iterations, "--bf16", "--no-load-optim")
+    trainer = _trainer(SMALL, "--min-lr", "3e-4", *flags)
+    try:
+        bf16 = [p.detach() for p in trainer.model[0].parameters()]
+        assert trainer.state.iteration == 4 and bf16[0].dtype == torch.bfloat16
+        assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32, bf16, strict=True))
+    finally:
+        _release(trainer)

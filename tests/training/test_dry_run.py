@@ -260,3 +260,38 @@ def test_tied_output_layer_in_the_count_and_the_memory_plan(capsys):
     untied, _ = _dry([*base, *pp2], capsys, world_size=8)
     tied, _ = _dry([*base, *pp2, "--tie-embeddings-and-output-weights"], capsys, world_size=8)
     assert tied["memory_per_gpu_gib"] == untied["memory_per_gpu_gib"]
+
+
+def test_a_warmup_as_long_as_the_run_is_a_warning(capsys):
+    """The run stays in warmup (a smoke test of a big recipe may mean it), so a warning, not an error."""
+    _, err = _dry(["--model", "diff-tiny", "--train-iters", "5", "--lr-warmup-iters", "5"], capsys)
+    warned = [line for line in err if line.startswith("warning: ")]
+    assert warned == [
+        "warning: --lr-warmup-iters 5 is not shorter than the run's 5 iterations: the learning rate never "
+        "reaches --lr 0.001; shorten the warmup (or lengthen the run)"
+    ]
+    _, err = _dry(["--model", "diff-tiny", "--train-iters", "6", "--lr-warmup-iters", "5"], capsys)
+    assert not [line for line in err if line.startswith("warning: ")]
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        (["--split", "100,0,0", "--eval-interval", "2"], True),
+        (["--split", "100,0,0", "--eval-iters", "3"], True),
+        (["--split", "100,0,0"], False),  # no evaluation asked for
+        (["--split", "100,0,0", "--eval-interval", "2", "--eval-iters", "0"], False),
+        (["--split", "90,10,0", "--eval-interval", "2"], False),
+    ],
+)
+def test_evaluation_asked_for_without_a_validation_split_is_a_warning(capsys, flags, warned):
+    _, err = _dry(["--model", "diff-tiny", "--train-iters", "40", *flags], capsys)
+    lines = [line for line in err if line.startswith("warning: ")]
+    assert lines == (
+        [
+            "warning: --split 100,0,0 gives validation no data: validation will not run, whatever "
+            "--eval-interval says; give the valid split a weight (e.g. --split 969,30,1) to evaluate"
+        ]
+        if warned
+        else []
+    )
