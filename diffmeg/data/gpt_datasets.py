@@ -9,6 +9,7 @@ resuming after ``consumed_samples`` is exact.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -35,6 +36,19 @@ from diffmeg.errors import DiffmegError, stderr
 
 BUILTIN = "builtin"
 """``--data-path builtin``: the corpus generated from Python's own documentation (data/builtin.py)."""
+SINGLE_BLEND_WARNING = "Building a BlendedDataset for a single MegatronDataset"
+
+
+class _SingleDatasetBlend(logging.Filter):
+    """Drops megatron-core's warning for a blend of one weighted dataset (``--data-path 1 PREFIX``, e.g. a
+    length-upsample weights file of one bucket), once per split: the blend is valid and its sample order
+    is that of the run that wrote it, so dropping the weight would change a resumed run's samples."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != SINGLE_BLEND_WARNING
+
+
+logging.getLogger("megatron.core.datasets.blended_dataset").addFilter(_SingleDatasetBlend())
 
 
 def parse_data_path(values: Sequence[str]) -> tuple[list[str], list[float] | None]:

@@ -125,6 +125,8 @@ def test_a_blend_caches_its_indices_beside_the_data_without_a_word(
         assert f"BlendedDataset-{split}-dataset_index.npy" in cached
         assert cached.count(f"GPTDataset-{split}-shuffle_index.npy") == 2  # one per dataset
     assert not (tmp_path / "home").exists()
+    build_gpt_datasets(["1", a], "90,8,2", 16, 3, (200, 20, 5), tokenizer, None)  # a weighted single dataset
+    assert _megatron_lines(caplog) == [] and capfd.readouterr().err == ""
     again = build_gpt_datasets(
         ["1", a, "3", b], "90,8,2", 16, 3, (200, 20, 5), tokenizer, None
     )  # a cache hit
