@@ -38,7 +38,10 @@
 #                      (the tracker moves once every rank's files are written); 0: every save stalls the job
 #   DATA_PATH          a dataset prefix or a blend "w1 prefix1 w2 prefix2 ..." (docs/data.md); required
 #                      unless EXTRA_ARGS has --mock-data or --data-path ("builtin" = the embedded corpus).
-#                      Relative paths here and below mean the directory sbatch was run from.
+#                      Relative paths here and below mean the directory sbatch was run from. Datasets on
+#                      read-only storage get their index cache in ~/.cache/diffmeg/datasets/ (one line
+#                      says so); nodes or containers without a shared home: EXTRA_ARGS="--data-cache-path
+#                      DIR" with DIR on storage every node sees (docs/data.md, "The index cache").
 #   RUNS_ROOT          parent of run directories (default <checkout>/runs)
 #   RUN_NAME, RUN_DIR  the run's directory (default $RUNS_ROOT/<recipe run name>); shared by all jobs of
 #                      the run: jobs/<job id>/ (train.log, config.json, git.txt, command.sh, env.txt),

@@ -112,3 +112,41 @@ def folder_holder():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def read_only_view(tmp_path):
+    """`view(folder)`: `folder`'s files where this process really cannot write them, as on a cluster's
+    shared read-only storage. Not root: the folder itself, made 0555 (restored after). Root, whom file modes
+    do not stop: a read-only bind mount of it under tmp_path (unmounted after). Skips where neither holds
+    (root without mount privileges); the tests of the same logic with a folder reported unwritable run
+    everywhere."""
+    import subprocess
+
+    undo: list = []
+
+    def mount(*args: str) -> None:
+        proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot make a read-only bind mount as root here: {proc.stderr.strip()}")
+
+    def view(folder: Path) -> Path:
+        if os.geteuid() != 0:
+            folder.chmod(0o555)
+            undo.append(lambda: folder.chmod(0o755))
+            target = folder
+        else:
+            target = tmp_path / f"ro-{folder.name}"
+            target.mkdir()
+            mount("--bind", str(folder), str(target))
+            undo.append(lambda: subprocess.run(["umount", "-l", str(target)], check=False))
+            mount("-o", "remount,bind,ro", str(target))
+        try:
+            (target / ".probe").touch()
+        except OSError:
+            return target
+        pytest.skip(f"{target} is still writable")
+
+    yield view
+    for step in reversed(undo):
+        step()

@@ -172,6 +172,25 @@ class LossMaskDataset(torch.utils.data.Dataset):
         }
 
 
+def check_masked_blend(prefixes: Sequence[str]) -> None:
+    """A blend with a loss-masked dataset must be that one dataset alone: its documents are read whole, one
+    per sample, and cannot be interleaved with GPT windows or another masked dataset. A no-op otherwise."""
+    masked = [p for p in prefixes if has_loss_mask(p)]
+    if not masked:
+        return
+    unmasked = [p for p in prefixes if p not in masked]
+    if unmasked:
+        raise DiffmegError(
+            f"--data-path mixes datasets with and without a loss mask ({unmasked[0]} has none, "
+            f"{loss_mask_prefix(masked[0])} exists); train on one kind, or write masks for all"
+        )
+    if len(prefixes) > 1:
+        raise DiffmegError(
+            f"--data-path blends {len(prefixes)} loss-masked datasets, which are read one document per "
+            "sample and cannot be blended; merge them into one first (tools/merge_datasets.py)"
+        )
+
+
 def build_loss_mask_datasets(
     prefixes: Sequence[str],
     split: str,
@@ -182,18 +201,7 @@ def build_loss_mask_datasets(
 ) -> tuple:
     """(train, valid, test) whole-document datasets of a loss-masked ``--data-path``; None for a split
     of weight 0. ``vocab_size``: the run's embedding rows, which every token id must be below."""
-    unmasked = [p for p in prefixes if not has_loss_mask(p)]
-    if unmasked:
-        raise DiffmegError(
-            f"--data-path mixes datasets with and without a loss mask ({unmasked[0]} has none, "
-            f"{loss_mask_prefix(next(p for p in prefixes if p not in unmasked))} exists); "
-            "train on one kind, or write masks for all"
-        )
-    if len(prefixes) > 1:
-        raise DiffmegError(
-            f"--data-path blends {len(prefixes)} loss-masked datasets, which are read one document per "
-            "sample and cannot be blended; merge them into one first (tools/merge_datasets.py)"
-        )
+    check_masked_blend(prefixes)
     (prefix,) = prefixes
     if vocab_size is not None:
         check_vocabulary([prefix], vocab_size)

@@ -22,13 +22,15 @@ from diffmeg.errors import DiffmegError
 _SPLIT_NAMES = ("train", "valid", "test")
 
 
-def check_splits_nonempty(prefixes: Sequence[str], split: str) -> None:
+def check_splits_nonempty(prefixes: Sequence[str], split: str) -> dict[str, list[int | None]]:
     """Every split with nonzero weight must get at least one document with tokens, per prefix.
 
     megatron-core loops forever (GPTDataset._get_num_epochs) on a split without tokens, so this
-    reproduces its document assignment (round(fraction * count) bookends) and fails first.
+    reproduces its document assignment (round(fraction * count) bookends) and fails first. Returns each
+    prefix's documents per split (train, valid, test; None for a split of weight 0), for --dry-run.
     """
-    split_matrix(split)  # validates the string
+    bookends = split_matrix(split)  # validates the string
+    documents: dict[str, list[int | None]] = {}
     for prefix in prefixes:
         index = _IndexReader(get_idx_path(prefix), multimodal=False)
         lengths = np.array(index.sequence_lengths)  # a copy: the reader unmaps its file when freed
@@ -44,6 +46,11 @@ def check_splits_nonempty(prefixes: Sequence[str], split: str) -> None:
                 f"--split {split} gives the {name} split of {prefix} {what} (it has {len(lengths)} "
                 f"documents); use more data or a split such as '{_suggest(lengths, split)}'"
             )
+        count = len(lengths)
+        documents[prefix] = [
+            None if b is None else int(round(b[1] * count)) - int(round(b[0] * count)) for b in bookends
+        ]
+    return documents
 
 
 def _empty_splits(lengths: np.ndarray, split: str) -> list[tuple[str, str]]:

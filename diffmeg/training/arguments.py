@@ -87,7 +87,8 @@ HELP = {
     "recompute_num_layers": "layers per recomputed group (default 1)",
     "seed": "random seed of weights and data order",
     "split": "train,valid,test weights of every dataset",
-    "data_cache_path": "where dataset index caches go (default: a cache/ folder beside each dataset)",
+    "data_cache_path": "where dataset index caches go (default: cache/ beside the first dataset, or "
+    "$DIFFMEG_CACHE_DIR/datasets/ when that folder is read-only; multi-node without a shared home: set it)",
     "num_workers": "data-loader worker processes",
     "save": "checkpoint folder (default: nothing saved)",
     "load": "checkpoint folder to resume from (its latest iteration, or --ckpt-step)",

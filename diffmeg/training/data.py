@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 
-from diffmeg.data.gpt_datasets import build_gpt_datasets, parse_data_path
+from diffmeg.data.gpt_datasets import build_gpt_datasets, check_blend, parse_data_path
 from diffmeg.data.indexed import has_loss_mask
 from diffmeg.data.loss_mask import build_loss_mask_datasets
 from diffmeg.data.tokenizers import build_tokenizer
@@ -65,6 +65,7 @@ def build_datasets(run: RunConfig):
         log.eval_iters * t.global_batch_size,
     )
     prefixes, _ = parse_data_path(d.data_path)
+    check_blend(prefixes, d.split)  # what --dry-run checks too, in the same words
     if any(has_loss_mask(p) for p in prefixes):  # one whole document per sample, loss on masked tokens
         return build_loss_mask_datasets(prefixes, d.split, m.seq_length, t.seed, num_samples, m.vocab_size)
     tokenizer = build_tokenizer(

@@ -1,8 +1,10 @@
 """`pretrain_diff.py --dry-run`: the resolved run as JSON, and the checks a user wants before queueing.
 
 Besides the configuration, a dry run checks what would stop or doom the real run, one line each:
-- data: every `--data-path` dataset must have its `.bin` and `.idx` (all missing ones named in one error)
-  and hold ids of the run's tokenizer (its `.tokenizer.json` record, diffmeg.data.tokenizers);
+- data: every `--data-path` dataset must have its `.bin` and `.idx` (all missing ones named in one error),
+  hold ids of the run's tokenizer (its `.tokenizer.json` record, diffmeg.data.tokenizers) and pass the run's
+  own blend and `--split` checks (`check_blend`); the folder of its index cache is resolved as the run
+  resolves it (diffmeg.data.index_cache: an unwritable `--data-cache-path` is refused the same way);
 - memory: the per-GPU plan (training/memory.py) against `--gpu-memory-gib` (default 80, an H100): a plan
   over it, or within 10% of it (the CUDA context, NCCL buffers and allocator fragmentation live there),
   gets a `warning:` line saying which settings shrink it. A warning, not an error: the plan is an
@@ -21,8 +23,9 @@ import sys
 from dataclasses import asdict
 
 from diffmeg.config import count_parameters
-from diffmeg.data.gpt_datasets import BUILTIN, parse_data_path
-from diffmeg.data.indexed import check_dataset
+from diffmeg.data.gpt_datasets import BUILTIN, check_blend, parse_data_path
+from diffmeg.data.index_cache import resolve_cache_path
+from diffmeg.data.indexed import check_dataset, has_loss_mask
 from diffmeg.data.tokenizers import check_datasets, check_vocabulary, record_of_args
 from diffmeg.errors import DiffmegError
 from diffmeg.run_config import DataConfig, RunConfig
@@ -227,7 +230,7 @@ def data_prefixes(data_path: list[str]) -> list[str]:
 
 
 def check_data(data: DataConfig) -> dict[str, int]:
-    """Tokens per `--data-path` dataset; every missing `.bin`/`.idx` in one error."""
+    """Tokens per `--data-path` dataset; every missing `.bin`/`.idx` in one error, then the weights."""
     if data.mock_data:
         return {}
     if len(data.data_path) != 1 and len(data.data_path) % 2:
@@ -251,8 +254,28 @@ def check_data(data: DataConfig) -> dict[str, int]:
             "A dataset is the prefix of a .bin/.idx pair written by tools/preprocess_data.py"
         )
     parse_data_path(data.data_path)  # the blend weights
-    check_datasets(list(found), record_of_args(asdict(data)))  # ids of this run's tokenizer (their records)
     return found
+
+
+def check_split(data: DataConfig) -> dict[str, list[int | None]]:
+    """The run's own blend and ``--split`` checks (`check_blend`: the same function, so the same refusal in
+    the same line); each dataset's documents per split (train, valid, test; None for a weight of 0)."""
+    if data.mock_data:
+        return {}
+    return check_blend(parse_data_path(data.data_path)[0], data.split)
+
+
+def check_cache(data: DataConfig) -> tuple[str | None, str | None]:
+    """(the folder the run would cache its dataset indices in, the line it would print about it): the run's
+    own `resolve_cache_path`, so an unwritable ``--data-cache-path`` is refused here in the same line. None
+    where the run caches nothing (mock or loss-masked data) or the folder is only known once the builtin
+    corpus is built."""
+    if data.mock_data:
+        return None, None
+    prefixes = parse_data_path(data.data_path)[0]
+    if any(has_loss_mask(p) for p in prefixes) or (prefixes[0] == BUILTIN and not data.data_cache_path):
+        return None, None
+    return resolve_cache_path(prefixes, data.data_cache_path)
 
 
 def dataset_tokens(prefix: str) -> int:
@@ -268,13 +291,18 @@ def dry_run(args: argparse.Namespace) -> int:
     """Print the resolved run (stdout) and its checks (stderr); exit status 0, or an error raised."""
     run = RunConfig.from_args(args)
     tokens = check_data(run.data)
+    split_documents = check_split(run.data)
+    check_datasets(list(tokens), record_of_args(asdict(run.data)))  # ids of the run's tokenizer (records)
     check_vocabulary(list(tokens), run.model.vocab_size)  # every id has an embedding row
+    cache, cache_note = check_cache(run.data)
     summary = dry_run_summary(run)
     warnings = memory_warnings(run, args.gpu_memory_gib, summary["memory_per_gpu_gib"]["total"])
     summary["checks"] = {
         "gpu_memory_gib": args.gpu_memory_gib,
         "memory_fits": not warnings,
         "dataset_tokens": tokens,
+        "split_documents": split_documents,
+        "data_cache_path": cache,
         "notes": list(args.dropped_flags),
         "warnings": warnings,
     }
@@ -282,6 +310,8 @@ def dry_run(args: argparse.Namespace) -> int:
     if tokens:
         total = sum(tokens.values())
         print(f"data: {len(tokens)} dataset(s) found, {total:,} tokens", file=sys.stderr)
+    if cache_note:
+        print(cache_note, file=sys.stderr)
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
     return 0

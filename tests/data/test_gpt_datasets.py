@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import json
+import logging
+import os
+
 import numpy as np
 import pytest
 
@@ -109,3 +113,106 @@ def test_a_train_split_exceeded_by_a_sliver_is_noted(tmp_path, gloo, asked, note
         f"note: {prefix}'s train split holds 124 samples and the run asks {asked}: 2 epochs are indexed for "
         f"{100 * (asked / 124 - 1):.2f}% more; --train-iters 124 stays in one epoch"
     )
+
+
+def _megatron_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("megatron.core")]
+
+
+def test_a_blend_caches_its_indices_beside_the_data_without_a_word(
+    gloo, tmp_path, caplog, capfd, monkeypatch
+):
+    """With no --data-cache-path a blend's indices, its BlendedDataset's included, go to cache/ beside the
+    first dataset, and megatron-core says nothing (it warned 'Cannot save the BlendedDataset indexes because
+    path_to_cache is None' for every split of every blended run)."""
+    from diffmeg.data.tiktoken_cl100k import IdTokenizer
+
+    monkeypatch.setenv("DIFFMEG_CACHE_DIR", str(tmp_path / "home"))
+    (tmp_path / "data").mkdir()
+    a, b = (
+        make_dataset(tmp_path / "data" / "a", 40, token=11),
+        make_dataset(tmp_path / "data" / "b", 30, token=22),
+    )
+    tokenizer = IdTokenizer(64)
+    caplog.set_level(logging.WARNING)
+    first = build_gpt_datasets(["1", a, "3", b], "90,8,2", 16, 3, (200, 20, 5), tokenizer, None)
+    assert _megatron_lines(caplog) == [] and capfd.readouterr().err == ""
+    cached = sorted(p.name.split("-", 1)[1] for p in (tmp_path / "data" / "cache").iterdir())
+    for split in ("train", "valid", "test"):
+        assert f"BlendedDataset-{split}-dataset_index.npy" in cached
+        assert cached.count(f"GPTDataset-{split}-shuffle_index.npy") == 2  # one per dataset
+    assert not (tmp_path / "home").exists()
+    build_gpt_datasets(["1", a], "90,8,2", 16, 3, (200, 20, 5), tokenizer, None)  # a weighted single dataset
+    assert _megatron_lines(caplog) == [] and capfd.readouterr().err == ""
+    again = build_gpt_datasets(
+        ["1", a, "3", b], "90,8,2", 16, 3, (200, 20, 5), tokenizer, None
+    )  # a cache hit
+    assert [first[0][k]["tokens"].tolist() for k in range(0, 200, 9)] == [
+        again[0][k]["tokens"].tolist() for k in range(0, 200, 9)
+    ]
+
+
+def test_a_read_only_dataset_folder_uses_the_per_user_cache(
+    gloo, tmp_path, capfd, caplog, monkeypatch, read_only_view
+):
+    """The cluster case: before, 45 lines of megatron-core ending 'Failed to write dataset materials to the
+    data cache directory'; now the run uses the per-user cache and says so in one line."""
+    from diffmeg.data.index_cache import user_cache
+    from diffmeg.data.tiktoken_cl100k import IdTokenizer
+
+    monkeypatch.setenv("DIFFMEG_CACHE_DIR", str(tmp_path / "home"))
+    (tmp_path / "shared").mkdir()
+    make_dataset(tmp_path / "shared" / "a", 40, token=11)
+    make_dataset(tmp_path / "shared" / "b", 30, token=22)
+    view = read_only_view(tmp_path / "shared")
+    a, b = str(view / "a"), str(view / "b")
+    caplog.set_level(logging.WARNING)
+    train, _, _ = build_gpt_datasets(["1", a, "1", b], "1,0,0", 16, 3, (100, 0, 0), IdTokenizer(64), None)
+    assert len(train) >= 100 and _megatron_lines(caplog) == []
+    cache = user_cache(a)
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line.startswith(f"data: {view} cannot be written, so the dataset index cache is {cache} ")
+    assert any(name.endswith("BlendedDataset-train-dataset_index.npy") for name in os.listdir(cache))
+    assert sorted(os.listdir(view)) == sorted(os.listdir(tmp_path / "shared"))  # nothing written there
+
+
+def _rank_worker(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of `test_every_rank_uses_the_folder_rank_0_resolved`: its own per-user cache (as on nodes
+    whose homes differ) and the data folder reported unwritable; writes the samples it reads."""
+    import torch.distributed as dist
+
+    from diffmeg.data.tiktoken_cl100k import IdTokenizer
+
+    os.environ["DIFFMEG_CACHE_DIR"] = os.path.join(folder, f"home{rank}")
+    data, real_access = os.path.join(folder, "shared"), os.access
+    os.access = lambda path, mode, *a, **k: (  # noqa: E731
+        False
+        if mode & os.W_OK and os.path.abspath(path).startswith(data)
+        else real_access(path, mode, *a, **k)
+    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    try:
+        blend = ["1", os.path.join(data, "a"), "1", os.path.join(data, "b")]
+        train, _, _ = build_gpt_datasets(blend, "1,0,0", 16, 3, (100, 0, 0), IdTokenizer(64), None)
+        samples = [train[k]["tokens"].tolist() for k in range(0, 100, 7)]
+        with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+            json.dump(samples, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_uses_the_folder_rank_0_resolved(tmp_path):
+    """megatron-core builds the indices on rank 0 and the others read them, so the folder is rank 0's answer
+    on every rank: rank 1, whose own per-user cache is elsewhere, reads rank 0's and never writes its own."""
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    (tmp_path / "shared").mkdir()
+    make_dataset(tmp_path / "shared" / "a", 40, token=11)
+    make_dataset(tmp_path / "shared" / "b", 30, token=22)
+    mp.start_processes(_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    assert (tmp_path / "home0" / "datasets").is_dir() and not (tmp_path / "home1").exists()
+    assert not (tmp_path / "shared" / "cache").exists()
+    samples = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert samples[0] == samples[1] and len(samples[0]) == 15

@@ -88,11 +88,74 @@ def test_every_missing_dataset_is_named_in_one_line(tmp_path, capsys):
 def test_datasets_found_are_counted_from_their_files(tmp_path, capsys):
     wide = _dataset(tmp_path / "wide", 1000)
     narrow = _dataset(tmp_path / "narrow", 300, dtype=np.uint16)  # 2 bytes a token
-    summary, err = _dry(["--model", "diff-tiny", "--data-path", "0.9", wide, "0.1", narrow], capsys)
+    blend = ["--data-path", "0.9", wide, "0.1", narrow, "--split", "1,0,0"]  # one document each
+    summary, err = _dry(["--model", "diff-tiny", *blend], capsys)
     assert summary["checks"]["dataset_tokens"] == {wide: 1000, narrow: 300}
+    assert summary["checks"]["split_documents"] == {wide: [1, None, None], narrow: [1, None, None]}
     assert "data: 2 dataset(s) found, 1,300 tokens" in err
     summary, _ = _dry(["--model", "diff-tiny"], capsys)  # the builtin corpus is built on first use
     assert summary["checks"]["dataset_tokens"] == {}
+
+
+def _documents(prefix, count: int) -> str:
+    with IndexedWriter(str(prefix)) as writer:
+        for _ in range(count):
+            writer.add_document(np.arange(20, dtype=np.int32))
+        writer.commit()
+    return str(prefix)
+
+
+def test_a_split_or_blend_the_run_refuses_is_refused_by_the_dry_run_in_the_same_line(
+    tmp_path, capsys, single_rank_parallel_state
+):
+    """The dry run calls the run's own `check_blend`: 200 documents under the default 969,30,1 leave the
+    test split none (round(0.999 * 200) = 200), which the run refuses and the dry run used to pass as
+    '2 dataset(s) found'; and a loss-masked dataset in a blend."""
+    from diffmeg.data.loss_mask import MaskedWriter
+    from diffmeg.run_config import RunConfig
+    from diffmeg.training.data import build_datasets
+
+    a, b = _documents(tmp_path / "a", 200), _documents(tmp_path / "b", 200)
+    with MaskedWriter(str(tmp_path / "qa"), dtype=np.int32) as writer:
+        writer.add_documents(np.arange(8), np.ones(8), np.array([8]))
+        writer.commit()
+    base = ["--model", "diff-tiny", "--tokenizer-type", "null", "--vocab-size", "1024"]
+    cases = [
+        (["--data-path", "0.5", a, "0.5", b], "--split 969,30,1 gives the test split of"),
+        (
+            ["--data-path", "1", a, "1", str(tmp_path / "qa"), "--split", "1,0,0"],
+            "--data-path mixes datasets",
+        ),
+    ]
+    for flags, start in cases:
+        with pytest.raises(DiffmegError) as dry:
+            _dry([*base, *flags], capsys)
+        with pytest.raises(DiffmegError) as run:
+            build_datasets(RunConfig.from_args(resolve_args([*base, *flags], world_size=1)))
+        assert str(dry.value) == str(run.value) and str(dry.value).startswith(start), str(dry.value)
+    summary, _ = _dry([*base, "--data-path", "0.5", a, "0.5", b, "--split", "98,1,1"], capsys)
+    assert summary["checks"]["split_documents"] == {a: [196, 2, 2], b: [196, 2, 2]}
+
+
+def test_the_dry_run_resolves_the_index_cache_as_the_run_does(tmp_path, capsys, monkeypatch):
+    """The folder is in the JSON; an unwritable --data-cache-path is the run's one-line refusal."""
+    from diffmeg.data.index_cache import resolve_cache_path
+
+    monkeypatch.setenv("DIFFMEG_CACHE_DIR", str(tmp_path / "home"))
+    (tmp_path / "data").mkdir()
+    prefix = _documents(tmp_path / "data" / "a", 10)
+    flags = ["--model", "diff-tiny", "--data-path", prefix, "--split", "1,0,0"]
+    summary, _ = _dry(flags, capsys)
+    assert summary["checks"]["data_cache_path"] == str(tmp_path / "data" / "cache")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(DiffmegError) as dry:
+        _dry([*flags, "--data-cache-path", str(tmp_path / "afile" / "c")], capsys)
+    with pytest.raises(DiffmegError) as run:
+        resolve_cache_path([prefix], str(tmp_path / "afile" / "c"))
+    assert str(dry.value) == str(run.value) and str(dry.value).startswith("--data-cache-path ")
+    assert (
+        _dry(["--model", "diff-tiny"], capsys)[0]["checks"]["data_cache_path"] is None
+    )  # builtin: once built
 
 
 def test_a_truncated_dataset_fails_the_dry_run_and_the_run_in_one_line(tmp_path, capsys):
