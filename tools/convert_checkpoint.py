@@ -51,10 +51,13 @@ from diffmeg.conversion.hf_config import (  # noqa: E402
     generation_config_dict,
     hf_config_dict,
     layout_from_args,
-    pretrain_flags,
     transformers_config_class,
 )
-from diffmeg.conversion.hf_import import open_hf_folder, resolved_pretrain_args  # noqa: E402
+from diffmeg.conversion.hf_import import (  # noqa: E402
+    continue_training_command,
+    open_hf_folder,
+    resolved_pretrain_args,
+)
 from diffmeg.conversion.layout import GLOBALS  # noqa: E402
 from diffmeg.conversion.mapping import HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf  # noqa: E402
 from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of  # noqa: E402
@@ -250,12 +253,11 @@ def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
                 progress.restart()
         writer.close()
         tokenizer.copy_into(out)
-    flags = pretrain_flags(layout) + ["--seq-length", str(resolved.seq_length)]
     print(
         f"wrote {args.save} ({layout.architecture} -> iteration 0, weights only, {_dtype_name(dtype)}) in "
         f"{clock(time.perf_counter() - start)}; continue training with:"
     )
-    print(f"  python pretrain_diff.py {shlex.join(flags)} --load {shlex.quote(args.save)} --finetune ...")
+    print(f"  {continue_training_command(layout, resolved, args.save, extra)}")
 
 
 def upcycle(args: argparse.Namespace, extra: list[str]) -> None:

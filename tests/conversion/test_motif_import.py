@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -227,6 +228,8 @@ def test_motif_folder_imports_with_motifs_logits(
     for flag in ("--lambda-init", "--mlp-activation", *(("--num-noise-heads",) if layout == "12.7b" else ())):
         assert flag in command, command
     assert command[command.index("--lambda-init") + 1] == "motif"
+    assert command[command.index("--tokenizer-model") + 1] == str(ckpt / "tokenizer")
+    assert command[command.index("--lr") + 1] == "3e-5" and "--train-iters" in command  # the examples
 
     config = json.loads((source / "config.json").read_text())
     tensors = motif_tensors(config)
@@ -268,3 +271,32 @@ def test_odd_sub_head_counts_of_the_paired_layout_are_refused(tmp_path_factory, 
     )
     err = refused(capsys, "convert_checkpoint", "hf-to-mcore", "--load", folder, "--save", tmp_path / "ckpt")
     assert "num_key_value_heads (3) count sub-heads in pairs" in err, err
+
+
+@pytest.mark.slow
+def test_the_printed_command_continues_training_as_printed(tmp_path_factory, tmp_path):
+    """The continue-training line hf-to-mcore prints runs as printed (here with the training flags given
+    after `--`): one step of the imported 12.7B-layout model on the builtin corpus in the folder's
+    tokenizer, a finite loss."""
+    import subprocess
+
+    from tests.distributed.runner import REPO_ROOT, job_env, read_losses
+
+    ckpt = tmp_path / "ckpt"
+    training = ["--lr", "1e-4", "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "1"]
+    metrics = ["--metrics-file", str(tmp_path / "cont.jsonl")]
+    proc = convert_ok("hf-to-mcore", "--load", motif_folder(tmp_path_factory, "12.7b"), "--save", ckpt, "--",
+                      *training, *metrics)  # fmt: skip
+    command = shlex.split(proc.stdout.strip().splitlines()[-1])
+    assert command[:2] == ["python", "pretrain_diff.py"] and "--finetune" in command
+    assert command[command.index("--lr") + 1] == "1e-4" and command.count("--lr") == 1
+    run = subprocess.run(
+        [sys.executable, *command[1:]],
+        cwd=REPO_ROOT,
+        env=job_env(tmp_path, 1),
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"loaded checkpoint from {ckpt}" in run.stdout
+    assert math.isfinite(read_losses(tmp_path, "cont")[1])
