@@ -274,29 +274,27 @@ def test_odd_sub_head_counts_of_the_paired_layout_are_refused(tmp_path_factory, 
 
 
 @pytest.mark.slow
-def test_the_printed_command_continues_training_as_printed(tmp_path_factory, tmp_path):
+def test_the_printed_command_continues_training_at_tp1_and_tp2(tmp_path_factory, tmp_path):
     """The continue-training line hf-to-mcore prints runs as printed (here with the training flags given
     after `--`): one step of the imported 12.7B-layout model on the builtin corpus in the folder's
-    tokenizer, a finite loss."""
+    tokenizer. The same command at TP=2 (the grouped layout split over ranks, one group of [signal x 4,
+    noise] and its K1/K2 pair a rank) starts from the same loss."""
     import subprocess
 
-    from tests.distributed.runner import REPO_ROOT, job_env, read_losses
+    from tests.distributed.runner import REPO_ROOT, job_env, launch_cmd, read_losses
 
     ckpt = tmp_path / "ckpt"
     training = ["--lr", "1e-4", "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "1"]
-    metrics = ["--metrics-file", str(tmp_path / "cont.jsonl")]
+    metrics = ["--metrics-file", str(tmp_path / "tp1.jsonl")]
     proc = convert_ok("hf-to-mcore", "--load", motif_folder(tmp_path_factory, "12.7b"), "--save", ckpt, "--",
                       *training, *metrics)  # fmt: skip
     command = shlex.split(proc.stdout.strip().splitlines()[-1])
     assert command[:2] == ["python", "pretrain_diff.py"] and "--finetune" in command
     assert command[command.index("--lr") + 1] == "1e-4" and command.count("--lr") == 1
-    run = subprocess.run(
-        [sys.executable, *command[1:]],
-        cwd=REPO_ROOT,
-        env=job_env(tmp_path, 1),
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert f"loaded checkpoint from {ckpt}" in run.stdout
-    assert math.isfinite(read_losses(tmp_path, "cont")[1])
+    tp2 = ["--tensor-model-parallel-size", "2", "--metrics-file", str(tmp_path / "tp2.jsonl")]
+    for nproc, cmd in ((1, [sys.executable, *command[1:]]), (2, launch_cmd(2, [*command[1:], *tp2]))):
+        run = subprocess.run(cmd, cwd=REPO_ROOT, env=job_env(tmp_path, nproc), capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert f"loaded checkpoint from {ckpt}" in run.stdout
+    loss = read_losses(tmp_path, "tp1")[1]
+    assert math.isfinite(loss) and read_losses(tmp_path, "tp2")[1] == pytest.approx(loss, rel=1e-5)
