@@ -46,9 +46,18 @@ AUTO_MAP = {"AutoModelForCausalLM": "modeling_diff2.Diff2ForCausalLM"}
 def transformers_config_class(layout: ModelLayout | type[ModelLayout]) -> type:
     """transformers' config class of this layout's `model_type` (`DiffLlamaConfig`, or `LlamaConfig` for
     Llama and DIFF V2; imports transformers)."""
+    _refuse_motif_export(layout)
     from transformers import CONFIG_MAPPING
 
     return CONFIG_MAPPING[layout.model_type]
+
+
+def _refuse_motif_export(layout: ModelLayout | type[ModelLayout]) -> None:
+    if layout is MotifLayout or isinstance(layout, MotifLayout):
+        raise DiffmegError(
+            "this checkpoint is a Motif model (DIFF V1 with PolyNorm and Motif's lambda_init): its export to "
+            "Motif's Hugging Face format is still to come"
+        )
 
 
 def default_head_norm_eps() -> float:
@@ -151,11 +160,7 @@ def hf_config_dict(
 ) -> dict[str, Any]:
     """Keyword arguments of `transformers.DiffLlamaConfig` / `LlamaConfig` for this layout (`dtype` like
     "bfloat16"; `lambda_std` only for DiffLlama)."""
-    if isinstance(layout, MotifLayout):
-        raise DiffmegError(
-            "this checkpoint is a Motif model (DIFF V1 with PolyNorm and Motif's lambda_init): its export to "
-            "Motif's Hugging Face format is still to come"
-        )
+    _refuse_motif_export(layout)
     heads, kv_heads = layout.hf_attention_heads()  # DiffLlama counts the 2h sub-heads
     config = {
         "architectures": [layout.architecture],

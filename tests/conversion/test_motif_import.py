@@ -265,6 +265,16 @@ def test_what_our_model_cannot_represent_is_refused_by_key(
     assert no_leftovers(tmp_path / "ckpt")
 
 
+def test_an_imported_motif_checkpoint_is_not_exported_yet(tmp_path_factory, tmp_path, capsys):
+    """mcore-to-hf of a Motif import: refused in one line before writing (Motif's export is to come)."""
+    convert_ok("hf-to-mcore", "--load", motif_folder(tmp_path_factory, "2.6b"), "--save", tmp_path / "ckpt")
+    err = refused(
+        capsys, "convert_checkpoint", "mcore-to-hf", "--load", tmp_path / "ckpt", "--save", tmp_path / "hf"
+    )
+    assert "export to Motif's Hugging Face format is still to come" in err, err
+    assert no_leftovers(tmp_path / "hf")
+
+
 def test_odd_sub_head_counts_of_the_paired_layout_are_refused(tmp_path_factory, tmp_path, capsys):
     folder = hf_folder_variant(
         motif_folder(tmp_path_factory, "2.6b"), tmp_path / "bad", num_key_value_heads=3
