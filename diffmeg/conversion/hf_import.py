@@ -1,4 +1,4 @@
-"""A Hugging Face DiffLlama / Llama folder as our model, without writing a checkpoint.
+"""A Hugging Face DiffLlama / Llama / DIFF V2 / Motif folder as our model, without writing a checkpoint.
 
 `open_hf_folder` reads config.json and the safetensors headers (no weights) and refuses what our model
 cannot express; `resolved_pretrain_args` gives the arguments a `pretrain_diff.py` run of that model would

@@ -288,7 +288,7 @@ def test_the_printed_command_continues_training_at_tp1_and_tp2(tmp_path_factory,
     """The continue-training line hf-to-mcore prints runs as printed (here with the training flags given
     after `--`): one step of the imported 12.7B-layout model on the builtin corpus in the folder's
     tokenizer. The same command at TP=2 (the grouped layout split over ranks, one group of [signal x 4,
-    noise] and its K1/K2 pair a rank) starts from the same loss."""
+    noise] and its K1/K2 pair a rank) starts from the same loss, and so does `--use-checkpoint-args`."""
     import subprocess
 
     from tests.distributed.runner import REPO_ROOT, job_env, launch_cmd, read_losses
@@ -302,9 +302,18 @@ def test_the_printed_command_continues_training_at_tp1_and_tp2(tmp_path_factory,
     assert command[:2] == ["python", "pretrain_diff.py"] and "--finetune" in command
     assert command[command.index("--lr") + 1] == "1e-4" and command.count("--lr") == 1
     tp2 = ["--tensor-model-parallel-size", "2", "--metrics-file", str(tmp_path / "tp2.jsonl")]
-    for nproc, cmd in ((1, [sys.executable, *command[1:]]), (2, launch_cmd(2, [*command[1:], *tp2]))):
+    # --use-checkpoint-args reads the model (PolyNorm, Motif's lambda_init, the noise heads) from args.json
+    from_args = ["pretrain_diff.py", "--use-checkpoint-args", "--load", str(ckpt), "--finetune", *training]
+    from_args += ["--metrics-file", str(tmp_path / "from-args.jsonl")]
+    runs = (
+        (1, [sys.executable, *command[1:]]),
+        (2, launch_cmd(2, [*command[1:], *tp2])),
+        (1, [sys.executable, *from_args]),
+    )
+    for nproc, cmd in runs:
         run = subprocess.run(cmd, cwd=REPO_ROOT, env=job_env(tmp_path, nproc), capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]
         assert f"loaded checkpoint from {ckpt}" in run.stdout
     loss = read_losses(tmp_path, "tp1")[1]
     assert math.isfinite(loss) and read_losses(tmp_path, "tp2")[1] == pytest.approx(loss, rel=1e-5)
+    assert read_losses(tmp_path, "from-args")[1] == loss
