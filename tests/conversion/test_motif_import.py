@@ -105,14 +105,19 @@ def motif_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_motif_folder(directory: Path, layout: str, **changes) -> None:
-    """A Motif folder: config.json with Motif's keys, model.safetensors, the tiny tokenizer."""
+def write_motif_folder(directory: Path, layout: str, bf16: bool = False, **changes) -> None:
+    """A Motif folder: config.json with Motif's keys, model.safetensors, the tiny tokenizer. `bf16`: the
+    weights in bf16 but the lambda vectors in fp32 (as Motif's checkpoints may hold them)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True)
     config = {**BASE, **LAYOUTS[layout], **changes}
+    tensors = motif_tensors(config)
+    if bf16:
+        config["torch_dtype"] = "bfloat16"
+        tensors = {k: v if ".lambda_" in k else v.to(torch.bfloat16) for k, v in tensors.items()}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(motif_tensors(config), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     save_tiny_tokenizer(directory)
 
 
@@ -236,6 +241,31 @@ def test_motif_folder_imports_with_motifs_logits(
     for ids in roundtrip_prompts(VOCAB):
         ours, theirs = our_logits(model, ids), motif_logits(tensors, config, ids)
         assert max_relative_error(ours.double(), theirs) < 1e-5, ids.numel()
+
+
+def test_bf16_weights_beside_fp32_lambda_vectors(tmp_path, single_rank_parallel_state):
+    """A bf16 folder with fp32 lambda vectors imports in bf16 (the checkpoint has one dtype, the
+    embedding's); with --dtype fp32 every tensor is the folder's exactly, the lambda vectors unrounded."""
+    from safetensors.torch import load_file
+
+    from diffmeg.conversion.checkpoint_io import McoreCheckpointReader
+    from tests.builders import load_model
+
+    source = tmp_path / "motif-bf16"
+    write_motif_folder(source, "12.7b", bf16=True)
+    stored = load_file(str(source / "model.safetensors"))
+    convert_ok("hf-to-mcore", "--load", source, "--save", tmp_path / "bf16")
+    assert McoreCheckpointReader(str(tmp_path / "bf16")).dtype == torch.bfloat16
+    convert_ok("hf-to-mcore", "--load", source, "--save", tmp_path / "fp32", "--dtype", "fp32")
+    model, _ = load_model(str(tmp_path / "fp32"))
+    params = dict(model.named_parameters())
+    for i in range(BASE["num_hidden_layers"]):
+        core = f"decoder.layers.{i}.self_attention.core_attention."
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            theirs = stored[f"model.layers.{i}.self_attn.{name}"]
+            assert theirs.dtype == torch.float32 and torch.equal(params[core + name], theirs)
+        subln = stored[f"model.layers.{i}.self_attn.subln.weight"]
+        assert subln.dtype == torch.bfloat16 and torch.equal(params[core + "head_norm.weight"], subln.float())
 
 
 # ----------------------------------------------------------------------------------- refusals
