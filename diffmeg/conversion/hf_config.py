@@ -130,7 +130,8 @@ def _motif_layout_from_args(args: argparse.Namespace, noise: int | None) -> Moti
     """A DIFF V1 checkpoint with PolyNorm as Motif's layout (what an import of a Motif folder records)."""
     if str(getattr(args, "lambda_init", "exp")) != "motif":
         raise DiffmegError(
-            f"a DIFF V1 model with PolyNorm is Motif's, whose lambda_init is Motif's schedule; this one uses "
+            f"a DIFF V1 model with PolyNorm (--mlp-activation poly_norm) has no Hugging Face format but "
+            f"Motif's, whose lambda_init is Motif's schedule (--lambda-init motif); this one uses "
             f"--lambda-init {args.lambda_init}"
         )
     return MotifLayout(

@@ -305,6 +305,39 @@ def test_an_imported_motif_checkpoint_is_not_exported_yet(tmp_path_factory, tmp_
     assert no_leftovers(tmp_path / "hf")
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_polynorm_v1_checkpoint_is_motifs_layout_only_with_motifs_lambda_init(layout):
+    """The arguments an import records give back its layout; with another lambda_init, a one-line refusal
+    (no Hugging Face format holds a DIFF V1 model with PolyNorm but Motif's)."""
+    import argparse
+
+    from diffmeg.conversion.hf_config import layout_from_args, layout_from_hf_config
+    from diffmeg.errors import DiffmegError
+
+    motif = layout_from_hf_config({**BASE, **LAYOUTS[layout]})
+    args = argparse.Namespace(
+        diff_attention=True,
+        diff_version=1,
+        mlp_activation="poly_norm",
+        lambda_init="motif",
+        num_layers=motif.num_layers,
+        hidden_size=motif.hidden_size,
+        ffn_hidden_size=motif.ffn_hidden_size,
+        num_attention_heads=motif.num_heads,
+        num_query_groups=motif.num_kv_heads,
+        num_noise_heads=motif.num_noise_heads,
+        kv_channels=motif.head_dim,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        rotary_base=5000.0,
+        norm_epsilon=1e-6,
+    )
+    assert layout_from_args(args) == motif
+    args.lambda_init = "exp"
+    with pytest.raises(DiffmegError, match="no Hugging Face format but Motif's"):
+        layout_from_args(args)
+
+
 def test_odd_sub_head_counts_of_the_paired_layout_are_refused(tmp_path_factory, tmp_path, capsys):
     folder = hf_folder_variant(
         motif_folder(tmp_path_factory, "2.6b"), tmp_path / "bad", num_key_value_heads=3
