@@ -9,18 +9,19 @@
         [--dtype bf16|fp16|fp32] [--overwrite] [-- PRETRAIN_DIFF_FLAGS ...]
 
 DIFF checkpoints become transformers' DiffLlamaForCausalLM, Transformer baselines (--no-diff-attention)
-LlamaForCausalLM, DIFF V2 a LLaMA-layout folder with its modeling file, and back. All directions stream
-one layer at a time (memory: about two layers, whatever the depth) and print a progress line per layer.
-mcore-to-hf reads any TP/PP layout (checkpoints are layout-free) and writes config.json,
-model-*.safetensors shards with their index, generation_config.json and the tokenizer (cl100k_base with
-tiktoken's ids, or the Hugging Face tokenizer the model was trained with). hf-to-mcore writes a
-weights-only checkpoint (iteration 0, in the source's dtype unless --dtype) that
-`pretrain_diff.py --load ckpt/ --finetune` continues from, at any TP/PP; flags after `--` are recorded
-in its args.json as a pretrain_diff.py run would resolve them. upcycle turns a Transformer (a Hugging Face
-Llama / Mistral folder or a transformer-* checkpoint) into a weights-only DIFF V2 checkpoint with the same
-logits, keeping its tokenizer. --overwrite replaces only what a conversion writes: in an export folder its
-files (config, weights and index, tokenizer, generation config, remote code), keeping every other file;
-a checkpoint folder holding anything but a converted checkpoint is refused. See docs/conversion.md.
+LlamaForCausalLM, DIFF V2 a LLaMA-layout folder with its modeling file, and back; hf-to-mcore also takes
+Motif's folders (DIFF V1 with PolyNorm). All directions stream one layer at a time (memory: about two
+layers, whatever the depth) and print a progress line per layer. mcore-to-hf reads any TP/PP layout
+(checkpoints are layout-free) and writes config.json, model-*.safetensors shards with their index,
+generation_config.json and the tokenizer (cl100k_base with tiktoken's ids, or the Hugging Face tokenizer
+the model was trained with). hf-to-mcore writes a weights-only checkpoint (iteration 0, in the source's
+dtype unless --dtype) that `pretrain_diff.py --load ckpt/ --finetune` continues from, at any TP/PP (it
+prints the command, runnable as printed); flags after `--` are recorded in its args.json as a
+pretrain_diff.py run would resolve them. upcycle turns a Transformer (a Hugging Face Llama / Mistral
+folder or a transformer-* checkpoint) into a weights-only DIFF V2 checkpoint with the same logits, keeping
+its tokenizer. --overwrite replaces only what a conversion writes: in an export folder its files (config,
+weights and index, tokenizer, generation config, remote code), keeping every other file; a checkpoint
+folder holding anything but a converted checkpoint is refused. See docs/conversion.md.
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ from diffmeg.conversion.hf_config import (  # noqa: E402
     generation_config_dict,
     hf_config_dict,
     layout_from_args,
-    pretrain_flags,
     transformers_config_class,
 )
-from diffmeg.conversion.hf_import import open_hf_folder, resolved_pretrain_args  # noqa: E402
+from diffmeg.conversion.hf_import import (  # noqa: E402
+    continue_training_command,
+    open_hf_folder,
+    resolved_pretrain_args,
+)
 from diffmeg.conversion.layout import GLOBALS  # noqa: E402
 from diffmeg.conversion.mapping import HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf  # noqa: E402
 from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of  # noqa: E402
@@ -111,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace the export's files in --save (other files stay)"
     )
     i = sub.add_parser(
-        "hf-to-mcore", help="Hugging Face DiffLlama / Llama folder -> pretrain_diff.py checkpoint"
+        "hf-to-mcore",
+        help="Hugging Face DiffLlama / Llama / DIFF V2 / Motif folder -> pretrain_diff.py checkpoint",
     )
     i.add_argument("--load", required=True, help="folder with config.json and safetensors weights")
     u = sub.add_parser(
@@ -250,12 +255,11 @@ def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:
                 progress.restart()
         writer.close()
         tokenizer.copy_into(out)
-    flags = pretrain_flags(layout) + ["--seq-length", str(resolved.seq_length)]
     print(
         f"wrote {args.save} ({layout.architecture} -> iteration 0, weights only, {_dtype_name(dtype)}) in "
         f"{clock(time.perf_counter() - start)}; continue training with:"
     )
-    print(f"  python pretrain_diff.py {shlex.join(flags)} --load {shlex.quote(args.save)} --finetune ...")
+    print(f"  {continue_training_command(layout, resolved, args.save, extra)}")
 
 
 def upcycle(args: argparse.Namespace, extra: list[str]) -> None:

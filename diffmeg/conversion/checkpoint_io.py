@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from diffmeg.checkpoints import damaged_checkpoint_message, damaged_file, first_line, read_checkpoint_args
-from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
+from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout, MotifLayout
 from diffmeg.conversion.safetensors_io import INDEX_FILE, SafetensorsFile
 from diffmeg.errors import DiffmegError
 from diffmeg.storage import write_json
@@ -111,7 +111,7 @@ class McoreCheckpointReader:
     def check(self, layout: ModelLayout) -> None:
         """Every tensor the layout needs is stored with the shape the layout implies."""
         diff = not isinstance(layout, LlamaLayout)
-        kinds = {DiffLayout: "DIFF model", Diff2Layout: "DIFF V2 model"}
+        kinds = {DiffLayout: "DIFF model", Diff2Layout: "DIFF V2 model", MotifLayout: "Motif model"}
         kind = kinds.get(type(layout), "Transformer baseline")
         if not diff and self.stored_shape(checkpoint_key("self_attention.core_attention.lambda_q1")):
             raise DiffmegError(
@@ -239,6 +239,8 @@ class HFCheckpointReader:
         from diffmeg.conversion.hf_config import check_model_type, transformers_config_class
 
         layout_class = check_model_type(self.raw_config, f"{self.directory}/config.json")
+        if layout_class is MotifLayout:  # Motif's config class is remote code: its keys are read as they are
+            return dict(self.raw_config)
         try:
             return transformers_config_class(layout_class).from_dict(dict(self.raw_config)).to_dict()
         except Exception as exc:  # transformers validates the fields (strict dataclass)

@@ -14,6 +14,12 @@ needs `trust_remote_code=True`). What they can express, checked before anything 
 - Grouped differential attention (`--num-noise-heads n` < h): DIFF V2's export carries it as config.json's
   `num_noise_heads` (Motif's name; absent for the 1:1 model, whose export is unchanged). V1-style GDA has
   no Hugging Face format yet (DiffLlama pairs every head with a noise head of its own): refused.
+- Motif (`model_type` "motif", Motif Technologies' remote code; import only, its export is still to
+  come): DIFF V1 with PolyNorm (`hidden_act` poly_norm), Motif's lambda_init schedule and `subln` (our head
+  norm, epsilon `attn_rms_norm_eps`, which must be our fixed head-norm epsilon); the 12.7B layout's
+  `num_noise_heads` is our V1 grouped differential attention with one KV head per group (`k_ratio` 1).
+  Sliding windows, other `k_ratio`s and biases are refused; keys that only matter when enabled (a
+  `sliding_window` beside `use_sliding_window: false`) are not.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
+from diffmeg.conversion.layout import Diff2Layout, DiffLayout, LlamaLayout, ModelLayout, MotifLayout
 from diffmeg.errors import DiffmegError
 
-LAYOUTS = {layout.model_type: layout for layout in (DiffLayout, LlamaLayout)}
+LAYOUTS = {layout.model_type: layout for layout in (DiffLayout, LlamaLayout, MotifLayout)}
 """The Hugging Face model types we convert, by `model_type` (DIFF V2 is a Llama config: `is_diff2_config`)."""
 OLD_DIFF2_MODEL_TYPE = "diffmeg_diff2"
 """DIFF V2's `model_type` in exports written up to 2026-11-27, whose config class was remote code too."""
@@ -40,9 +46,18 @@ AUTO_MAP = {"AutoModelForCausalLM": "modeling_diff2.Diff2ForCausalLM"}
 def transformers_config_class(layout: ModelLayout | type[ModelLayout]) -> type:
     """transformers' config class of this layout's `model_type` (`DiffLlamaConfig`, or `LlamaConfig` for
     Llama and DIFF V2; imports transformers)."""
+    _refuse_motif_export(layout)
     from transformers import CONFIG_MAPPING
 
     return CONFIG_MAPPING[layout.model_type]
+
+
+def _refuse_motif_export(layout: ModelLayout | type[ModelLayout]) -> None:
+    if layout is MotifLayout or isinstance(layout, MotifLayout):
+        raise DiffmegError(
+            "this checkpoint is a Motif model (DIFF V1 with PolyNorm and Motif's lambda_init): its export to "
+            "Motif's Hugging Face format is still to come"
+        )
 
 
 def default_head_norm_eps() -> float:
@@ -82,6 +97,8 @@ def layout_from_args(args: argparse.Namespace) -> ModelLayout:
     v2 = diff and int(getattr(args, "diff_version", 1)) == 2
     heads, noise = int(args.num_attention_heads), getattr(args, "num_noise_heads", None)  # old args: None
     grouped = diff and noise is not None and int(noise) != heads
+    if diff and not v2 and getattr(args, "mlp_activation", "swiglu") == "poly_norm":
+        return _motif_layout_from_args(args, None if not grouped else int(noise))
     if diff and not v2:
         if grouped:
             raise DiffmegError(
@@ -109,6 +126,30 @@ def layout_from_args(args: argparse.Namespace) -> ModelLayout:
     )
 
 
+def _motif_layout_from_args(args: argparse.Namespace, noise: int | None) -> MotifLayout:
+    """A DIFF V1 checkpoint with PolyNorm as Motif's layout (what an import of a Motif folder records)."""
+    if str(getattr(args, "lambda_init", "exp")) != "motif":
+        raise DiffmegError(
+            f"a DIFF V1 model with PolyNorm (--mlp-activation poly_norm) has no Hugging Face format but "
+            f"Motif's, whose lambda_init is Motif's schedule (--lambda-init motif); this one uses "
+            f"--lambda-init {args.lambda_init}"
+        )
+    return MotifLayout(
+        num_layers=int(args.num_layers),
+        hidden_size=int(args.hidden_size),
+        ffn_hidden_size=int(args.ffn_hidden_size),
+        num_heads=int(args.num_attention_heads),
+        num_kv_heads=int(args.num_query_groups),
+        head_dim=int(args.kv_channels),
+        vocab_size=int(args.vocab_size),
+        max_position_embeddings=int(args.max_position_embeddings),
+        rotary_base=float(args.rotary_base),
+        norm_eps=float(args.norm_epsilon),
+        tied=bool(getattr(args, "tie_embeddings_and_output_weights", False)),
+        num_noise_heads=noise,
+    )
+
+
 def hf_config_dict(
     layout: ModelLayout,
     *,
@@ -120,6 +161,7 @@ def hf_config_dict(
 ) -> dict[str, Any]:
     """Keyword arguments of `transformers.DiffLlamaConfig` / `LlamaConfig` for this layout (`dtype` like
     "bfloat16"; `lambda_std` only for DiffLlama)."""
+    _refuse_motif_export(layout)
     heads, kv_heads = layout.hf_attention_heads()  # DiffLlama counts the 2h sub-heads
     config = {
         "architectures": [layout.architecture],
@@ -198,6 +240,8 @@ def layout_from_hf_config(config: Mapping[str, Any]) -> ModelLayout:
     """The layout of a DiffLlama, Llama or DIFF V2 config.json (`tie_word_embeddings` included), refusing
     what our model cannot express."""
     layout_class = check_model_type(config)
+    if layout_class is MotifLayout:
+        return _motif_layout(config)
     if config.get("hidden_act", "silu") != "silu":
         raise DiffmegError(f"hidden_act {config['hidden_act']!r} is not supported; our MLP is SwiGLU (silu)")
     if config.get("attention_bias", False) or config.get("mlp_bias", False):
@@ -239,6 +283,93 @@ def layout_from_hf_config(config: Mapping[str, Any]) -> ModelLayout:
     )
 
 
+MOTIF_DEFAULTS = {
+    "hidden_act": "poly_norm",
+    "rms_norm_eps": 1e-6,
+    "attn_rms_norm_eps": 1e-5,
+    "k_ratio": 1,
+    "use_bias": False,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 8192,
+}
+"""What Motif's own config class (remote code, never run here) assumes for a key config.json leaves out."""
+
+
+def _motif_refusal(config: Mapping[str, Any]) -> str | None:
+    """Why a Motif config.json cannot be our model (naming the key), or None."""
+    value = {**MOTIF_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    head_eps = default_head_norm_eps()
+    if value["use_sliding_window"]:
+        return "use_sliding_window: true (sliding-window attention) is not supported; ours is full causal"
+    if int(value["k_ratio"]) != 1:
+        return (
+            f"k_ratio: {value['k_ratio']} is not supported; only Motif's k_ratio 1 (a K1/K2 pair per group) "
+            f"is our grouped differential attention"
+        )
+    for key in ("use_bias", "attention_bias", "mlp_bias"):
+        if value.get(key):
+            return f"{key}: true is not supported; our linear layers have no bias"
+    if value["hidden_act"] != "poly_norm":
+        return f"hidden_act: {value['hidden_act']!r} is not supported; only Motif's PolyNorm ('poly_norm')"
+    if not _same_eps(float(value["attn_rms_norm_eps"]), head_eps):
+        return (
+            f"attn_rms_norm_eps: {value['attn_rms_norm_eps']} differs from our head-norm epsilon {head_eps} "
+            f"(fixed in DiffTransformerConfig): the subln of this model cannot be reproduced"
+        )
+    return None
+
+
+def _motif_layout(config: Mapping[str, Any]) -> MotifLayout:
+    """The layout of a Motif config.json (2.6B: sub-head counts; 12.7B: `num_noise_heads`), refusing
+    in one line, by its key, what our model cannot express."""
+    refusal = _motif_refusal(config)
+    if refusal is not None:
+        raise DiffmegError(f"Motif config.json: {refusal}")
+    value = {**MOTIF_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    heads, hidden = int(value["num_attention_heads"]), int(value["hidden_size"])
+    kv_heads = int(value.get("num_key_value_heads") or heads)
+    noise = value.get("num_noise_heads")
+    if noise is None:  # 2.6B: the counts are sub-heads, paired 2i / 2i+1
+        if heads % 2 or kv_heads % 2:
+            raise DiffmegError(
+                f"Motif config.json: num_attention_heads ({heads}) and num_key_value_heads ({kv_heads}) "
+                f"count sub-heads in pairs and must be even"
+            )
+        head_dim = int(value.get("head_dim") or hidden // heads)
+        signal, groups = heads // 2, kv_heads // 2
+    else:
+        noise = int(noise)
+        if value.get("head_dim") is None:
+            raise DiffmegError("Motif config.json: head_dim is required with num_noise_heads")
+        if kv_heads != 2 * noise:
+            raise DiffmegError(
+                f"Motif config.json: num_key_value_heads {kv_heads} must be 2 x num_noise_heads "
+                f"({2 * noise}): one K1/K2 pair per group"
+            )
+        if heads <= noise or heads % noise:
+            raise DiffmegError(
+                f"Motif config.json: num_attention_heads {heads} must be (r + 1) x num_noise_heads {noise} "
+                f"(r signal heads and one noise head per group)"
+            )
+        head_dim, signal, groups = int(value["head_dim"]), heads - noise, noise
+    return MotifLayout(
+        num_layers=int(value["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(value["intermediate_size"]),
+        num_heads=signal,
+        num_kv_heads=groups,
+        head_dim=head_dim,
+        vocab_size=int(value["vocab_size"]),
+        max_position_embeddings=int(value["max_position_embeddings"]),
+        rotary_base=_rope_theta(value),
+        norm_eps=float(value["rms_norm_eps"]),
+        tied=bool(value["tie_word_embeddings"]),
+        num_noise_heads=noise,
+    )
+
+
 def pretrain_flags(layout: ModelLayout) -> list[str]:
     """The `pretrain_diff.py` model flags that build this layout (heads as the CLI counts them)."""
     flags = [
@@ -253,7 +384,11 @@ def pretrain_flags(layout: ModelLayout) -> list[str]:
         "--rotary-base", repr(layout.rotary_base),
         "--norm-epsilon", repr(layout.norm_eps),
     ]  # fmt: skip
-    if isinstance(layout, DiffLayout):
+    if isinstance(layout, MotifLayout):
+        flags += ["--lambda-init", "motif", "--mlp-activation", "poly_norm"]
+        if layout.num_noise_heads is not None:
+            flags += ["--num-noise-heads", str(layout.num_noise_heads)]
+    elif isinstance(layout, DiffLayout):
         flags += ["--lambda-init", "exp"]
     elif isinstance(layout, Diff2Layout):
         flags += ["--diff-attention", "--diff-version", "2"]

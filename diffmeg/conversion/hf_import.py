@@ -1,4 +1,4 @@
-"""A Hugging Face DiffLlama / Llama folder as our model, without writing a checkpoint.
+"""A Hugging Face DiffLlama / Llama / DIFF V2 / Motif folder as our model, without writing a checkpoint.
 
 `open_hf_folder` reads config.json and the safetensors headers (no weights) and refuses what our model
 cannot express; `resolved_pretrain_args` gives the arguments a `pretrain_diff.py` run of that model would
@@ -10,6 +10,7 @@ Used by `tools/convert_checkpoint.py hf-to-mcore` and by `diffmeg.model_source` 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -151,6 +152,38 @@ def resolved_pretrain_args(
     if not same:
         raise DiffmegError("the flags after `--` change the model's shape; drop them")
     return resolved
+
+
+EXAMPLE_TRAINING = {"--lr": "3e-5", "--train-iters": "1000"}
+"""What the printed continue-training command trains with where the import was given no `--lr` / no
+`--train-iters` or `--train-tokens` after `--` (pretrain_diff.py requires both; an example, the docs' own)."""
+
+
+def continue_training_command(
+    layout: ModelLayout, resolved: argparse.Namespace, checkpoint: str, extra: Sequence[str] = ()
+) -> str:
+    """The `pretrain_diff.py` command that fine-tunes an import, runnable as printed: the model's flags
+    (PolyNorm and Motif's lambda_init included), the checkpoint's own copy of the folder's tokenizer, the
+    flags given after `--`, and --lr / --train-iters (example values where none were given); the data
+    defaults to the builtin corpus."""
+    from diffmeg.checkpoints import TOKENIZER_DIR
+    from diffmeg.data.hf_tokenizer import HF_TOKENIZER
+
+    flags = [*pretrain_flags(layout), "--seq-length", str(resolved.seq_length)]
+    given = {flag.split("=", 1)[0] for flag in extra if flag.startswith("--")}
+    if resolved.tokenizer_type == HF_TOKENIZER and "--tokenizer-model" not in given:
+        flags += [
+            "--tokenizer-type",
+            HF_TOKENIZER,
+            "--tokenizer-model",
+            os.path.join(checkpoint, TOKENIZER_DIR),
+        ]
+    flags += ["--load", checkpoint, "--finetune", *extra]
+    if "--lr" not in given:
+        flags += ["--lr", EXAMPLE_TRAINING["--lr"]]
+    if not given & {"--train-iters", "--train-tokens"}:
+        flags += ["--train-iters", EXAMPLE_TRAINING["--train-iters"]]
+    return f"python pretrain_diff.py {shlex.join(flags)}"
 
 
 def analysis_args(folder: HFModelFolder, seq_length: int | None = None) -> argparse.Namespace:

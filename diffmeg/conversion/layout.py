@@ -12,6 +12,8 @@ or untied output layer):
   `trust_remote_code=True`) over transformers' own LlamaConfig. h output heads (2h query heads of d), g KV
   heads, plus `lambda_proj`; grouped differential attention (GDA, `--num-noise-heads n`): h + n query heads,
   group by group `[signal x r, noise]` (r = h / n).
+- `MotifLayout`: a DIFF V1 model with PolyNorm and Motif's lambda_init <-> Motif Technologies'
+  `MotifForCausalLM` (import only for now), DIFF's counts plus n noise heads for the 12.7B layout.
 
 Expected tensor shapes are derived here once, so both directions refuse a mismatching input before
 converting anything.
@@ -251,4 +253,59 @@ class Diff2Layout(ModelLayout):
         shapes = super().hf_layer_shapes()
         shapes["self_attn.q_proj.weight"] = (self.query_heads * self.head_dim, self.hidden_size)
         shapes["self_attn.lambda_proj.weight"] = (self.num_heads, self.hidden_size)
+        return shapes
+
+
+@dataclass(frozen=True)
+class MotifLayout(DiffLayout):
+    """Sizes of one Motif model (Motif Technologies' `MotifForCausalLM`, `model_type` "motif"): DIFF V1 with
+    Motif's PolyNorm MLP, its lambda_init schedule and, in the 12.7B layout, grouped differential attention.
+
+    Counts as `pretrain_diff.py` takes them: h signal (differential) heads, g differential KV heads (each a
+    K1/K2 pair and a V of 2d), head dim d, n noise heads (None: the 2.6B layout, each head its own pair).
+    Motif's config.json counts sub-heads: 2.6B `num_attention_heads = 2h`, `num_key_value_heads = 2g`;
+    12.7B `num_attention_heads = h + n` query heads laid out group by group `[signal x r, noise]`,
+    `num_key_value_heads = 2n` (g = n). Both orders are megatron-core's query sub-heads as they are.
+    """
+
+    num_noise_heads: int | None = None
+    """n: noise heads of the 12.7B layout (config.json's `num_noise_heads`); None for the 2.6B layout."""
+
+    architecture = "MotifForCausalLM"
+    model_type = "motif"
+    hf_name = "Motif"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        n, h, g = self.num_noise_heads, self.num_heads, self.num_kv_heads
+        if n == h:
+            object.__setattr__(self, "num_noise_heads", None)
+        elif n is not None and (n < 1 or h % n or n % g):
+            raise DiffmegError(
+                f"num_noise_heads {n} must divide the {h} signal heads and be a multiple of the {g} "
+                f"differential KV heads"
+            )
+
+    @property
+    def query_heads(self) -> int:
+        """h + n query sub-heads of d (2h for the 2.6B layout)."""
+        return self.num_heads + (self.num_heads if self.num_noise_heads is None else self.num_noise_heads)
+
+    @property
+    def qkv_rows(self) -> int:
+        """The h + n query sub-heads and the 2g key and 2g value sub-heads, d rows each."""
+        return (self.query_heads + 4 * self.num_kv_heads) * self.head_dim
+
+    def mcore_layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().mcore_layer_shapes()
+        shapes["mlp.poly_norm.weight"], shapes["mlp.poly_norm.bias"] = (3,), (1,)
+        return shapes
+
+    def hf_attention_heads(self) -> tuple[int, int]:
+        return self.query_heads, 2 * self.num_kv_heads
+
+    def hf_layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_layer_shapes()
+        shapes["self_attn.subln.weight"] = (2 * self.head_dim,)
+        shapes["mlp.act_fn.weight"], shapes["mlp.act_fn.bias"] = (3,), (1,)
         return shapes

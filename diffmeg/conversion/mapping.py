@@ -29,6 +29,11 @@ RMSNorm has no weight; ours is folded into `o_proj`'s input columns (the norm ou
 columns [2d i, 2d (i+1)) of `o_proj`), which is exact because only a linear map follows it. Importing
 back gives a head-norm weight of ones.
 
+Motif (`MotifLayout`, Motif Technologies' format): DIFF V1 whose sub-heads Motif stores in our order
+(2.6B: query / key sub-heads 2i, 2i+1 the pairs, V of 2d per KV head; 12.7B: query heads `[signal x r,
+noise]` per group, K1/K2 and the V halves 2j/2j+1), so its fused QKV is the projections dealt over the 2g
+K/V sub-groups; `subln` is our head norm (weight kept), `mlp.act_fn` our PolyNorm.
+
 Every function takes and returns plain tensors of one layer (or of the embedding / final norm / output
 layer), so a converter streams a model layer by layer and never holds two full copies.
 """
@@ -41,7 +46,8 @@ from typing import Any
 
 import torch
 
-from diffmeg.conversion.layout import GLOBALS, Diff2Layout, DiffLayout, LlamaLayout, ModelLayout
+from diffmeg.config import query_heads_per_subgroup
+from diffmeg.conversion.layout import GLOBALS, Diff2Layout, DiffLayout, LlamaLayout, ModelLayout, MotifLayout
 from diffmeg.errors import DiffmegError
 
 MCORE_LAYER_PREFIX = "decoder.layers.{}."
@@ -141,6 +147,39 @@ def fuse_qkv_llama(
     return torch.cat(parts, dim=1).reshape(layout.qkv_rows, hidden)
 
 
+def fuse_qkv_motif(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: MotifLayout) -> torch.Tensor:
+    """Motif (q_proj, k_proj, v_proj) weights -> megatron-core fused QKV: Motif's sub-heads are ours in
+    order (query sub-heads `[signal x r, noise]` per group or 2i/2i+1 pairs, keys K1/K2 and values V halves
+    2j/2j+1), dealt over the 2g K/V sub-groups as `query_heads_per_subgroup` lays them out."""
+    d, subgroups, hidden = layout.head_dim, 2 * layout.num_kv_heads, q.shape[-1]
+    q_heads = q.view(layout.query_heads, d, hidden)
+    k_sub, v_sub = k.view(subgroups, d, hidden), v.view(subgroups, d, hidden)
+    parts, start = [], 0
+    for m, count in enumerate(query_heads_per_subgroup(layout.query_heads, subgroups)):
+        parts += [q_heads[start : start + count], k_sub[m : m + 1], v_sub[m : m + 1]]
+        start += count
+    return torch.cat(parts).reshape(layout.qkv_rows, hidden)
+
+
+def split_fused_qkv_motif(
+    qkv: torch.Tensor, layout: MotifLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron-core fused QKV -> Motif (q_proj, k_proj, v_proj) weights (inverse of fuse_qkv_motif)."""
+    d, subgroups, hidden = layout.head_dim, 2 * layout.num_kv_heads, qkv.shape[-1]
+    rows = qkv.view(-1, d, hidden)  # [(h + n + 4g), d, H]
+    q, k, v, start = [], [], [], 0
+    for count in query_heads_per_subgroup(layout.query_heads, subgroups):
+        q.append(rows[start : start + count])
+        k.append(rows[start + count])
+        v.append(rows[start + count + 1])
+        start += count + 2
+    return (
+        torch.cat(q).reshape(-1, hidden),
+        torch.stack(k).reshape(-1, hidden),
+        torch.stack(v).reshape(-1, hidden),
+    )
+
+
 @dataclass(frozen=True)
 class LayerMapping:
     """How one architecture's decoder layer maps between the formats (keys inside the layer).
@@ -188,6 +227,16 @@ LAYER_MAPPINGS: dict[type[ModelLayout], LayerMapping] = {
         same={"self_attention.linear_lambda.weight": "self_attn.lambda_proj.weight"},
         split_qkv=split_fused_qkv_llama,
         fuse_qkv=fuse_qkv_llama,
+    ),
+    MotifLayout: LayerMapping(  # Motif's subln is our head norm, weight and all: nothing to fold
+        same={
+            **_DIFF_SAME_IN_LAYER,
+            "self_attention.core_attention.head_norm.weight": "self_attn.subln.weight",
+            "mlp.poly_norm.weight": "mlp.act_fn.weight",
+            "mlp.poly_norm.bias": "mlp.act_fn.bias",
+        },
+        split_qkv=split_fused_qkv_motif,
+        fuse_qkv=fuse_qkv_motif,
     ),
 }
 

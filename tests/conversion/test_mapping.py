@@ -224,3 +224,33 @@ def test_checkpoint_keys_match_megatron_core(single_rank_parallel_state):
             assert tuple(entry.global_shape) == (layout.num_layers, *shape) and entry.global_offset[0] == 1
     for key, shape in layout.mcore_global_shapes().items():
         assert sharded[key].key == key and tuple(sharded[key].global_shape) == shape
+
+
+@pytest.mark.parametrize("heads, kv_heads, noise", [(4, 2, None), (8, 2, 2), (3, 3, None), (6, 2, 2)])
+def test_motif_layer_maps_both_ways_exactly_and_deals_heads_over_the_subgroups(heads, kv_heads, noise):
+    """Motif's HF layer -> megatron-core -> back is the identity; K/V sub-group m of the fused QKV holds
+    Motif's query heads `query_heads_per_subgroup` deals it, then key and value sub-heads m."""
+    from diffmeg.config import query_heads_per_subgroup
+    from diffmeg.conversion.layout import MotifLayout
+    from diffmeg.conversion.mapping import hf_layer_to_mcore
+
+    layout = layouts.tiny_layout(
+        MotifLayout, heads, kv_heads, 1, hidden_size=24, ffn_hidden_size=40, head_dim=6, norm_eps=1e-6
+    )
+    layout = dataclasses.replace(layout, num_noise_heads=noise)
+    gen = torch.Generator().manual_seed(0)
+    hf = {k: torch.randn(shape, generator=gen) for k, shape in layout.hf_layer_shapes().items()}
+    mcore = hf_layer_to_mcore(hf, layout)
+    assert torch.equal(mcore["self_attention.core_attention.head_norm.weight"], hf["self_attn.subln.weight"])
+    assert torch.equal(mcore["mlp.poly_norm.weight"], hf["mlp.act_fn.weight"])
+    back = mcore_layer_to_hf(mcore, layout)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+    d = layout.head_dim
+    rows = mcore["self_attention.linear_qkv.weight"].view(-1, d, 24)
+    q, k, v = (hf[f"self_attn.{n}_proj.weight"].view(-1, d, 24) for n in "qkv")
+    start, row = 0, 0
+    for m, count in enumerate(query_heads_per_subgroup(layout.query_heads, 2 * layout.num_kv_heads)):
+        assert torch.equal(rows[row : row + count], q[start : start + count])
+        assert torch.equal(rows[row + count], k[m]) and torch.equal(rows[row + count + 1], v[m])
+        start, row = start + count, row + count + 2
+    assert row == rows.shape[0] and start == q.shape[0]
