@@ -41,8 +41,9 @@ SHAPE_SIZES = (
     "vocab_size",
 )
 """The `ModelConfig` sizes that set a model's tensor shapes."""
-SHAPE_FIELDS = (*SHAPE_SIZES, "diff_attention", "diff_version")
-"""Everything that sets a model's tensor shapes (every iteration of a run has the same): the one list the
+SHAPE_FIELDS = (*SHAPE_SIZES, "diff_attention", "diff_version", "mlp_activation")
+"""Everything that sets a model's tensor shapes and names (every iteration of a run has the same; PolyNorm's
+weights are not SwiGLU's): the one list the
 checks of a checkpoint against a run, `--use-checkpoint-args` and the flags' range checks read."""
 
 

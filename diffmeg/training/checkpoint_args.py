@@ -23,7 +23,6 @@ MODEL_ARGS = (
     "rotary_base",
     "norm_epsilon",
     "lambda_init",
-    "mlp_activation",
     "tie_embeddings_and_output_weights",
     "tokenizer_type",
     "tokenizer_model",

@@ -88,3 +88,20 @@ def test_a_checkpoint_of_another_shape_names_the_flags_never_another_iteration(t
     )
     manager = CheckpointManager(RunConfig.from_args(resolve_args(flags, world_size=1)), log=lambda line: None)
     assert manager.resolve().iteration == 5  # its own shape: nothing to say
+
+
+def test_a_checkpoint_of_another_mlp_names_its_activation(tmp_path):
+    """A Motif import (PolyNorm) loaded by a SwiGLU run: its weights would be dropped without a word."""
+    from diffmeg.run_config import RunConfig
+    from diffmeg.training.checkpointing import CheckpointManager
+
+    root = _checkpoint(tmp_path / "run", 5, mlp_activation="poly_norm")
+    flags = ["--mock-data", "--lr", "1e-3", "--train-iters", "9", "--load", root]
+    shape = ["--num-layers", "3", "--hidden-size", "64"]
+    args = resolve_args([*flags, "--use-checkpoint-args", *shape, "--mlp-activation", "swiglu"], world_size=1)
+    with pytest.raises(DiffmegError) as error:
+        CheckpointManager(RunConfig.from_args(args), log=lambda line: None).resolve()
+    assert "--mlp-activation poly_norm (this run: swiglu)" in str(error.value)
+    args = resolve_args([*flags, "--use-checkpoint-args"], world_size=1)
+    assert args.mlp_activation == "poly_norm"
+    assert CheckpointManager(RunConfig.from_args(args), log=lambda line: None).resolve().iteration == 5
