@@ -637,13 +637,24 @@ def _validate_noise_heads(args: argparse.Namespace, tp: int) -> None:
     if noise % tp:
         raise DiffmegError(
             f"--num-noise-heads {noise} cannot be split over --tensor-model-parallel-size {tp}: a rank holds "
-            f"whole groups of signal heads and their noise head; use a TP size dividing {noise}"
+            f"whole groups of signal heads and their noise head; the TP sizes this model splits over: "
+            f"{_tp_sizes_line(args)}"
         )
     if noise % groups:
         raise DiffmegError(
             f"--num-noise-heads {noise} must be a multiple of --num-query-groups {groups}: a group's signal "
             f"and noise heads share one KV head (leave --num-query-groups out for one per noise head)"
         )
+
+
+def _tp_sizes_line(args: argparse.Namespace) -> str:
+    """The tensor-parallel sizes every split of the model admits: heads, KV groups, noise heads (DIFF) and
+    the vocabulary each divisible by TP."""
+    counts = [args.num_attention_heads, args.num_query_groups, args.vocab_size]
+    if args.diff_attention and args.num_noise_heads:
+        counts.append(args.num_noise_heads)
+    fits = [t for t in range(1, args.num_attention_heads + 1) if all(c % t == 0 for c in counts)]
+    return ", ".join(map(str, fits))
 
 
 def _divisors_line(n: int) -> str:
@@ -672,7 +683,10 @@ def validate_args(args: argparse.Namespace, world_size: int, world_source: str =
         raise DiffmegError(f"{args.num_layers} layers cannot be split into {pp} pipeline stages evenly")
     heads = args.num_attention_heads
     if heads % tp:
-        raise DiffmegError(f"{heads} attention heads cannot be split over tensor-model-parallel-size {tp}")
+        raise DiffmegError(
+            f"{heads} attention heads cannot be split over tensor-model-parallel-size {tp}; the TP sizes "
+            f"this model splits over: {_tp_sizes_line(args)}"
+        )
     if args.diff_attention:
         _validate_noise_heads(args, tp)
     if args.num_query_groups % tp or heads % args.num_query_groups:

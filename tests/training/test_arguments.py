@@ -38,6 +38,12 @@ BOTH_SCHEDULES = ["--override-opt-param-scheduler", "--use-checkpoint-opt-param-
     "argv,world,match",
     [
         (["--model", "diff-tiny", "--tensor-model-parallel-size", "3"], 3, "heads cannot be split"),
+        (  # the sizes that fit: heads, KV groups and the 100288-entry vocabulary (2^6 x 1567) divide by them
+            ["--model", "diff-3b", "--tensor-model-parallel-size", "8"],
+            8,
+            r"^12 attention heads cannot be split over tensor-model-parallel-size 8; the TP sizes this model "
+            r"splits over: 1, 2, 4$",
+        ),
         (["--model", "diff-tiny", "--pipeline-model-parallel-size", "3"], 3, "pipeline stages"),
         (["--model", "diff-tiny", "--tensor-model-parallel-size", "2"], 3, "not divisible by TP x PP x CP"),
         (
