@@ -249,6 +249,11 @@ class LoggingConfig:
     eval_iters: int = 10
     tensorboard_dir: str | None = None
     metrics_file: str | None = None
+    wandb_project: str | None = None
+    """W&B logging (`diffmeg.training.wandb_sink`) when given."""
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    wandb_entity: str | None = None
     verbose: bool = False
     """Print the full resolved arguments at start (they are always written to the run directory)."""
 

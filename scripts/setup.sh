@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install diffmeg with its CPU test dependencies into the current Python. Idempotent; safe to re-run.
 #
-#   bash scripts/setup.sh            # core + dev, MPI, HF, eval and harness extras
+#   bash scripts/setup.sh            # core + dev, MPI, HF, eval, harness and wandb extras
 #
 # torch is installed first and only if missing, so an existing (CUDA) torch is kept and pip never
 # resolves a multi-GB CUDA build on a CPU machine. Everything else comes at the versions the suite passed
@@ -25,7 +25,7 @@ installed_here() {
     local checkout=$PWD
     (cd / && "$PY" - "$checkout" <<'PY'
 import importlib.util, os, sys
-need = ("torch", "megatron.core", "transformers", "lm_eval", "deepspeed", "mpi4py", "pytest", "ruff")
+need = ("torch", "megatron.core", "transformers", "lm_eval", "deepspeed", "mpi4py", "pytest", "ruff", "wandb")
 here = os.path.join(os.path.realpath(sys.argv[1]), "diffmeg", "__init__.py")
 spec = importlib.util.find_spec("diffmeg")
 ok = spec is not None and os.path.realpath(spec.origin) == here
@@ -42,7 +42,7 @@ else
         "$PY" -m pip install -q "torch==2.13.0"
     fi
     # harness: lm-eval for tools/eval_harness.py and its tests (~2.5 min the first time; keeps the torch).
-    "$PY" -m pip install -q -c scripts/constraints.txt -e ".[dev,mpi,hf,eval,harness]"
+    "$PY" -m pip install -q -c scripts/constraints.txt -e ".[dev,mpi,hf,eval,harness,wandb]"
     # deepspeed (FLOPs-profiler cross-check; Ulysses reference design) without compiling its CUDA ops.
     "$PY" -c "import deepspeed" 2>/dev/null \
         || DS_BUILD_OPS=0 "$PY" -m pip install -q -c scripts/constraints.txt "deepspeed>=0.15"

@@ -417,6 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--tensorboard-dir")
     g.add_argument("--metrics-file", help="also write every logged iteration as a JSON line")
+    g.add_argument("--wandb-project", help="also log to Weights & Biases, in this project (default: no W&B)")
+    g.add_argument("--wandb-exp-name", help="the W&B run's name (default: W&B's)")
+    g.add_argument(
+        "--wandb-save-dir",
+        help="where the W&B run (offline: WANDB_MODE=offline) and its id go (default: <--save>/wandb)",
+    )
+    g.add_argument("--wandb-entity", help="the W&B team or user the project belongs to (default: yours)")
     g.add_argument("--dry-run", action="store_true", help="print the resolved configuration as JSON and exit")
     g.add_argument(
         "--gpu-memory-gib",
@@ -789,6 +796,8 @@ def validate_args(args: argparse.Namespace, world_size: int, world_source: str =
         check_output(args.tensorboard_dir, "--tensorboard-dir", folder=True)
     if args.metrics_file:
         check_output(args.metrics_file, "--metrics-file", folder=False)
+    if args.wandb_save_dir:
+        check_output(args.wandb_save_dir, "--wandb-save-dir", folder=True)
 
 
 def _data_folder_line(folder: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -15,6 +14,8 @@ import torch
 from diffmeg.checkpoints import ARGUMENTS_FILE, checkpoint_path, read_tracker
 from diffmeg.errors import DiffmegError
 from diffmeg.run_config import RunConfig
+from diffmeg.training import scalars
+from diffmeg.training.hooks import LogRecord
 
 
 def _device_kind() -> str:
@@ -72,81 +73,32 @@ class TrainingLogger:
             print(text, flush=True)
             print("-------------------- end of arguments ---------------------", flush=True)
 
-    def training(
-        self,
-        *,
-        iteration: int,
-        train_iters: int,
-        consumed_samples: int,
-        elapsed_ms: float,
-        tflops: float,
-        lr: float,
-        global_batch_size: int,
-        loss: float,
-        grad_norm: float | None,
-        loss_scale: float,
-        lambdas: dict[str, float],
-        skipped: int,
-        mfu: float | None = None,
-        early: bool = False,
-    ) -> None:
-        """One logged iteration; `mfu` (a fraction of the device's peak) is shown where it is known. The
-        line's ETA is the time left to `train_iters` at this line's time per iteration. An `early` line
-        (after the run's first iteration) goes to stdout only."""
+    def training(self, record: LogRecord) -> None:
+        """One logged iteration, as `diffmeg.training.scalars` names its figures for each sink; MFU is shown
+        where it is known. The line's ETA is the time left to `train_iters` at this line's time per
+        iteration. An `early` record (after the run's first iteration) goes to stdout only."""
         if not self.enabled:
             return
-        gn = "nan" if grad_norm is None else f"{grad_norm:.3f}"
-        utilization = "" if mfu is None else f"MFU: {100 * mfu:.1f}% | "
-        eta = _duration(max(0, train_iters - iteration) * elapsed_ms / 1000)
-        print(
-            f" [{_ts()}] iteration {iteration:8d}/{train_iters:8d} | ETA: {eta} | "
-            f"consumed samples: {consumed_samples:12d} | "
-            f"elapsed time per iteration (ms): {elapsed_ms:.1f} | "
-            f"throughput per {self.device} (TFLOP/s/{self.device}): {tflops:.3f} | "
-            f"{utilization}"
-            f"learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} | lm loss: {loss:.6E} | "
-            f"loss scale: {loss_scale:.1f} | grad norm: {gn} | number of skipped iterations: {skipped:3d} |",
-            flush=True,
-        )
-        if early:
+        eta = _duration(max(0, record.train_iters - record.iteration) * record.elapsed_ms / 1000)
+        parts = scalars.stdout_parts(record, eta=eta, device=self.device)
+        print(f" [{_ts()}] " + " | ".join(parts) + " |", flush=True)
+        if record.early:
             return
         if self.writer is not None:
-            scalars = {
-                "lm loss": loss,
-                "learning-rate": lr,
-                "grad-norm": grad_norm or math.nan,
-                "throughput/tflops-per-gpu": tflops,
-                "iteration-time-ms": elapsed_ms,
-                "batch-size": global_batch_size,
-                "loss-scale": loss_scale,
-            }
-            if mfu is not None:
-                scalars["throughput/mfu"] = mfu
-            scalars.update({f"lambda/{k}": v for k, v in lambdas.items()})
+            values = scalars.named(record, scalars.TENSORBOARD)
+            vs_samples = scalars.TENSORBOARD.loss_vs_samples
 
             def write(writer) -> None:
-                for name, value in scalars.items():
-                    writer.add_scalar(name, value, iteration)
-                writer.add_scalar("lm loss vs samples", loss, consumed_samples)
+                for name, value in values.items():
+                    writer.add_scalar(name, value, record.iteration)
+                writer.add_scalar(vs_samples, record.loss, record.consumed_samples)
                 writer.flush()
 
-            self._write_tensorboard(iteration, write)
+            self._write_tensorboard(record.iteration, write)
         if self.metrics is not None:
-            record = {
-                "iteration": iteration,
-                "lm_loss": loss,
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "consumed_samples": consumed_samples,
-                "elapsed_ms": elapsed_ms,
-                "tflops_per_gpu": tflops,
-                "lambdas": lambdas,
-            }
-            if mfu is not None:
-                record["mfu"] = mfu
-            self._write_metrics(record)
+            self._write_metrics(record.iteration, scalars.named(record, scalars.METRICS_FILE, missing=None))
 
-    def _write_metrics(self, record: dict) -> None:
+    def _write_metrics(self, iteration: int, record: dict) -> None:
         """One JSON line, flushed; a failed write (a full disk) ends the run in one line, never silently."""
         try:
             self.metrics.write(json.dumps(record) + "\n")
@@ -156,7 +108,7 @@ class TrainingLogger:
             with contextlib.suppress(OSError):
                 metrics.close()
             raise DiffmegError(
-                f"cannot write --metrics-file {self.metrics_file} at iteration {record['iteration']}: "
+                f"cannot write --metrics-file {self.metrics_file} at iteration {iteration}: "
                 f"{exc.strerror or exc}; the run stops here (its earlier records are in that file, every "
                 f"loss in the log above): free space or choose another --metrics-file"
             ) from exc
@@ -179,21 +131,24 @@ class TrainingLogger:
     def validation(self, iteration: int, loss: float) -> None:
         if not self.enabled:
             return
-        ppl = math.exp(min(20.0, loss))
         line = (
             f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-            f"lm loss PPL: {ppl:.6E} | "
+            f"lm loss PPL: {scalars.perplexity(loss):.6E} | "
         )
         print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
         if self.writer is not None:
+            values = scalars.named_validation(loss, scalars.TENSORBOARD)
 
             def write(writer) -> None:
-                writer.add_scalar("lm loss validation", loss, iteration)
+                for name, value in values.items():
+                    writer.add_scalar(name, value, iteration)
                 writer.flush()
 
             self._write_tensorboard(iteration, write)
         if self.metrics is not None:
-            self._write_metrics({"iteration": iteration, "validation_lm_loss": loss})
+            names = scalars.METRICS_FILE
+            record = {names.scalars["iteration"]: iteration, **scalars.named_validation(loss, names)}
+            self._write_metrics(iteration, record)
 
     def close(self) -> None:
         """Close both logs; a last write that fails there is one line too (the metrics file first)."""

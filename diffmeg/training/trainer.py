@@ -33,10 +33,13 @@ from diffmeg.model import lambda_parameters
 from diffmeg.run_config import RunConfig
 from diffmeg.training import ddp
 from diffmeg.training.builders import build_training_objects
-from diffmeg.training.callbacks import Callback, LogRecord, StepOutput, default_callbacks
+from diffmeg.training.callbacks import default_callbacks
 from diffmeg.training.checkpointing import CheckpointManager, model_chunks
 from diffmeg.training.data import build_datasets, microbatches, to_device
 from diffmeg.training.distributed import initialize_model_parallel
+from diffmeg.training.flops import train_flops_per_iteration
+from diffmeg.training.hardware import model_flops_utilization, peak_tflops
+from diffmeg.training.hooks import Callback, LogRecord, StepOutput
 from diffmeg.training.memory import check_memory_plan
 
 
@@ -100,6 +103,10 @@ class Trainer:
         # `model`: the DDP-wrapped chunks, one per virtual pipeline stage (one without interleaving)
         self.model_config, self.model, self.optimizer, self.scheduler = build_training_objects(run)
         self.device = next(self.model[0].parameters()).device
+        # the log records' FLOP/s and MFU: the matmuls' precision picks the device's peak
+        self.flops_per_iteration = train_flops_per_iteration(run)
+        precision = "fp8" if run.training.fp8_format else run.training.precision
+        self.peak_tflops = peak_tflops(self.device, precision)
         if (overlap := ddp.describe(self.model)) is not None:
             self.log(overlap)
         self.state = TrainState(*self.checkpoints.restore(self.model, self.optimizer, self.scheduler))
@@ -256,13 +263,16 @@ class Trainer:
         return loss_scale
 
     def _log(self, out: StepOutput, loss_scale: float, seconds: float, iterations: int, early: bool) -> None:
-        """The callbacks' `on_log` for `out`'s iteration, timed over the `iterations` since the last one."""
+        """The callbacks' `on_log` for `out`'s iteration, timed over the `iterations` since the last one;
+        its throughput, FLOP/s per device and MFU are worked out here, once for every log sink."""
         run, state = self.run, self.state
+        elapsed_ms = seconds / iterations * 1000
+        tflops = self.flops_per_iteration / elapsed_ms * 1e3 / run.parallel.world_size / 1e12
         record = LogRecord(
             iteration=out.iteration,
             train_iters=run.training.train_iters,
             consumed_samples=state.consumed_samples,
-            elapsed_ms=seconds / iterations * 1000,
+            elapsed_ms=elapsed_ms,
             lr=self.optimizer.param_groups[0]["lr"],
             global_batch_size=run.training.global_batch_size,
             loss=self.last_loss,
@@ -270,6 +280,9 @@ class Trainer:
             loss_scale=loss_scale,
             lambdas=self._lambdas,
             skipped=state.skipped_iterations,
+            tokens_per_second=run.tokens_per_step / elapsed_ms * 1e3,
+            tflops=tflops,
+            mfu=model_flops_utilization(tflops, self.peak_tflops),
             early=early,
         )
         self._call("on_log", record)

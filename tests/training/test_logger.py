@@ -7,18 +7,19 @@ import json
 import pytest
 
 from diffmeg.errors import DiffmegError
+from diffmeg.training.hooks import LogRecord
 from diffmeg.training.logger import TrainingLogger
 
 STEP = dict(
     train_iters=5, consumed_samples=8, elapsed_ms=10.0, tflops=0.0, lr=1e-3, global_batch_size=8, loss=2.5,
-    grad_norm=1.0, loss_scale=1.0, lambdas={}, skipped=0,
+    grad_norm=1.0, loss_scale=1.0, lambdas={}, skipped=0, tokens_per_second=51200.0,
 )  # fmt: skip
 
 
 def test_a_full_device_under_the_metrics_file_stops_the_run_in_one_line(capsys):
     logger = TrainingLogger(None, "/dev/full", enabled=True)  # every write: ENOSPC
     with pytest.raises(DiffmegError) as err:
-        logger.training(iteration=3, **STEP)
+        logger.training(LogRecord(iteration=3, **STEP))
     assert str(err.value) == (
         "cannot write --metrics-file /dev/full at iteration 3: No space left on device; the run stops here "
         "(its earlier records are in that file, every loss in the log above): free space or choose another "
@@ -30,7 +31,7 @@ def test_a_full_device_under_the_metrics_file_stops_the_run_in_one_line(capsys):
 def test_metrics_are_written_as_json_lines(tmp_path):
     path = tmp_path / "m.jsonl"
     logger = TrainingLogger(None, str(path), enabled=True)
-    logger.training(iteration=1, **STEP)
+    logger.training(LogRecord(iteration=1, **STEP))
     logger.validation(1, 2.25)
     logger.close()
     assert path.read_text().count("\n") == 2 and '"validation_lm_loss": 2.25' in path.read_text()
@@ -60,15 +61,16 @@ def test_the_flops_label_names_the_device_kind(capsys, monkeypatch):
 
     for cuda, kind in ((False, "CPU"), (True, "GPU")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
-        TrainingLogger(None, None, enabled=True).training(iteration=1, **STEP)
+        TrainingLogger(None, None, enabled=True).training(LogRecord(iteration=1, **STEP))
         assert f"throughput per {kind} (TFLOP/s/{kind}): 0.000 |" in capsys.readouterr().out
 
 
 def test_every_line_says_the_time_left_and_an_early_line_writes_no_record(tmp_path, capsys):
     path = tmp_path / "m.jsonl"
     logger = TrainingLogger(None, str(path), enabled=True)
-    logger.training(iteration=1, **(STEP | {"train_iters": 7201, "elapsed_ms": 1500.0}), early=True)
-    logger.training(iteration=2, **STEP)
+    first = STEP | {"train_iters": 7201, "elapsed_ms": 1500.0}
+    logger.training(LogRecord(iteration=1, **first, early=True))
+    logger.training(LogRecord(iteration=2, **STEP))
     logger.close()
     out = capsys.readouterr().out.splitlines()
     assert "iteration        1/    7201 | ETA: 3:00:00 | " in out[0]  # 7200 iterations of 1.5 s

@@ -209,8 +209,9 @@ class LogRecords(Callback):
 
 def test_the_log_shows_mfu_where_the_device_peak_is_known(trainer_of, monkeypatch, tmp_path, capsys):
     """A GPU the peak table knows (a fake name here) puts MFU in the log line and the metrics file; a CPU,
-    whose peak no table holds, shows none. The logging callback works it out from the run and the device."""
-    from diffmeg.training import callbacks, hardware
+    whose peak no table holds, shows none. The Trainer works it out from the run and the device, once, into
+    the log record every sink shows."""
+    from diffmeg.training import hardware, trainer
 
     def run(name: str) -> tuple:
         metrics = tmp_path / name / "metrics.jsonl"
@@ -228,7 +229,7 @@ def test_the_log_shows_mfu_where_the_device_peak_is_known(trainer_of, monkeypatc
         asked.append((device.type, precision))  # the model stays on the CPU; its peak is looked up as a GPU's
         return hardware.peak_tflops(torch.device("cuda", 0), "bf16")
 
-    monkeypatch.setattr(callbacks, "peak_tflops", as_on_a_gpu)
+    monkeypatch.setattr(trainer, "peak_tflops", as_on_a_gpu)
     logged, out = run("gpu")
     tflops, mfu = logged["tflops_per_gpu"], logged["mfu"]
     assert asked == [("cpu", "fp32")] and mfu == pytest.approx(tflops / 989.4)
