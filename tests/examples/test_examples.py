@@ -135,12 +135,14 @@ def test_quickstart_refuses_a_foreign_output_directory(tmp_path):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
-    """A dataset for the dry runs (they check that every --data-path dataset exists)."""
+    """A dataset for the dry runs (they check that every --data-path dataset exists and that the split
+    gives every part documents: 1000 of them for the recipes' 969,30,1)."""
     from diffmeg.data.indexed import IndexedWriter
 
     prefix = str(tmp_path_factory.mktemp("data") / "corpus_text_document")
     with IndexedWriter(prefix) as writer:
-        writer.add_document(np.arange(100, dtype=np.int32))
+        for doc in range(1000):
+            writer.add_document(np.arange(doc % 100, doc % 100 + 10, dtype=np.int32))
         writer.commit()
     return prefix
 

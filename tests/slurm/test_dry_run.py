@@ -37,9 +37,11 @@ def datasets():
     from diffmeg.data.indexed import IndexedWriter
 
     DATA_DIR.mkdir(exist_ok=True)
-    for name, tokens in (("web_text_document", 700), ("code_text_document", 300)):
+    # 1000 documents each: the recipes' --split 969,30,1 gives every split some (the dry run checks it)
+    for name, tokens in (("web_text_document", 7), ("code_text_document", 3)):
         with IndexedWriter(str(DATA_DIR / name)) as writer:
-            writer.add_document(np.arange(tokens, dtype=np.int32))
+            for doc in range(1000):
+                writer.add_document(np.arange(doc, doc + tokens, dtype=np.int32))
             writer.commit()
     yield
     shutil.rmtree(DATA_DIR, ignore_errors=True)
@@ -339,7 +341,7 @@ def test_bad_knobs_fail_fast(args, env, message):
 def test_paper_recipes_pass_every_check(runs, resolved):
     for label in PAPER:
         proc = runs[label]
-        assert _messages(proc, "data:") == ["data: 2 dataset(s) found, 1,000 tokens"], (label, proc.stderr)
+        assert _messages(proc, "data:") == ["data: 2 dataset(s) found, 10,000 tokens"], (label, proc.stderr)
         assert _messages(proc, "warning:") == [] and _messages(proc, "note:") == [], (label, proc.stderr)
         checks = resolved[label][1]["checks"]
         assert checks["memory_fits"] is True and checks["gpu_memory_gib"] == 80

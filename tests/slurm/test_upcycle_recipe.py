@@ -39,7 +39,7 @@ def sources(tmp_path_factory) -> dict[str, object]:
     data = tmp_path_factory.mktemp("upcycle-data")
     corpus = data / "corpus.jsonl"
     corpus.write_text(
-        "".join(json.dumps({"text": f"the quick brown fox {i} " * 40}) + "\n" for i in range(300))
+        "".join(json.dumps({"text": f"the quick brown fox {i} " * 40}) + "\n" for i in range(1000))
     )
     config = PreprocessConfig(
         inputs=[str(corpus)],
@@ -51,7 +51,8 @@ def sources(tmp_path_factory) -> dict[str, object]:
     )
     preprocess(config, log=lambda line: None)
     with IndexedWriter(str(data / "cl100k")) as writer:  # no record: diffmeg's cl100k_base ids
-        writer.add_document(np.arange(1000, dtype=np.int32))
+        for doc in range(1000):  # enough documents for every part of the recipe's split
+            writer.add_document(np.arange(doc, doc + 10, dtype=np.int32))
         writer.commit()
     return {
         "diff2": diff2,
