@@ -33,7 +33,19 @@ venv=$(mktemp -d "${TMPDIR:-/tmp}/transformers-$version.XXXXXX")
 trap 'rm -rf "$venv"' EXIT
 "$PY" -m venv --system-site-packages "$venv"
 # transformers and only what it needs changed (tokenizers, huggingface-hub); the rest is this Python's
-"$venv/bin/python" -m pip install -q "transformers==$version" 2>&1 | grep -v -e '^WARNING: Location' -e 'dependency' -e 'requires' >&2 || true
+log="$venv/pip.log"
+if ! "$venv/bin/python" -m pip install -q "transformers==$version" >"$log" 2>&1; then
+    # A release whose own requirements the registry does not hold yet (seen: 5.25.0 asking kernels>=0.19.1)
+    # cannot be installed by any user of this registry: nothing to test, and not a break of our exports.
+    missing=$(sed -n 's/^ERROR: No matching distribution found for \(.*\)$/\1/p' "$log" | head -n 1)
+    if [ -n "$missing" ]; then
+        echo "transformers_compat: transformers $version ($which) cannot be installed from this registry" \
+            "(it requires $missing, which the registry does not have); nothing to check until it can"
+        exit 0
+    fi
+    grep -v -e '^WARNING: Location' "$log" >&2
+fi
+grep -v -e '^WARNING: Location' -e 'dependency' -e 'requires' "$log" >&2 || true
 got=$("$venv/bin/python" -c 'import transformers; print(transformers.__version__)')
 [ "$got" = "$version" ] || { echo "transformers_compat: asked for $version, got $got" >&2; exit 1; }
 echo "transformers_compat: the export tests against transformers $version ($which)"
