@@ -110,7 +110,12 @@ def layout_from_args(args: argparse.Namespace) -> ModelLayout:
         _check_diff_args(args)
     layout = Diff2Layout if v2 else DiffLayout if diff else LlamaLayout
     grouping = {"num_noise_heads": int(noise)} if v2 and grouped else {}
-    return layout(
+    return layout(**_layout_sizes(args), **grouping)
+
+
+def _layout_sizes(args: argparse.Namespace) -> dict[str, object]:
+    """The sizes every layout takes, from a checkpoint's saved arguments."""
+    return dict(
         num_layers=int(args.num_layers),
         hidden_size=int(args.hidden_size),
         ffn_hidden_size=int(args.ffn_hidden_size),
@@ -122,7 +127,6 @@ def layout_from_args(args: argparse.Namespace) -> ModelLayout:
         rotary_base=float(args.rotary_base),
         norm_eps=float(args.norm_epsilon),
         tied=bool(getattr(args, "tie_embeddings_and_output_weights", False)),  # absent from old args: untied
-        **grouping,
     )
 
 
@@ -134,20 +138,7 @@ def _motif_layout_from_args(args: argparse.Namespace, noise: int | None) -> Moti
             f"Motif's, whose lambda_init is Motif's schedule (--lambda-init motif); this one uses "
             f"--lambda-init {args.lambda_init}"
         )
-    return MotifLayout(
-        num_layers=int(args.num_layers),
-        hidden_size=int(args.hidden_size),
-        ffn_hidden_size=int(args.ffn_hidden_size),
-        num_heads=int(args.num_attention_heads),
-        num_kv_heads=int(args.num_query_groups),
-        head_dim=int(args.kv_channels),
-        vocab_size=int(args.vocab_size),
-        max_position_embeddings=int(args.max_position_embeddings),
-        rotary_base=float(args.rotary_base),
-        norm_eps=float(args.norm_epsilon),
-        tied=bool(getattr(args, "tie_embeddings_and_output_weights", False)),
-        num_noise_heads=noise,
-    )
+    return MotifLayout(**_layout_sizes(args), num_noise_heads=noise)
 
 
 def hf_config_dict(

@@ -220,14 +220,9 @@ class Diff2Layout(ModelLayout):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        n, h, g = self.num_noise_heads, self.num_heads, self.num_kv_heads
-        if n == h:  # the 1:1 model, however it was named: one layout, one export
-            object.__setattr__(self, "num_noise_heads", None)
-        elif n is not None and (n < 1 or h % n or n % g):
-            raise DiffmegError(
-                f"num_noise_heads {n} must divide the {h} {self._head_name} and be a multiple of the {g} "
-                f"KV heads (a group of signal heads and its noise head share one KV head)"
-            )
+        _check_noise_heads(
+            self, self._head_name, "KV heads (a group of signal heads and its noise head share one KV head)"
+        )
 
     @property
     def noise_heads(self) -> int:
@@ -256,6 +251,18 @@ class Diff2Layout(ModelLayout):
         return shapes
 
 
+def _check_noise_heads(layout, heads_name: str, kv_name: str) -> None:
+    """A grouped layout's `num_noise_heads`: n = h is the 1:1 model however it was named (one layout, one
+    export: stored as None); otherwise n divides the h heads and is a multiple of the g KV heads."""
+    n, h, g = layout.num_noise_heads, layout.num_heads, layout.num_kv_heads
+    if n == h:
+        object.__setattr__(layout, "num_noise_heads", None)
+    elif n is not None and (n < 1 or h % n or n % g):
+        raise DiffmegError(
+            f"num_noise_heads {n} must divide the {h} {heads_name} and be a multiple of the {g} {kv_name}"
+        )
+
+
 @dataclass(frozen=True)
 class MotifLayout(DiffLayout):
     """Sizes of one Motif model (Motif Technologies' `MotifForCausalLM`, `model_type` "motif"): DIFF V1 with
@@ -277,14 +284,7 @@ class MotifLayout(DiffLayout):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        n, h, g = self.num_noise_heads, self.num_heads, self.num_kv_heads
-        if n == h:
-            object.__setattr__(self, "num_noise_heads", None)
-        elif n is not None and (n < 1 or h % n or n % g):
-            raise DiffmegError(
-                f"num_noise_heads {n} must divide the {h} signal heads and be a multiple of the {g} "
-                f"differential KV heads"
-            )
+        _check_noise_heads(self, "signal heads", "differential KV heads")
 
     @property
     def query_heads(self) -> int:
