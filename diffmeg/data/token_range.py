@@ -48,8 +48,9 @@ def _bin_key(prefix: str) -> dict[str, int]:
     return {"bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns}
 
 
-def _memory_key(prefix: str) -> tuple[str, int, int]:
-    key = _bin_key(prefix)
+def _memory_key(prefix: str, key: dict[str, int] | None = None) -> tuple[str, int, int]:
+    """This process's cache key of the dataset: its real path and its `.bin`'s key (stat'ed unless given)."""
+    key = key or _bin_key(prefix)
     return os.path.realpath(prefix), key["bin_bytes"], key["bin_mtime_ns"]
 
 
@@ -114,7 +115,7 @@ def record_range(prefix: str, ids: TokenRange) -> None:
 
 def _store(prefix: str, key: dict[str, int], ids: TokenRange, cache_dir: str | None) -> str | None:
     """Keep the record in the first place it can be written; that place, or None (memory only)."""
-    _IN_MEMORY[_memory_key(prefix)] = ids
+    _IN_MEMORY[_memory_key(prefix, key)] = ids
     return next((path for path in _places(prefix, cache_dir) if _write(path, key, ids)), None)
 
 
@@ -141,7 +142,8 @@ def token_range(prefix: str, cache_dir: str | None = None, collective: bool = Fa
     """The dataset's (smallest, largest) token id: its record, else a scan (then recorded where it can
     be). `cache_dir`: the job's `--data-cache-path`. `collective`: every rank of the default group calls
     this for the same prefix; they agree whether any of them lacks the record and, if so, split the scan."""
-    key, memory_key = _bin_key(prefix), _memory_key(prefix)
+    key = _bin_key(prefix)
+    memory_key = _memory_key(prefix, key)
     found, ids = memory_key in _IN_MEMORY, _IN_MEMORY.get(memory_key)
     for path in [] if found else _places(prefix, cache_dir):
         found, ids = _read(path, key)
