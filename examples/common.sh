@@ -38,13 +38,15 @@ fresh_output_dir() {
 # at tensor-parallel size TP (--sequence-parallel with it when TP > 1), in bf16 with the distributed
 # optimizer and, when NPROC > TP, overlapped gradient reduce-scatters and weight all-gathers, resuming
 # from and saving to its checkpoints. `init_ckpt`, when the script sets it, is the
-# --pretrained-checkpoint read while CKPT_DIR holds none. Environment of every torchrun example:
+# --pretrained-checkpoint read while CKPT_DIR holds none. The launcher is torchrun through `python3 -m
+# diffmeg.launch` (the same flags): bad input is one line, without torchrun's traceback after it.
+# Environment of every torchrun example:
 #   NPROC=8             processes (GPUs)
 #   RUN_DIR             the run's directory (default runs/RUN_NAME): tensorboard/, metrics.jsonl
 #   CKPT_DIR            checkpoints (default $RUN_DIR/checkpoints); --load and --save, so restarts resume
 #   DATA_PATH           a dataset prefix or a "w1 p1 w2 p2" blend (default: builtin, the embedded corpus)
 #   EXTRA_ARGS          pretrain_diff.py flags appended last: they override the example's
-#   PYTHON=python3      interpreter (set: its torch.distributed.run, which is torchrun)
+#   PYTHON=python3      interpreter (its torch.distributed.run, which is torchrun, under diffmeg.launch)
 #   DRY_RUN=1           print the torchrun line, then `pretrain_diff.py --dry-run`'s resolved configuration
 #                       and its checks (missing datasets are an error; ignored flags, memory), start nothing
 torchrun_pretrain() {
@@ -60,8 +62,7 @@ torchrun_pretrain() {
     if ((nproc / tp > 1)); then args+=(--overlap-grad-reduce --overlap-param-gather); fi  # DP x CP > 1
     args+=(--save "$ckpt" --tensorboard-dir "$run/tensorboard" --metrics-file "$run/metrics.jsonl"
         "${extra_words[@]}")
-    local launcher=(torchrun)
-    [ -z "${PYTHON:-}" ] || launcher=("$PYTHON" -m torch.distributed.run)
+    local launcher=("$py" -m diffmeg.launch)
     local cmd=("${launcher[@]}" --standalone --nproc_per_node "$nproc" "${args[@]}")
     if [ "${DRY_RUN:-0}" = 1 ]; then
         printf '%q ' "${cmd[@]}"

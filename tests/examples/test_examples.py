@@ -151,7 +151,7 @@ def _dry(script: str, corpus: str, *args: str, **env: str) -> tuple[str, dict]:
     proc = run_example(script, *args, DRY_RUN="1", DATA_PATH=corpus, **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     head, config = split_output(proc.stdout)
-    (command,) = [x for x in head if "torch.distributed.run" in x]
+    (command,) = [x for x in head if "-m diffmeg.launch" in x]
     return command, config
 
 
