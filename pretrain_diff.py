@@ -41,12 +41,16 @@ def main(argv: list[str] | None = None) -> int:
             from diffmeg.training.logger import end_summary
 
             print(end_summary(args, result, time.perf_counter() - start), flush=True)
-        return result["exit_code"]
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C) before training started", file=sys.stderr, flush=True)
         return 130
     finally:
         runtime.teardown()
+    if args.export_hf_at_end is not None and int(os.environ.get("RANK", "0")) == 0:
+        from diffmeg.conversion.hf_export import export_at_end  # every rank's save is complete by now
+
+        export_at_end(args.save, args.export_hf_at_end, result["iteration"], result["exit_code"] == 130)
+    return result["exit_code"]
 
 
 if __name__ == "__main__":  # importable without side effects (tests import main)

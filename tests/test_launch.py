@@ -43,7 +43,11 @@ def launch(tmp_path: Path, launcher: list[str], body: str) -> subprocess.Complet
         env.pop(name, None)
     return subprocess.run(
         [*launcher, "--nproc_per_node", "2", "--master-port", "0", str(script)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
 
 
@@ -91,7 +95,8 @@ def test_the_tasks_of_one_job_step_print_the_same_line_once_and_different_lines_
     report_error("error: the same for every rank")  # a second task of the step
     report_error("error: only this rank's file is unreadable")
     assert capsys.readouterr().err.splitlines() == [
-        "error: the same for every rank", "error: only this rank's file is unreadable",
+        "error: the same for every rank",
+        "error: only this rank's file is unreadable",
     ]
     markers = srun_task / f"diffmeg-errors-{os.getuid()}"
     assert list(markers.iterdir()) == [markers / "41.0"]  # one folder per job step, in TMPDIR

@@ -27,7 +27,6 @@ folder holding anything but a converted checkpoint is refused. See docs/conversi
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shlex
 import sys
@@ -43,35 +42,22 @@ warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 import torch  # noqa: E402
 
 from diffmeg.conversion.checkpoint_io import (  # noqa: E402
-    McoreCheckpointReader,
     release_freed_memory,
-    save_hf_tokenizer,
-    save_remote_code,
 )
-from diffmeg.conversion.hf_config import (  # noqa: E402
-    generation_config_dict,
-    hf_config_dict,
-    layout_from_args,
-    transformers_config_class,
-)
+from diffmeg.conversion.hf_export import export_checkpoint  # noqa: E402
 from diffmeg.conversion.hf_import import (  # noqa: E402
     continue_training_command,
     open_hf_folder,
     resolved_pretrain_args,
 )
-from diffmeg.conversion.layout import GLOBALS  # noqa: E402
-from diffmeg.conversion.mapping import HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf  # noqa: E402
 from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of  # noqa: E402
 from diffmeg.conversion.output_dir import (  # noqa: E402
     CONVERTED_CHECKPOINT,
-    HF_EXPORT,
     atomic_output_dir,
     check_output_path,
-    some_names,
 )
 from diffmeg.conversion.progress import Progress, clock  # noqa: E402
-from diffmeg.conversion.safetensors_io import SafetensorsShardWriter  # noqa: E402
-from diffmeg.conversion.tokenizer_io import export_tokenizer, folder_tokenizer  # noqa: E402
+from diffmeg.conversion.tokenizer_io import folder_tokenizer  # noqa: E402
 from diffmeg.conversion.upcycle_io import open_upcycle_source, upcycled_args, write_upcycled  # noqa: E402
 from diffmeg.errors import DiffmegError, cli_errors  # noqa: E402
 from diffmeg.runtime import single_process  # noqa: E402
@@ -158,68 +144,18 @@ def _dtype_name(dtype) -> str:
 
 
 def mcore_to_hf(args: argparse.Namespace) -> None:
-    """Stream a megatron-core checkpoint into a DiffLlama / Llama folder, one layer at a time."""
-    import transformers  # only this direction needs it (its config and generation-config classes)
-
-    start = time.perf_counter()
-    kept = check_output_path(args.save, args.overwrite, args.load, HF_EXPORT)
-    reader = McoreCheckpointReader(args.load, args.iteration)  # plain file reads: no process group needed
-    layout = layout_from_args(reader.args)
-    reader.check(layout)
-    dtype = _torch_dtype(args.dtype) if args.dtype else reader.dtype
-    tokenizer = export_tokenizer(
-        vars(reader.args),
-        layout.vocab_size,
-        layout.max_position_embeddings,
+    """Stream a megatron-core checkpoint into a Hugging Face folder, one layer at a time."""
+    export_checkpoint(
+        args.load,
+        args.save,
+        iteration=args.iteration,
+        dtype=_torch_dtype(args.dtype) if args.dtype else None,
         tokenizer_file=args.tokenizer_file,
         tokenizer_model=args.tokenizer_model,
-        skip=args.no_tokenizer,
+        no_tokenizer=args.no_tokenizer,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
     )
-    if tokenizer.note:
-        print(f"note: {tokenizer.note}", file=sys.stderr)
-    config = transformers_config_class(layout)(
-        **hf_config_dict(
-            layout,
-            dtype=str(dtype).removeprefix("torch."),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            initializer_range=float(getattr(reader.args, "init_method_std", 0.02)),
-            lambda_std=float(getattr(reader.args, "lambda_std", 0.1)),
-        )
-    )
-    shapes = hf_model_shapes(layout)
-    plan = [(name, shape, dtype) for name, shape in shapes.items()]
-    needed = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
-    with atomic_output_dir(args.save, HF_EXPORT, needed_bytes=needed) as out:
-        writer = SafetensorsShardWriter(out, args.max_shard_size, plan)
-        for key in layout.mcore_global_shapes():  # one at a time: the embedding alone is several layers
-            (tensor,) = reader.read_globals(layout, [key]).values()
-            writer.add({GLOBALS[key]: tensor.to(dtype)})  # tied: no output layer, no lm_head
-            del tensor
-            release_freed_memory()
-        progress = Progress("mcore-to-hf", layout.num_layers)
-        for index in range(layout.num_layers):
-            hf_layer = mcore_layer_to_hf(reader.read_layer(layout, index), layout, dtype)
-            writer.add({HF_LAYER_PREFIX.format(index) + k: v for k, v in hf_layer.items()})
-            del hf_layer
-            release_freed_memory()
-            progress.layer_done(index + 1)
-        shards = writer.close()
-        config.save_pretrained(out)
-        save_remote_code(layout, out)
-        ids = generation_config_dict(tokenizer.eos_token_id, tokenizer.bos_token_id)
-        transformers.GenerationConfig(**ids).save_pretrained(out)
-        if tokenizer.fast is not None:
-            save_hf_tokenizer(tokenizer.fast, out)
-        wrote_tokenizer = tokenizer.copy_files(out) or tokenizer.fast is not None
-    print(
-        f"wrote {args.save}: {layout.architecture}, {layout.num_layers} layers, {_dtype_name(dtype)}, "
-        f"{len(shards)} shard(s), {writer.total_bytes / 1e9:.3f} GB"
-        f"{', tokenizer' if wrote_tokenizer else ''} (from {reader.path}) in "
-        f"{clock(time.perf_counter() - start)}"
-    )
-    if kept:  # the folder's own files and folders
-        print(f"note: kept {some_names(kept)} in {args.save} (not an export's files)", file=sys.stderr)
 
 
 def hf_to_mcore(args: argparse.Namespace, extra: list[str]) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from diffmeg import registry
-from diffmeg.checkpoints import holds_hf_export
+from diffmeg.checkpoints import holds_hf_export, holds_saves
 from diffmeg.data.indexed import datasets_in
 from diffmeg.data.splits import split_matrix
 from diffmeg.data.tokenizers import resolve_tokenizer_args
@@ -376,6 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write checkpoints in the background while training continues (Megatron-LM's flag; the "
         "tracker names a checkpoint once every rank's files are written)",
+    )
+    g.add_argument(
+        "--export-hf-at-end",
+        metavar="DIR",
+        help="when training ends (the last iteration, a SIGTERM or --exit-interval stop), also write the "
+        "final checkpoint as a Hugging Face folder DIR (mcore-to-hf's export; an earlier export's files "
+        "in DIR are replaced, others stay); a failed export is one warning and leaves the checkpoint as is",
     )
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
@@ -792,12 +799,34 @@ def validate_args(args: argparse.Namespace, world_size: int, world_source: str =
         for entry in args.data_path or []:
             if os.path.isdir(entry):
                 raise DiffmegError(_data_folder_line(entry))
+    if args.export_hf_at_end is not None:
+        _check_export_target(args.export_hf_at_end, args.save)
     if args.tensorboard_dir:
         check_output(args.tensorboard_dir, "--tensorboard-dir", folder=True)
     if args.metrics_file:
         check_output(args.metrics_file, "--metrics-file", folder=False)
     if args.wandb_save_dir:
         check_output(args.wandb_save_dir, "--wandb-save-dir", folder=True)
+
+
+def _check_export_target(target: str, save: str | None) -> None:
+    """--export-hf-at-end DIR is refused at the start, not after a week of training, when it cannot be
+    written or would share a folder with the checkpoints."""
+    from diffmeg.storage import check_output
+
+    if save is None:
+        raise DiffmegError("--export-hf-at-end exports the final checkpoint: it needs --save")
+    out, ckpt = os.path.realpath(target), os.path.realpath(save)
+    if out == ckpt or out.startswith(ckpt + os.sep) or ckpt.startswith(out + os.sep):
+        raise DiffmegError(
+            f"--export-hf-at-end {target} overlaps --save {save}: a Hugging Face folder and the checkpoints "
+            "cannot share a folder; pick a folder beside them (e.g. RUN/hf)"
+        )
+    if os.path.isdir(target) and holds_saves(target):
+        raise DiffmegError(
+            f"--export-hf-at-end {target} holds a run's checkpoints; pick another folder for the export"
+        )
+    check_output(target, "--export-hf-at-end", folder=True)
 
 
 def _data_folder_line(folder: str) -> str:
