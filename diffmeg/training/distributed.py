@@ -125,6 +125,20 @@ def _hand_started(env: dict[str, str]) -> bool:
     return int(env["WORLD_SIZE"]) > 1 and not any(k in env for k in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID"))
 
 
+def _reachable(addr: str, port: int, patience_s: float) -> bool:
+    """Whether something listens at addr:port within `patience_s` (polled with plain sockets, quietly:
+    c10d's own client prints a C++ error and stack for each failed try before it gives up)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
+
 def _joined_store(env: dict[str, str], patience_s: float, timeout: datetime.timedelta):
     """A TCPStore all WORLD_SIZE ranks joined within `patience_s`, else a one-line error naming the
     variables: the rendezvous of ranks started by hand, which never completes when the others never start."""
@@ -135,6 +149,11 @@ def _joined_store(env: dict[str, str], patience_s: float, timeout: datetime.time
         f"with torchrun --nproc_per_node {world}"
     )
     patience = datetime.timedelta(seconds=patience_s)
+    if rank != 0 and not _reachable(addr, port, patience_s):  # before c10d's client: it logs every retry
+        raise DiffmegError(
+            f"rank {rank} could not reach rank 0's rendezvous at MASTER_ADDR {addr} MASTER_PORT {port} "
+            f"within {patience_s:g} s, and no launcher (torchrun, srun) started this process: {fix}"
+        )
     try:
         store = torch.distributed.TCPStore(
             addr, port, world, rank == 0, timeout=patience, wait_for_workers=False, multi_tenant=True
