@@ -9,19 +9,20 @@
         [--dtype bf16|fp16|fp32] [--overwrite] [-- PRETRAIN_DIFF_FLAGS ...]
 
 DIFF checkpoints become transformers' DiffLlamaForCausalLM, Transformer baselines (--no-diff-attention)
-LlamaForCausalLM, DIFF V2 a LLaMA-layout folder with its modeling file, and back; hf-to-mcore also takes
-Motif's folders (DIFF V1 with PolyNorm). All directions stream one layer at a time (memory: about two
-layers, whatever the depth) and print a progress line per layer. mcore-to-hf reads any TP/PP layout
-(checkpoints are layout-free) and writes config.json, model-*.safetensors shards with their index,
-generation_config.json and the tokenizer (cl100k_base with tiktoken's ids, or the Hugging Face tokenizer
-the model was trained with). hf-to-mcore writes a weights-only checkpoint (iteration 0, in the source's
-dtype unless --dtype) that `pretrain_diff.py --load ckpt/ --finetune` continues from, at any TP/PP (it
-prints the command, runnable as printed); flags after `--` are recorded in its args.json as a
-pretrain_diff.py run would resolve them. upcycle turns a Transformer (a Hugging Face Llama / Mistral
-folder or a transformer-* checkpoint) into a weights-only DIFF V2 checkpoint with the same logits, keeping
-its tokenizer. --overwrite replaces only what a conversion writes: in an export folder its files (config,
-weights and index, tokenizer, generation config, remote code), keeping every other file; a checkpoint
-folder holding anything but a converted checkpoint is refused. See docs/conversion.md.
+LlamaForCausalLM, DIFF V2 a LLaMA-layout folder with its modeling file, and back; Motif's folders (DIFF V1
+with PolyNorm) import, and export back to Motif's format with diffmeg's own remote code (an import's
+config.json keys come back as they were; lambda vectors in fp32 beside the weights' dtype). All directions
+stream one layer at a time (memory: about two layers, whatever the depth) and print a progress line per layer.
+mcore-to-hf reads any TP/PP layout (checkpoints are layout-free) and writes config.json, model-*.safetensors
+shards with their index, generation_config.json and the tokenizer (cl100k_base with tiktoken's ids, or the
+Hugging Face tokenizer the model was trained with). hf-to-mcore writes a weights-only checkpoint (iteration 0,
+in the source's dtype unless --dtype) that `pretrain_diff.py --load ckpt/ --finetune` continues from, at any
+TP/PP (it prints the command, runnable as printed); flags after `--` are recorded in its args.json as a
+pretrain_diff.py run would resolve them. upcycle turns a Transformer (a Hugging Face Llama / Mistral folder or
+a transformer-* checkpoint) into a weights-only DIFF V2 checkpoint with the same logits, keeping its
+tokenizer. --overwrite replaces only what a conversion writes: in an export folder its files (config, weights
+and index, tokenizer, generation config, remote code), keeping every other file; a checkpoint folder holding
+anything but a converted checkpoint is refused. See docs/conversion.md.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ from diffmeg.conversion.checkpoint_io import (  # noqa: E402
     save_remote_code,
 )
 from diffmeg.conversion.hf_config import (  # noqa: E402
+    SOURCE_CONFIG_ARG,
     generation_config_dict,
     hf_config_dict,
     layout_from_args,
+    motif_config_dict,
     transformers_config_class,
 )
 from diffmeg.conversion.hf_import import (  # noqa: E402
@@ -59,8 +62,13 @@ from diffmeg.conversion.hf_import import (  # noqa: E402
     open_hf_folder,
     resolved_pretrain_args,
 )
-from diffmeg.conversion.layout import GLOBALS  # noqa: E402
-from diffmeg.conversion.mapping import HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf  # noqa: E402
+from diffmeg.conversion.layout import GLOBALS, MotifLayout  # noqa: E402
+from diffmeg.conversion.mapping import (  # noqa: E402
+    HF_LAYER_PREFIX,
+    hf_export_dtype,
+    hf_model_shapes,
+    mcore_layer_to_hf,
+)
 from diffmeg.conversion.mcore_writer import StreamingCheckpointWriter, part_of  # noqa: E402
 from diffmeg.conversion.output_dir import (  # noqa: E402
     CONVERTED_CHECKPOINT,
@@ -75,6 +83,7 @@ from diffmeg.conversion.tokenizer_io import export_tokenizer, folder_tokenizer  
 from diffmeg.conversion.upcycle_io import open_upcycle_source, upcycled_args, write_upcycled  # noqa: E402
 from diffmeg.errors import DiffmegError, cli_errors  # noqa: E402
 from diffmeg.runtime import single_process  # noqa: E402
+from diffmeg.storage import write_json  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -97,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser(
-        "mcore-to-hf", help="pretrain_diff.py checkpoint -> Hugging Face DiffLlama / Llama folder"
+        "mcore-to-hf", help="pretrain_diff.py checkpoint -> HF DiffLlama / Llama / DIFF V2 / Motif folder"
     )
     e.add_argument(
         "--load", required=True, help="checkpoint directory (holds latest_checkpointed_iteration.txt)"
@@ -177,19 +186,30 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
     )
     if tokenizer.note:
         print(f"note: {tokenizer.note}", file=sys.stderr)
-    config = transformers_config_class(layout)(
-        **hf_config_dict(
+    token_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    initializer_range = float(getattr(reader.args, "init_method_std", 0.02))
+    if isinstance(layout, MotifLayout):  # Motif's config class is remote code: its keys are written as JSON
+        motif_config = motif_config_dict(
             layout,
-            dtype=str(dtype).removeprefix("torch."),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            initializer_range=float(getattr(reader.args, "init_method_std", 0.02)),
-            lambda_std=float(getattr(reader.args, "lambda_std", 0.1)),
+            dtype=_dtype_name(dtype),
+            **token_ids,
+            initializer_range=initializer_range,
+            head_norm_eps=getattr(reader.args, "head_norm_eps", None),
+            source=getattr(reader.args, SOURCE_CONFIG_ARG, None),  # an import's config.json
         )
-    )
+    else:
+        config = transformers_config_class(layout)(
+            **hf_config_dict(
+                layout,
+                dtype=_dtype_name(dtype),
+                **token_ids,
+                initializer_range=initializer_range,
+                lambda_std=float(getattr(reader.args, "lambda_std", 0.1)),
+            )
+        )
     shapes = hf_model_shapes(layout)
-    plan = [(name, shape, dtype) for name, shape in shapes.items()]
-    needed = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
+    plan = [(name, shape, hf_export_dtype(layout, name, dtype)) for name, shape in shapes.items()]
+    needed = sum(math.prod(shape) * t.itemsize for _, shape, t in plan)
     with atomic_output_dir(args.save, HF_EXPORT, needed_bytes=needed) as out:
         writer = SafetensorsShardWriter(out, args.max_shard_size, plan)
         for key in layout.mcore_global_shapes():  # one at a time: the embedding alone is several layers
@@ -205,7 +225,10 @@ def mcore_to_hf(args: argparse.Namespace) -> None:
             release_freed_memory()
             progress.layer_done(index + 1)
         shards = writer.close()
-        config.save_pretrained(out)
+        if isinstance(layout, MotifLayout):
+            write_json(os.path.join(out, "config.json"), motif_config)
+        else:
+            config.save_pretrained(out)
         save_remote_code(layout, out)
         ids = generation_config_dict(tokenizer.eos_token_id, tokenizer.bos_token_id)
         transformers.GenerationConfig(**ids).save_pretrained(out)
