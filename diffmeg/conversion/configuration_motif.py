@@ -51,6 +51,9 @@ class MotifConfig(PreTrainedConfig):
         use_cache: bool = True,
         tie_word_embeddings: bool = False,
         attention_dropout: float = 0.0,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
         **kwargs,
     ) -> None:
         self.vocab_size = vocab_size
@@ -80,3 +83,5 @@ class MotifConfig(PreTrainedConfig):
         self.mlp_bias = use_bias
         self.pretraining_tp = 1
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        # after the base class (transformers 4 sets them there; 5 no longer has them)
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id

@@ -22,9 +22,10 @@ decoder (pre-RMSNorm, rotate-half RoPE, no biases) with two changes, loaded with
   norm(z) + b, norm(u) = u / sqrt(mean(u^2) + 1e-6) over the FFN dimension (`mlp.act_fn.weight` [3],
   `mlp.act_fn.bias` [1]).
 
-Everything around the layers (embedding, final norm, RoPE tables, causal mask, KV-cache creation, `generate`)
-is transformers' own LLaMA code, so it follows transformers' releases. The attention is computed here
-(eager; the cache is taken under whatever name the installed transformers passes it and updated with
+Everything around the layers (embedding, causal mask, KV-cache creation, `generate`) is transformers' own
+LLaMA code, so it follows transformers' releases; the norms and RoPE tables are computed here in fp32 or
+wider (a float64 model is float64 throughout: LLaMA's norms and tables are fp32). The attention is
+computed here (eager; the cache is taken under whatever name the installed transformers passes it and updated with
 `cache.update(k, v, layer_idx)`).
 """
 
@@ -40,8 +41,6 @@ from transformers.models.llama.modeling_llama import (
     LlamaForCausalLM,
     LlamaModel,
     LlamaPreTrainedModel,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
 
@@ -65,6 +64,38 @@ def _check_config(config: MotifConfig) -> None:
         raise ValueError("biases are not supported by this Motif model")
     if config.hidden_act != "poly_norm":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; Motif's MLP is poly_norm")
+
+
+class MotifRMSNorm(nn.Module):
+    """RMSNorm with a weight, in fp32 or wider (LLaMA's computes in fp32 even for a float64 model)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        out = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(wide.dtype)
+        return out.to(x.dtype)
+
+
+class MotifRotaryEmbedding(nn.Module):
+    """Rotate-half RoPE tables (cos, sin) [b, s, d] for `position_ids`, computed in fp32 or wider and
+    returned in the input's dtype. No buffer: from_pretrained builds modules on the meta device and never
+    fills a non-persistent one."""
+
+    def __init__(self, config: MotifConfig) -> None:
+        super().__init__()
+        self.head_dim, self.theta = config.head_dim, float(config.rope_theta)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        exponents = torch.arange(0, self.head_dim, 2, dtype=wide, device=x.device) / self.head_dim
+        inv_freq = 1.0 / self.theta**exponents  # [d/2]
+        angles = position_ids.to(wide)[..., None] * inv_freq  # [b, s, d/2]
+        angles = torch.cat([angles, angles], dim=-1)  # [b, s, d]: both halves of the rotation
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
 
 class MotifPolyNorm(nn.Module):
@@ -140,20 +171,18 @@ class MotifAttention(nn.Module):
         self.config, self.layer_idx = config, layer_idx
         d, hidden = config.head_dim, config.hidden_size
         self.head_dim = d
-        signal, slot, noise_query, pair = head_plan(config)
-        self.register_buffer("signal_query", torch.tensor(signal), persistent=False)
-        self.register_buffer("noise_slot", torch.tensor(slot), persistent=False)
-        self.register_buffer("noise_query", torch.tensor(noise_query), persistent=False)
-        self.register_buffer("noise_pair", torch.tensor(pair), persistent=False)
-        self.register_buffer("signal_pair", torch.tensor(pair)[torch.tensor(slot)], persistent=False)
-        self.num_heads = len(signal)
+        # Plain lists, not buffers: from_pretrained builds modules on the meta device and never fills a
+        # non-persistent buffer (it would hold garbage indices).
+        self.signal_query, self.noise_slot, self.noise_query, self.noise_pair = head_plan(config)
+        self.signal_pair = [self.noise_pair[m] for m in self.noise_slot]
+        self.num_heads = len(self.signal_query)
         self.q_proj = nn.Linear(hidden, config.num_attention_heads * d, bias=False)
         self.k_proj = nn.Linear(hidden, config.num_key_value_heads * d, bias=False)
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * 2 * d, hidden, bias=False)
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             setattr(self, name, nn.Parameter(torch.zeros(d, dtype=torch.float32).normal_(0.0, 0.1)))
-        self.subln = LlamaRMSNorm(2 * d, eps=config.attn_rms_norm_eps)
+        self.subln = MotifRMSNorm(2 * d, eps=config.attn_rms_norm_eps)
         self.lambda_init = motif_lambda_init(layer_idx)
 
     def _maps(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -190,17 +219,18 @@ class MotifAttention(nn.Module):
         q, k, v = q.to(wide), k.to(wide), v.to(wide)
         t = k.shape[2]
         pairs = v.view(b, -1, 2, t, d).transpose(2, 3).reshape(b, -1, t, 2 * d)  # [b, g, t, 2d]: V_j
-        a1 = self._maps(q[:, self.signal_query], k[:, 2 * self.signal_pair], attention_mask)  # [b, h, s, t]
-        a2 = self._maps(q[:, self.noise_query], k[:, 2 * self.noise_pair + 1], attention_mask)[:, self.noise_slot]
+        signal_pair = torch.tensor(self.signal_pair, device=q.device)
+        noise_pair = torch.tensor(self.noise_pair, device=q.device)
+        a1 = self._maps(q[:, self.signal_query], k[:, 2 * signal_pair], attention_mask)  # [b, h, s, t]
+        a2 = self._maps(q[:, self.noise_query], k[:, 2 * noise_pair + 1], attention_mask)  # one per slot
+        a2 = a2[:, self.noise_slot]  # [b, h, s, t]: each head's noise map
         lam = (
             torch.exp(torch.dot(self.lambda_q1.to(wide), self.lambda_k1.to(wide)))
             - torch.exp(torch.dot(self.lambda_q2.to(wide), self.lambda_k2.to(wide)))
             + self.lambda_init
         )
-        out = (a1 - lam * a2) @ pairs[:, self.signal_pair]  # [b, h, s, 2d]
-        weight = self.subln.weight.to(wide)
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.subln.variance_epsilon) * weight
-        out = out * (1.0 - self.lambda_init)
+        out = (a1 - lam * a2) @ pairs[:, signal_pair]  # [b, h, s, 2d]
+        out = self.subln(out) * (1.0 - self.lambda_init)
         out = out.transpose(1, 2).reshape(b, s, -1).to(hidden_states.dtype)  # [b, h, s, 2d] -> [b, s, h*2d]
         return self.o_proj(out), None
 
@@ -211,8 +241,8 @@ class MotifDecoderLayer(GradientCheckpointingLayer):
         self.hidden_size = config.hidden_size
         self.self_attn = MotifAttention(config, layer_idx)
         self.mlp = MotifMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = MotifRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = MotifRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -254,8 +284,8 @@ class MotifModel(_MotifClasses, LlamaModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(MotifDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.norm = MotifRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = MotifRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
 

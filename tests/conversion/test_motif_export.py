@@ -26,13 +26,14 @@ from tests.conversion.helpers import (
 from tests.conversion.test_motif_import import BASE, LAYOUTS, VOCAB, motif_logits, write_motif_folder
 
 NEW_TOKENS = 8
-ROUND_TRIPS = {  # name: (layout, bf16 weights beside fp32 lambda vectors, hf-to-mcore flags, mcore-to-hf flags)
+FP32_IN, BF16_OUT = ["--dtype", "fp32"], ["--dtype", "bf16"]
+ROUND_TRIPS = {  # name: (layout, bf16 weights beside fp32 lambdas, hf-to-mcore flags, mcore-to-hf flags)
     "2.6b": ("2.6b", False, [], []),
     "12.7b": ("12.7b", False, [], []),
-    # the checkpoint recorded for TP=2 (layout-free: the same files); exported back in bf16, lambdas fp32
-    "12.7b-bf16-tp2": ("12.7b", True, ["--dtype", "fp32", "--tensor-model-parallel-size", "2"], ["--dtype", "bf16"]),
-    "2.6b-bf16-pp3": ("2.6b", True, ["--dtype", "fp32", "--pipeline-model-parallel-size", "3"], ["--dtype", "bf16"]),
-}  # fmt: skip
+    # recorded for TP=2 / PP=3 (layout-free: the same files); exported back in bf16, the lambdas in fp32
+    "12.7b-bf16-tp2": ("12.7b", True, [*FP32_IN, "--tensor-model-parallel-size", "2"], BF16_OUT),
+    "2.6b-bf16-pp3": ("2.6b", True, [*FP32_IN, "--pipeline-model-parallel-size", "3"], BF16_OUT),
+}
 
 
 def _round_trip(factory, name: str) -> tuple[Path, Path, Path]:
@@ -122,7 +123,7 @@ def test_transformers_runs_the_export_as_motifs_forward_and_generates_our_tokens
     for ids, theirs in zip(prompts, wide["logits"], strict=True):
         err = max_relative_error(theirs, motif_logits(tensors, config, ids))
         print(f"{name}: float64 max relative error {err:.2e} ({ids.numel()} tokens)")
-        assert err < 1e-6, (ids.numel(), err)  # transformers' RoPE tables are fp32
+        assert err < 1e-12, (ids.numel(), err)
 
     reference = hf_outputs(tmp_path / "f32", folder, prompts, NEW_TOKENS)
     assert reference["generated"] == reference["generated_nocache"], reference["transformers"]
