@@ -25,8 +25,8 @@ decoder (pre-RMSNorm, rotate-half RoPE, no biases) with two changes, loaded with
 Everything around the layers (embedding, causal mask, KV-cache creation, `generate`) is transformers' own
 LLaMA code, so it follows transformers' releases; the norms and RoPE tables are computed here in fp32 or
 wider (a float64 model is float64 throughout: LLaMA's norms and tables are fp32). The attention is
-computed here (eager; the cache is taken under whatever name the installed transformers passes it and updated with
-`cache.update(k, v, layer_idx)`).
+computed here (eager; the cache is taken under whatever name the installed transformers passes it and
+updated with `cache.update(k, v, layer_idx)`).
 """
 
 from __future__ import annotations
