@@ -132,3 +132,39 @@ def test_transformers_runs_the_export_as_motifs_forward_and_generates_our_tokens
         assert max_relative_error(our_logits(model, ids), theirs) < 1e-5, ids.numel()
         ours = generate(model, ids.tolist(), NEW_TOKENS, SamplingConfig(greedy=True))
         assert ours.output_ids == continued[: len(ours.output_ids)], ids.numel()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_tp2_exports_the_folders_tensors(tmp_path_factory, tmp_path):
+    """The 12.7B-layout import continued for one step at TP=2 with a zero learning rate (the weights stay
+    what they were) and saved by that run (every tensor written split over two ranks, the groups of
+    [signal x 4, noise] one a rank): its export is the folder's tensors bit for bit, and its config.json,
+    from a checkpoint that records no imported config, Motif's keys with the same model."""
+    import subprocess
+
+    from diffmeg.conversion.hf_config import layout_from_hf_config
+    from tests.distributed.runner import REPO_ROOT, job_env, launch_cmd
+
+    source, ckpt, _ = _round_trip(tmp_path_factory, "12.7b")
+    run = tmp_path / "run"
+    flags = ["--use-checkpoint-args", "--load", str(ckpt), "--finetune", "--save", str(run)]
+    flags += ["--lr", "0.0", "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "1"]
+    flags += ["--tensor-model-parallel-size", "2", "--save-interval", "1"]
+    proc = subprocess.run(
+        launch_cmd(2, ["pretrain_diff.py", *flags]),
+        cwd=REPO_ROOT,
+        env=job_env(tmp_path, 2),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    convert_ok("mcore-to-hf", "--load", run, "--save", tmp_path / "hf")
+    theirs, ours = read_safetensors_folder(source), read_safetensors_folder(tmp_path / "hf")
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "sliding_window" not in config  # not recorded by the continued run: Motif's key set only
+    assert layout_from_hf_config(config) == layout_from_hf_config(
+        json.loads((source / "config.json").read_text())
+    )
