@@ -108,8 +108,9 @@ def layout_from_args(args: argparse.Namespace) -> ModelLayout:
         if grouped:
             raise DiffmegError(
                 f"V1-style grouped differential attention (--num-noise-heads {noise} for {heads} heads) has "
-                f"no Hugging Face export yet: DiffLlama gives each head a noise head of its own, and the "
-                f"export of grouped V1 models (Motif's format) is still to come; V2-style ones "
+                f"no Hugging Face export with a SwiGLU MLP: DiffLlama gives each head a noise head of its "
+                f"own, and Motif's format, which holds grouped V1 models, has the PolyNorm MLP and Motif's "
+                f"lambda_init (--mlp-activation poly_norm --lambda-init motif); V2-style ones "
                 f"(--diff-version 2) export"
             )
         _check_diff_args(args)
