@@ -168,3 +168,26 @@ def test_a_checkpoint_saved_at_tp2_exports_the_folders_tensors(tmp_path_factory,
     assert layout_from_hf_config(config) == layout_from_hf_config(
         json.loads((source / "config.json").read_text())
     )
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"use_sliding_window": True}, "use_sliding_window: true is not supported"),
+        ({"k_ratio": 2}, "k_ratio 2 is not supported"),
+        ({"use_bias": True}, "biases are not supported"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads 2 must be 2 x num_noise_heads"),
+    ],
+)
+def test_the_remote_code_refuses_what_it_cannot_run(changes, message):
+    """diffmeg's MotifForCausalLM builds from the 12.7B layout's config.json (a window that is off is no
+    window: every layer full attention) and refuses, naming the key, what it does not implement."""
+    from diffmeg.conversion.configuration_motif import MotifConfig
+    from diffmeg.conversion.modeling_motif import MotifForCausalLM
+
+    keys = {k: v for k, v in {**BASE, **LAYOUTS["12.7b"]}.items() if k not in ("auto_map", "architectures")}
+    config = MotifConfig(**keys)
+    assert config.layer_types == ["full_attention"] * 3 and config.sliding_window == 16
+    assert MotifForCausalLM(config).model.layers[0].self_attn.num_heads == 8
+    with pytest.raises(ValueError, match=message):
+        MotifForCausalLM(MotifConfig(**{**keys, **changes}))
