@@ -9,19 +9,20 @@
         [--dtype bf16|fp16|fp32] [--overwrite] [-- PRETRAIN_DIFF_FLAGS ...]
 
 DIFF checkpoints become transformers' DiffLlamaForCausalLM, Transformer baselines (--no-diff-attention)
-LlamaForCausalLM, DIFF V2 a LLaMA-layout folder with its modeling file, and back; hf-to-mcore also takes
-Motif's folders (DIFF V1 with PolyNorm). All directions stream one layer at a time (memory: about two
-layers, whatever the depth) and print a progress line per layer. mcore-to-hf reads any TP/PP layout
-(checkpoints are layout-free) and writes config.json, model-*.safetensors shards with their index,
-generation_config.json and the tokenizer (cl100k_base with tiktoken's ids, or the Hugging Face tokenizer
-the model was trained with). hf-to-mcore writes a weights-only checkpoint (iteration 0, in the source's
-dtype unless --dtype) that `pretrain_diff.py --load ckpt/ --finetune` continues from, at any TP/PP (it
-prints the command, runnable as printed); flags after `--` are recorded in its args.json as a
-pretrain_diff.py run would resolve them. upcycle turns a Transformer (a Hugging Face Llama / Mistral
-folder or a transformer-* checkpoint) into a weights-only DIFF V2 checkpoint with the same logits, keeping
-its tokenizer. --overwrite replaces only what a conversion writes: in an export folder its files (config,
-weights and index, tokenizer, generation config, remote code), keeping every other file; a checkpoint
-folder holding anything but a converted checkpoint is refused. See docs/conversion.md.
+LlamaForCausalLM, DIFF V2 a LLaMA-layout folder with its modeling file, and back; Motif's folders (DIFF V1
+with PolyNorm) import, and export back to Motif's format with diffmeg's own remote code (an import's
+config.json keys come back as they were; lambda vectors in fp32 beside the weights' dtype). All directions
+stream one layer at a time (memory: about two layers, whatever the depth) and print a progress line per layer.
+mcore-to-hf reads any TP/PP layout (checkpoints are layout-free) and writes config.json, model-*.safetensors
+shards with their index, generation_config.json and the tokenizer (cl100k_base with tiktoken's ids, or the
+Hugging Face tokenizer the model was trained with). hf-to-mcore writes a weights-only checkpoint (iteration 0,
+in the source's dtype unless --dtype) that `pretrain_diff.py --load ckpt/ --finetune` continues from, at any
+TP/PP (it prints the command, runnable as printed); flags after `--` are recorded in its args.json as a
+pretrain_diff.py run would resolve them. upcycle turns a Transformer (a Hugging Face Llama / Mistral folder or
+a transformer-* checkpoint) into a weights-only DIFF V2 checkpoint with the same logits, keeping its
+tokenizer. --overwrite replaces only what a conversion writes: in an export folder its files (config, weights
+and index, tokenizer, generation config, remote code), keeping every other file; a checkpoint folder holding
+anything but a converted checkpoint is refused. See docs/conversion.md.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser(
-        "mcore-to-hf", help="pretrain_diff.py checkpoint -> Hugging Face DiffLlama / Llama folder"
+        "mcore-to-hf", help="pretrain_diff.py checkpoint -> HF DiffLlama / Llama / DIFF V2 / Motif folder"
     )
     e.add_argument(
         "--load", required=True, help="checkpoint directory (holds latest_checkpointed_iteration.txt)"

@@ -308,9 +308,11 @@ def save_hf_tokenizer(tokenizer, directory: str) -> None:
 
 
 def save_remote_code(layout: ModelLayout, directory: str) -> None:
-    """Copy the modeling file a layout's config.json names in `auto_map` (DIFF V2) into the folder."""
-    from diffmeg.conversion.hf_config import REMOTE_CODE_FILE
+    """Copy the files a layout's config.json names in `auto_map` (DIFF V2's modeling file, Motif's config
+    and modeling files) into the folder."""
+    from diffmeg.conversion.hf_config import MOTIF_REMOTE_CODE_FILES, REMOTE_CODE_FILE
 
-    if isinstance(layout, Diff2Layout):
-        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), REMOTE_CODE_FILE)
-        shutil.copyfile(source, os.path.join(directory, REMOTE_CODE_FILE))  # mode follows the umask
+    names = {Diff2Layout: (REMOTE_CODE_FILE,), MotifLayout: MOTIF_REMOTE_CODE_FILES}.get(type(layout), ())
+    for name in names:
+        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+        shutil.copyfile(source, os.path.join(directory, name))  # mode follows the umask

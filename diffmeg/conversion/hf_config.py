@@ -14,12 +14,14 @@ needs `trust_remote_code=True`). What they can express, checked before anything 
 - Grouped differential attention (`--num-noise-heads n` < h): DIFF V2's export carries it as config.json's
   `num_noise_heads` (Motif's name; absent for the 1:1 model, whose export is unchanged). V1-style GDA has
   no Hugging Face format yet (DiffLlama pairs every head with a noise head of its own): refused.
-- Motif (`model_type` "motif", Motif Technologies' remote code; import only, its export is still to
-  come): DIFF V1 with PolyNorm (`hidden_act` poly_norm), Motif's lambda_init schedule and `subln` (our head
-  norm, epsilon `attn_rms_norm_eps`, which must be our fixed head-norm epsilon); the 12.7B layout's
-  `num_noise_heads` is our V1 grouped differential attention with one KV head per group (`k_ratio` 1).
-  Sliding windows, other `k_ratio`s and biases are refused; keys that only matter when enabled (a
-  `sliding_window` beside `use_sliding_window: false`) are not.
+- Motif (`model_type` "motif", Motif Technologies' format; exported with diffmeg's own remote code,
+  `configuration_motif.py` and `modeling_motif.py`, named in `auto_map` as Motif's are): DIFF V1 with PolyNorm
+  (`hidden_act` poly_norm), Motif's lambda_init schedule and `subln` (our head norm, epsilon
+  `attn_rms_norm_eps`, which must be our fixed head-norm epsilon); the 12.7B layout's `num_noise_heads` is our
+  V1 grouped differential attention with one KV head per group (`k_ratio` 1). Sliding windows, other
+  `k_ratio`s and biases are refused; keys that only matter when enabled (a `sliding_window` beside
+  `use_sliding_window: false`) are not. An import records the folder's config.json in its args
+  (`SOURCE_CONFIG_ARG`), so the export writes those keys back as they were (`motif_config_dict`).
 """
 
 from __future__ import annotations
@@ -41,23 +43,26 @@ REMOTE_CODE_FILE = "modeling_diff2.py"
 """DIFF V2's modeling file (diffmeg/conversion/modeling_diff2.py), copied into every V2 export."""
 AUTO_MAP = {"AutoModelForCausalLM": "modeling_diff2.Diff2ForCausalLM"}
 """The one class of a DIFF V2 export that is remote code (its config is transformers' LlamaConfig)."""
+MOTIF_REMOTE_CODE_FILES = ("configuration_motif.py", "modeling_motif.py")
+"""diffmeg's own Motif config and model classes (diffmeg/conversion/), copied into every Motif export."""
+MOTIF_AUTO_MAP = {
+    "AutoConfig": "configuration_motif.MotifConfig",
+    "AutoModelForCausalLM": "modeling_motif.MotifForCausalLM",
+}
+"""A Motif export's remote code: the module and class names Motif's own folders give, so the entry of a
+Motif folder comes back unchanged."""
+SOURCE_CONFIG_ARG = "hf_source_config"
+"""The args.json entry where a Motif import keeps the folder's config.json as it was (for the export)."""
 
 
 def transformers_config_class(layout: ModelLayout | type[ModelLayout]) -> type:
     """transformers' config class of this layout's `model_type` (`DiffLlamaConfig`, or `LlamaConfig` for
-    Llama and DIFF V2; imports transformers)."""
-    _refuse_motif_export(layout)
+    Llama and DIFF V2; imports transformers). Motif's config class is remote code: `motif_config_dict`."""
     from transformers import CONFIG_MAPPING
 
-    return CONFIG_MAPPING[layout.model_type]
-
-
-def _refuse_motif_export(layout: ModelLayout | type[ModelLayout]) -> None:
     if layout is MotifLayout or isinstance(layout, MotifLayout):
-        raise DiffmegError(
-            "this checkpoint is a Motif model (DIFF V1 with PolyNorm and Motif's lambda_init): its export to "
-            "Motif's Hugging Face format is still to come"
-        )
+        raise DiffmegError("a Motif config.json is written by motif_config_dict, not a transformers class")
+    return CONFIG_MAPPING[layout.model_type]
 
 
 def default_head_norm_eps() -> float:
@@ -103,8 +108,9 @@ def layout_from_args(args: argparse.Namespace) -> ModelLayout:
         if grouped:
             raise DiffmegError(
                 f"V1-style grouped differential attention (--num-noise-heads {noise} for {heads} heads) has "
-                f"no Hugging Face export yet: DiffLlama gives each head a noise head of its own, and the "
-                f"export of grouped V1 models (Motif's format) is still to come; V2-style ones "
+                f"no Hugging Face export with a SwiGLU MLP: DiffLlama gives each head a noise head of its "
+                f"own, and Motif's format, which holds grouped V1 models, has the PolyNorm MLP and Motif's "
+                f"lambda_init (--mlp-activation poly_norm --lambda-init motif); V2-style ones "
                 f"(--diff-version 2) export"
             )
         _check_diff_args(args)
@@ -151,8 +157,9 @@ def hf_config_dict(
     lambda_std: float = 0.1,
 ) -> dict[str, Any]:
     """Keyword arguments of `transformers.DiffLlamaConfig` / `LlamaConfig` for this layout (`dtype` like
-    "bfloat16"; `lambda_std` only for DiffLlama)."""
-    _refuse_motif_export(layout)
+    "bfloat16"; `lambda_std` only for DiffLlama). Motif's: `motif_config_dict`."""
+    if isinstance(layout, MotifLayout):
+        raise DiffmegError("a Motif config.json is written by motif_config_dict")
     heads, kv_heads = layout.hf_attention_heads()  # DiffLlama counts the 2h sub-heads
     config = {
         "architectures": [layout.architecture],
@@ -359,6 +366,81 @@ def _motif_layout(config: Mapping[str, Any]) -> MotifLayout:
         tied=bool(value["tie_word_embeddings"]),
         num_noise_heads=noise,
     )
+
+
+def motif_config_dict(
+    layout: MotifLayout,
+    *,
+    dtype: str,
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+    initializer_range: float = 0.02,
+    head_norm_eps: float | None = None,
+    source: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """config.json of a Motif export: Motif's keys with this model's values (sub-head counts as Motif
+    counts them, `num_noise_heads` for the 12.7B layout, `attn_rms_norm_eps` our head-norm epsilon).
+
+    `source`: the config.json the checkpoint was imported from (`SOURCE_CONFIG_ARG`). Its keys come back in
+    its order and with its values wherever they equal the model's (`10000` stays an int beside our float),
+    keys we do not read (a `sliding_window` beside `use_sliding_window: false`, Motif's own extras) as they
+    were, and a key it left out is not added where Motif's default already gives the model's value. So an
+    import's export is its folder's config.json; a bos / eos id the tokenizer does not give stays the
+    source's."""
+    heads, kv_heads = layout.hf_attention_heads()
+    d = layout.head_dim
+    values: dict[str, Any] = {
+        "model_type": MotifLayout.model_type,
+        "architectures": [MotifLayout.architecture],
+        "auto_map": dict(MOTIF_AUTO_MAP),
+        "vocab_size": layout.vocab_size,
+        "hidden_size": layout.hidden_size,
+        "intermediate_size": layout.ffn_hidden_size,
+        "num_hidden_layers": layout.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": d,
+        "hidden_act": "poly_norm",
+        "max_position_embeddings": layout.max_position_embeddings,
+        "initializer_range": initializer_range,
+        "rms_norm_eps": layout.norm_eps,
+        "attn_rms_norm_eps": default_head_norm_eps() if head_norm_eps is None else head_norm_eps,
+        "rope_theta": layout.rotary_base,
+        "k_ratio": 1,
+        "use_bias": False,
+        "use_sliding_window": False,
+        "tie_word_embeddings": layout.tied,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": dtype,
+    }
+    if layout.num_noise_heads is not None:
+        values["num_noise_heads"] = layout.num_noise_heads
+    elif layout.hidden_size == heads * d:  # the 2.6B layout's d is hidden / num_attention_heads
+        del values["head_dim"]
+    if source is None:
+        return values
+    config = dict(source)
+    implied = {  # what the import read where the source gave nothing
+        **MOTIF_DEFAULTS,
+        "num_key_value_heads": source.get("num_attention_heads"),
+        "head_dim": d,
+        "initializer_range": 0.02,
+    }
+    if "rope_theta" not in source and _rope_theta({**MOTIF_DEFAULTS, **source}) == layout.rotary_base:
+        implied["rope_theta"] = layout.rotary_base  # given as rope_parameters / rope_scaling: kept there
+    if "torch_dtype" not in source and "dtype" in source:  # a transformers 5 save names it `dtype`
+        values["dtype"] = values.pop("torch_dtype")
+    for key, value in values.items():
+        same = key in config and config[key] == value
+        if same and isinstance(config[key], bool) == isinstance(value, bool):  # True == 1, not the same
+            continue
+        if key not in config and implied.get(key, object()) == value:
+            continue
+        if key.endswith("_token_id") and value is None and key in config:
+            continue  # the tokenizer does not say: the source's id
+        config[key] = value
+    return config
 
 
 def pretrain_flags(layout: ModelLayout) -> list[str]:

@@ -10,6 +10,7 @@ when complete (`output_dir.atomic_output_dir`), so a failure never leaves half a
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import time
 from collections.abc import Callable
@@ -24,18 +25,21 @@ from diffmeg.conversion.checkpoint_io import (
     save_remote_code,
 )
 from diffmeg.conversion.hf_config import (
+    SOURCE_CONFIG_ARG,
     generation_config_dict,
     hf_config_dict,
     layout_from_args,
+    motif_config_dict,
     transformers_config_class,
 )
-from diffmeg.conversion.layout import GLOBALS
-from diffmeg.conversion.mapping import HF_LAYER_PREFIX, hf_model_shapes, mcore_layer_to_hf
+from diffmeg.conversion.layout import GLOBALS, MotifLayout
+from diffmeg.conversion.mapping import HF_LAYER_PREFIX, hf_export_dtype, hf_model_shapes, mcore_layer_to_hf
 from diffmeg.conversion.output_dir import HF_EXPORT, atomic_output_dir, check_output_path, some_names
 from diffmeg.conversion.progress import Progress, clock
 from diffmeg.conversion.safetensors_io import SafetensorsShardWriter
 from diffmeg.conversion.tokenizer_io import export_tokenizer
 from diffmeg.errors import stderr
+from diffmeg.storage import write_json
 
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's own default shard size
 
@@ -78,19 +82,30 @@ def export_checkpoint(
     )
     if tokenizer.note:
         log(f"note: {tokenizer.note}")
-    config = transformers_config_class(layout)(
-        **hf_config_dict(
+    token_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    initializer_range = float(getattr(reader.args, "init_method_std", 0.02))
+    if isinstance(layout, MotifLayout):  # Motif's config class is remote code: its keys are written as JSON
+        motif_config = motif_config_dict(
             layout,
             dtype=_dtype_name(dtype),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            initializer_range=float(getattr(reader.args, "init_method_std", 0.02)),
-            lambda_std=float(getattr(reader.args, "lambda_std", 0.1)),
+            **token_ids,
+            initializer_range=initializer_range,
+            head_norm_eps=getattr(reader.args, "head_norm_eps", None),
+            source=getattr(reader.args, SOURCE_CONFIG_ARG, None),  # an import's config.json
         )
-    )
+    else:
+        config = transformers_config_class(layout)(
+            **hf_config_dict(
+                layout,
+                dtype=_dtype_name(dtype),
+                **token_ids,
+                initializer_range=initializer_range,
+                lambda_std=float(getattr(reader.args, "lambda_std", 0.1)),
+            )
+        )
     shapes = hf_model_shapes(layout)
-    plan = [(name, shape, dtype) for name, shape in shapes.items()]
-    needed = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
+    plan = [(name, shape, hf_export_dtype(layout, name, dtype)) for name, shape in shapes.items()]
+    needed = sum(math.prod(shape) * t.itemsize for _, shape, t in plan)
     with atomic_output_dir(save, HF_EXPORT, needed_bytes=needed) as out:
         writer = SafetensorsShardWriter(out, max_shard_size, plan)
         for key in layout.mcore_global_shapes():  # one at a time: the embedding alone is several layers
@@ -107,7 +122,10 @@ def export_checkpoint(
             if layers is not None:
                 layers.layer_done(index + 1)
         shards = writer.close()
-        config.save_pretrained(out)
+        if isinstance(layout, MotifLayout):
+            write_json(os.path.join(out, "config.json"), motif_config)
+        else:
+            config.save_pretrained(out)
         save_remote_code(layout, out)
         ids = generation_config_dict(tokenizer.eos_token_id, tokenizer.bos_token_id)
         transformers.GenerationConfig(**ids).save_pretrained(out)

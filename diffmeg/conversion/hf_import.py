@@ -19,8 +19,13 @@ from typing import Any
 import torch
 
 from diffmeg.conversion.checkpoint_io import HFCheckpointReader
-from diffmeg.conversion.hf_config import layout_from_args, layout_from_hf_config, pretrain_flags
-from diffmeg.conversion.layout import GLOBALS, ModelLayout
+from diffmeg.conversion.hf_config import (
+    SOURCE_CONFIG_ARG,
+    layout_from_args,
+    layout_from_hf_config,
+    pretrain_flags,
+)
+from diffmeg.conversion.layout import GLOBALS, ModelLayout, MotifLayout
 from diffmeg.conversion.mapping import (
     HF_LAYER_PREFIX,
     MCORE_LAYER_PREFIX,
@@ -110,7 +115,8 @@ def resolved_pretrain_args(
 
     `extra`: further pretrain_diff.py flags (never the model's shape, which comes from config.json).
     Training-only values not given (`--lr`, `--train-iters`) are recorded as 0: a continuing run gives
-    its own. `seq_length` defaults to max_position_embeddings.
+    its own. `seq_length` defaults to max_position_embeddings. A Motif folder's config.json is kept as it
+    is under `SOURCE_CONFIG_ARG` (its export writes back the keys we do not read).
     """
     from diffmeg.model import transformer_config
     from diffmeg.run_config import RunConfig
@@ -151,6 +157,8 @@ def resolved_pretrain_args(
         same = False
     if not same:
         raise DiffmegError("the flags after `--` change the model's shape; drop them")
+    if isinstance(layout, MotifLayout):  # its keys we do not read come back with the export
+        setattr(resolved, SOURCE_CONFIG_ARG, dict(hf_config))
     return resolved
 
 

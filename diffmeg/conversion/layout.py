@@ -13,7 +13,8 @@ or untied output layer):
   heads, plus `lambda_proj`; grouped differential attention (GDA, `--num-noise-heads n`): h + n query heads,
   group by group `[signal x r, noise]` (r = h / n).
 - `MotifLayout`: a DIFF V1 model with PolyNorm and Motif's lambda_init <-> Motif Technologies'
-  `MotifForCausalLM` (import only for now), DIFF's counts plus n noise heads for the 12.7B layout.
+  `MotifForCausalLM` (both directions; the export ships diffmeg's own remote code), DIFF's counts plus n
+  noise heads for the 12.7B layout.
 
 Expected tensor shapes are derived here once, so both directions refuse a mismatching input before
 converting anything.

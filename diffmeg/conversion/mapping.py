@@ -32,7 +32,8 @@ back gives a head-norm weight of ones.
 Motif (`MotifLayout`, Motif Technologies' format): DIFF V1 whose sub-heads Motif stores in our order
 (2.6B: query / key sub-heads 2i, 2i+1 the pairs, V of 2d per KV head; 12.7B: query heads `[signal x r,
 noise]` per group, K1/K2 and the V halves 2j/2j+1), so its fused QKV is the projections dealt over the 2g
-K/V sub-groups; `subln` is our head norm (weight kept), `mlp.act_fn` our PolyNorm.
+K/V sub-groups; `subln` is our head norm (weight kept), `mlp.act_fn` our PolyNorm; an export writes the
+lambda vectors in fp32 (or wider) whatever its dtype, as Motif's checkpoints hold them.
 
 Every function takes and returns plain tensors of one layer (or of the embedding / final norm / output
 layer), so a converter streams a model layer by layer and never holds two full copies.
@@ -200,6 +201,9 @@ class LayerMapping:
     """The HF o_proj from a megatron-core layer (DIFF: the head-norm weight folded in)."""
     mcore_only: Callable[[Any, torch.dtype], dict[str, torch.Tensor]] = lambda layout, dtype: {}
     """megatron-core tensors with no HF counterpart, as an import sets them (DIFF: head norm = 1)."""
+    fp32: frozenset[str] = frozenset()
+    """HF keys an export writes in fp32 or wider whatever its dtype (Motif's lambda vectors: its format
+    keeps them fp32 beside bf16 weights)."""
 
 
 def _diff_o_proj(layer: Mapping[str, torch.Tensor], layout: DiffLayout) -> torch.Tensor:
@@ -237,6 +241,7 @@ LAYER_MAPPINGS: dict[type[ModelLayout], LayerMapping] = {
         },
         split_qkv=split_fused_qkv_motif,
         fuse_qkv=fuse_qkv_motif,
+        fp32=frozenset(_DIFF_SAME_IN_LAYER.values()),
     ),
 }
 
@@ -264,7 +269,17 @@ def mcore_layer_to_hf(
     gate, up = layer["mlp.linear_fc1.weight"].chunk(2, dim=0)  # fc1 = [gate; up]
     out["mlp.gate_proj.weight"] = _cast(gate, dtype)
     out["mlp.up_proj.weight"] = _cast(up, dtype)
+    for key in mapping.fp32:  # widened from the source tensor: a bf16 cast in between would round it
+        source = layer[next(mc for mc, hf in mapping.same.items() if hf == key)]
+        out[key] = _cast(source, torch.promote_types(out[key].dtype, torch.float32))
     return out
+
+
+def hf_export_dtype(layout: ModelLayout, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype an export in `dtype` writes HF tensor `name` in (`LayerMapping.fp32`: at least fp32)."""
+    key = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    wide = key in layer_mapping(layout).fp32
+    return torch.promote_types(dtype, torch.float32) if wide else dtype
 
 
 def hf_layer_to_mcore(

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from diffmeg.checkpoints import TOKENIZER_DIR, TRACKER_FILE, checkpoint_path
-from diffmeg.conversion.hf_config import REMOTE_CODE_FILE
+from diffmeg.conversion.hf_config import MOTIF_REMOTE_CODE_FILES, REMOTE_CODE_FILE
 from diffmeg.conversion.safetensors_io import INDEX_FILE
 from diffmeg.data.hf_tokenizer import TOKENIZER_FILES
 from diffmeg.data.indexed import pid_alive
@@ -68,10 +68,11 @@ HF_EXPORT = OutputFiles(
     what="a Hugging Face export",
     names=frozenset(
         {"config.json", "generation_config.json", "model.safetensors", INDEX_FILE, REMOTE_CODE_FILE}
+        | set(MOTIF_REMOTE_CODE_FILES)
         | set(TOKENIZER_FILES)
     ),
     listed=f"config.json, the safetensors weights and {INDEX_FILE}, generation_config.json, the tokenizer's "
-    f"files, {REMOTE_CODE_FILE}",
+    f"files, the remote code ({', '.join((REMOTE_CODE_FILE, *MOTIF_REMOTE_CODE_FILES))})",
     keep_others=True,
     pattern=r"model-\d{5}-of-\d{5}\.safetensors",
 )

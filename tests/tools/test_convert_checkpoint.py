@@ -175,10 +175,10 @@ def edited_checkpoint(src: Path, dst: Path, **changes) -> Path:
         ({"diff_attention": False}, "describes the Transformer baseline"),
         ({"ffn_hidden_size": 512}, "shape mismatch for 'decoder.layers.mlp.linear_fc1.weight'"),
         ({"num_query_groups": 2}, "shape mismatch for 'decoder.layers.self_attention.linear_qkv.weight'"),
-        (  # until the Motif format's export: V1-style GDA has no Hugging Face model
+        (  # V1-style GDA with SwiGLU: Motif's format holds grouped V1 models with PolyNorm only
             {"num_noise_heads": 2},
             "V1-style grouped differential attention (--num-noise-heads 2 for 4 heads) has no Hugging Face "
-            "export yet",
+            "export with a SwiGLU MLP",
         ),
     ],
 )
