@@ -89,13 +89,17 @@ def test_imported_motif_continues_training_on_the_layout_as_on_one_rank(
     for name in ("poly_norm.weight", "poly_norm.bias", "lambda_q1"):
         keys = [k for k in ref if k.endswith(name)]
         assert keys and all(not got[k].equal(start[k]) for k in keys), name
+
     def worst(keys) -> float:
         return max((got[k] - ref[k]).abs().max().item() for k in keys)
 
     vocab = [k for k in ref if "word_embeddings" in k or "output_layer" in k]
     diff = [k for k in ref if any(name in k for name in EXPECT)]
-    print(f"parity {run}: max abs weight difference {worst(set(ref) - set(vocab)):.2e} (lambda, head norm, "
-          f"PolyNorm {worst(diff):.2e}; vocabulary matrices {worst(vocab):.2e})", flush=True)
+    print(
+        f"parity {run}: max abs weight difference {worst(set(ref) - set(vocab)):.2e} (lambda, head norm, "
+        f"PolyNorm {worst(diff):.2e}; vocabulary matrices {worst(vocab):.2e})",
+        flush=True,
+    )
 
 
 @pytest.mark.slow
