@@ -78,6 +78,82 @@ _SCALING = {  # name: (layers, hidden, DIFF heads, lr)
 }
 
 
+# Motif Technologies' open DIFF checkpoints (Motif-2.6B: DIFF V1; Motif-2-12.7B: V1-style grouped differential
+# attention), both with the PolyNorm MLP and Motif's lambda_init schedule. A `motif-*` preset is for continued
+# pretraining of an import (`convert_checkpoint.py hf-to-mcore --load MOTIF_FOLDER`): the model's shape as
+# hf-to-mcore derives it from the published config.json (heads counted as pretrain_diff.py counts them, see
+# diffmeg.conversion.layout.MotifLayout) and a continued-pretraining recipe of ours (Motif pretrained with
+# MuonClip, which diffmeg does not have; AdamW here). The tokenizer is the one shipped with the folder, kept
+# by the import (`--tokenizer-type HuggingFaceTokenizer --tokenizer-model CKPT/tokenizer`), so the preset
+# names none. Run it with `--use-checkpoint-args --load CKPT --finetune` (slurm/motif_continue.sh): the
+# import's args.json then gives every shape value, rotary base and epsilon, and where a value below
+# differs (those marked unconfirmed) the checkpoint's wins; the preset alone sizes a --dry-run.
+# Sources (read 2026-12-02): the head layout from notes/motif_format.md's readers (vLLM's motif.py, the MLX
+# port); 12.7B's hidden 4096, 40 layers, FFN 16384, 40 query / 16 KV heads of 128, 8 noise heads from the
+# MLX port's (junhoyeo/mlx-motif) test config; its rope_theta 1e6 and untied lm_head from a llama.cpp port's
+# notes on Motif-2-12.7B-Reasoning's config.json and tensor list.
+_MOTIF_VOCAB = 219520
+"""Unconfirmed: no public file read states it. With the confirmed 12.7B shape it gives 12.70B parameters
+(untied), and with the 2.6B shape below 2.60B (tied); the MLX port's test config says 128000 (11.95B)."""
+_MOTIF_RECIPE = {
+    # ours, for continuing a converged checkpoint: short warmup, low peak, 2M-token batches of 4096
+    "seq_length": 4096,
+    "global_batch_size": 512,
+    "lr": 3e-5,
+    "min_lr": 3e-6,
+    "lr_warmup_iters": 100,
+    "lr_decay_style": "cosine",
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "weight_decay": 0.1,
+    "train_iters": _tokens_to_iters(2e10, 512, 4096),
+    "train_tokens": int(2e10),
+}
+
+
+def _motif_presets() -> dict[str, dict]:
+    motif = {"diff_attention": True, "diff_version": 1, "lambda_init": "motif", "mlp_activation": "poly_norm"}
+    return {
+        # config.json: 16 / 16 sub-heads (8 DIFF heads over 8 K1/K2 pairs), d = hidden / 16. Unconfirmed:
+        # hidden 2048, FFN 8192, 32 layers, tied embeddings (what makes 2.60B), rope_theta and rms_norm_eps
+        # (Motif's config-class defaults 10000 and 1e-6).
+        "motif-2.6b": {
+            **_MOTIF_RECIPE,
+            **motif,
+            "num_layers": 32,
+            "hidden_size": 2048,
+            "ffn_hidden_size": 8192,
+            "num_attention_heads": 8,
+            "num_query_groups": 8,
+            "kv_channels": 128,
+            "vocab_size": _MOTIF_VOCAB,
+            "max_position_embeddings": 4096,  # unconfirmed: the recipe's sequence (RoPE has no table)
+            "rotary_base": 10000.0,
+            "norm_epsilon": 1e-6,
+            "tie_embeddings_and_output_weights": True,
+        },
+        # config.json: 40 query heads = 8 groups of [signal x 4, noise], 16 K heads (a K1/K2 pair a group),
+        # head_dim 128 -> 32 signal heads over 8 differential KV heads, 8 noise heads. Unconfirmed:
+        # rms_norm_eps (Motif's config-class default 1e-6), max_position_embeddings.
+        "motif-12.7b": {
+            **_MOTIF_RECIPE,
+            **motif,
+            "num_layers": 40,
+            "hidden_size": 4096,
+            "ffn_hidden_size": 16384,
+            "num_attention_heads": 32,
+            "num_query_groups": 8,
+            "group_query_attention": True,
+            "num_noise_heads": 8,
+            "kv_channels": 128,
+            "vocab_size": _MOTIF_VOCAB,
+            "max_position_embeddings": 4096,  # unconfirmed: the recipe's sequence (RoPE has no table)
+            "rotary_base": 1000000.0,
+            "norm_epsilon": 1e-6,
+        },
+    }
+
+
 def _build_presets() -> dict[str, dict]:
     presets: dict[str, dict] = {}
     diff = {
@@ -133,6 +209,7 @@ def _build_presets() -> dict[str, dict]:
             "train_iters": _tokens_to_iters(1.5e9, 64, 65536),
             "train_tokens": int(1.5e9),
         }
+    presets.update(_motif_presets())
     presets["diff-13.1b"] = presets["diff-13b"]
     presets["transformer-13.1b"] = presets["transformer-13b"]
     presets["diff2-13.1b"] = presets["diff2-13b"]

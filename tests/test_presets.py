@@ -137,3 +137,79 @@ def test_readme_gda_parameter_table_is_the_formulas():
         assert [int(c.replace(",", "")) for c in counts] == [_count(get_preset(n)) for n in names], size
         gda, v2 = get_preset(names[2]), get_preset(names[1])
         assert float(ratio) == pytest.approx(core(gda) / core(v2), abs=5e-4), size
+
+
+# Motif's config.json keys for the published checkpoints, as diffmeg/presets.py sources them (the values it
+# marks unconfirmed are the same here: this checks that the preset is what an import of such a folder
+# records, not the values themselves).
+MOTIF_CONFIGS = {
+    "motif-2.6b": {
+        "model_type": "motif",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "vocab_size": 219520,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "poly_norm",
+    },
+    "motif-12.7b": {
+        "model_type": "motif",
+        "hidden_size": 4096,
+        "intermediate_size": 16384,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 16,
+        "num_noise_heads": 8,
+        "head_dim": 128,
+        "k_ratio": 1,
+        "vocab_size": 219520,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "poly_norm",
+    },
+}
+MOTIF_SIZES = {"motif-2.6b": 2.6e9, "motif-12.7b": 12.7e9}
+
+
+@pytest.mark.parametrize("name", sorted(MOTIF_CONFIGS))
+def test_motif_presets_are_what_an_import_of_the_published_config_records(name):
+    """`--model motif-*` resolves to the arguments hf-to-mcore's continue-training flags give for a folder
+    with the published config.json: the same shape (PolyNorm, Motif's lambda_init, the noise heads of the
+    12.7B layout), rotary base, epsilon and ties."""
+    from diffmeg.conversion.hf_config import layout_from_hf_config, pretrain_flags
+    from diffmeg.run_config import SHAPE_FIELDS
+    from diffmeg.training.arguments import resolve_args
+
+    common = ["--mock-data", "--seq-length", "4096", "--lr", "3e-5", "--train-iters", "10"]
+    imported = resolve_args(
+        [*pretrain_flags(layout_from_hf_config(MOTIF_CONFIGS[name])), *common], world_size=1
+    )
+    preset = resolve_args(["--model", name, *common], world_size=1)
+    fields = (
+        *SHAPE_FIELDS,
+        "rotary_base",
+        "norm_epsilon",
+        "lambda_init",
+        "tie_embeddings_and_output_weights",
+    )
+    assert {f: getattr(preset, f) for f in fields} == {f: getattr(imported, f) for f in fields}
+    assert (preset.mlp_activation, str(preset.lambda_init)) == ("poly_norm", "motif")
+    assert preset.num_noise_heads == imported.num_noise_heads
+    # 12.7B: GDA, 8 groups of [signal x 4, noise]; 2.6B: each head its own noise head (plain DIFF)
+    assert preset.num_attention_heads // preset.num_noise_heads == (4 if name == "motif-12.7b" else 1)
+
+
+@pytest.mark.parametrize("name,size", sorted(MOTIF_SIZES.items()))
+def test_motif_presets_have_the_published_sizes(name, size):
+    """Counted as the preset builds the model (2.6B's embedding tied, 12.7B's output layer its own)."""
+    p = get_preset(name)
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = ModelConfig(**{k: v for k, v in p.items() if k in names})
+    assert count_parameters(model) == pytest.approx(size, rel=0.01)
