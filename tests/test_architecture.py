@@ -44,7 +44,7 @@ FLOORS = [
         {"pretrain_diff": ("pretrain_diff",), "tools": ("tools",), "benchmarks": ("benchmarks",)},
         independent=True,
     ),
-    Floor("command line", {"cli": ("diffmeg.cli",)}),
+    Floor("command line", {"cli": ("diffmeg.cli",), "launch": ("diffmeg.launch",)}, independent=True),
     Floor("evaluation", {"eval": ("diffmeg.eval",)}),
     Floor("model sources", {"model_source": ("diffmeg.model_source",)}),
     Floor("conversion", {"conversion": ("diffmeg.conversion",)}),
