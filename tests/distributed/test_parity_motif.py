@@ -8,8 +8,9 @@ K1/K2 pair each) and Motif-2.6B's paired sub-heads (4 DIFF heads over 2 K1/K2 pa
 its import with the flags hf-to-mcore prints, and trained at TP2 with sequence parallelism (one group, one
 half of the FFN dimension a rank: PolyNorm's means are the sum of both shards' squares, its weight and bias
 gradients the sum of both ranks') and at PP2 (Motif's lambda_init by global layer number on the second
-stage). Two launches: the references and the resume on one rank, the four layouts on two. DP, CP and the
-interleaved pipeline run the same model family from scratch in test_parity_gda.py.
+stage); the grouped model also at DP2 and CP2. Two launches: the references and the resume on one rank,
+the six layouts on two. The interleaved pipeline runs the same model family from scratch in
+test_parity_gda.py.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ TRAIN = ["--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
 LAYOUTS = {
     "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
+    "dp2": [],  # two data-parallel ranks, half the global batch each
+    "cp2": ["--context-parallel-size", "2"],
 }
 MOTIF = ("2.6b", "12.7b")
+# every layout for the grouped model (Motif-2-12.7B); the paired one shares its data and context splitting
+RUNS = [(layout, m) for m in MOTIF for layout in LAYOUTS if m == "12.7b" or layout in ("tp2_sp", "pp2")]
 EXPECT = ("lambda_q1", "lambda_k2", "head_norm", "poly_norm.weight", "poly_norm.bias")
 
 
@@ -69,15 +74,14 @@ def runs(tmp_path_factory):
     )
     run_sequence(
         tmp,
-        {f"{layout}_{m}": [*model[m], *TRAIN, *flags] for m in MOTIF for layout, flags in LAYOUTS.items()},
+        {f"{layout}_{m}": [*model[m], *TRAIN, *LAYOUTS[layout]] for layout, m in RUNS},
         nproc=2,
     )
     return tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("motif", MOTIF)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout, motif", RUNS)
 def test_imported_motif_continues_training_on_the_layout_as_on_one_rank(
     runs, single_rank_parallel_state, motif, layout
 ):
