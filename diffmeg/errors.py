@@ -31,7 +31,8 @@ def _shared_error_folder() -> Path | None:
     torchrun gives each worker an error file under one folder per restart attempt (its own scratch
     space); srun's tasks share the job step. A single process has no peers to agree with.
     """
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1"  # srun sets no WORLD_SIZE
+    if not world.isdigit() or int(world) <= 1:
         return None
     elastic = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if elastic:

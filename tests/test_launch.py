@@ -83,7 +83,8 @@ def srun_task(monkeypatch, tmp_path):
     """The environment of one of srun's tasks of a 2-task job step."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
-    task = {"WORLD_SIZE": "2", "SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}
+    task = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # srun sets none
     for name, value in task.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
@@ -103,7 +104,7 @@ def test_the_tasks_of_one_job_step_print_the_same_line_once_and_different_lines_
 
 
 def test_a_single_process_always_prints(monkeypatch, capsys):
-    for name in ("WORLD_SIZE", "TORCHELASTIC_ERROR_FILE", "SLURM_JOB_ID"):
+    for name in ("WORLD_SIZE", "SLURM_NTASKS", "TORCHELASTIC_ERROR_FILE", "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
     report_error("error: one")
     report_error("error: one")
