@@ -28,6 +28,7 @@ from diffmeg.run_config import SHAPE_SIZES
 from diffmeg.runtime import transformer_engine_available
 from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
+from diffmeg.training.config_file import read_config
 from diffmeg.training.distributed import launch_world_size
 
 # Defaults of the flags a preset may set (Megatron-LM's where it has one; the others' is None). The parser
@@ -148,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_diff.py",
         description="Pretrain a Differential Transformer (or its Transformer baseline) on megatron-core.",
         formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="take flags from a TOML, YAML or JSON file (keys: the flags' names, flat or in sections named "
+        "after the groups below; a run's saved arguments.json is one); flags given here win. docs/config.md",
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", help=f"preset: {', '.join(sorted(PRESETS))}")
@@ -463,12 +470,22 @@ def resolve_args(
     parser = build_parser()
     ns = parser.parse_args(argv)
     explicit = _explicit(argv)
+    explicit.pop("config", None)
+    recorded: dict[str, object] = {}
+    if ns.config is not None:  # the file's values count as typed, below the command line's
+        config = read_config(ns.config, parser)
+        explicit = {**config.typed_values, **explicit}
+        recorded = config.recorded_values  # a saved run's resolved values: where a preset's sit, above it
+    for name, value in {**recorded, **explicit}.items():
+        setattr(ns, name, value)  # --model, --load, --use-checkpoint-args ... as the file and flags say
     values: dict[str, object] = dict(vars(ns))
+    del values["config"]  # the file's values are the run's own: its arguments record them, not the file
     values.update({k: v for k, v in DEFAULTS.items() if values.get(k) is None})
     if ns.model is not None:
         values.update(get_preset(ns.model))
     if ns.use_checkpoint_args:
         values.update(checkpoint_model_args(ns.load, ns.pretrained_checkpoint, typed=explicit))
+    values.update(recorded)
     values.update(explicit)
     untie, tie = "untie_embeddings_and_output_weights", "tie_embeddings_and_output_weights"
     if explicit.get(untie) and not explicit.get(tie):
