@@ -30,6 +30,38 @@ from diffmeg.errors import DiffmegError
 _FLAG = "flag"
 """Field metadata key: the flat argument name where it differs from the field's (`preset` <- `model`)."""
 
+_DECL = "declared"
+"""Field metadata key: the field's command-line flag (`Flag`), from which `diffmeg.training.arguments` builds
+the parser: a flag declared here is declared nowhere else."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A field's flag, `--` + the field's name with dashes: its parser type, nargs and default follow from
+    the field's annotation and default (`bool`: an on/off switch; `list[str]`: several values)."""
+
+    help: str | None = None
+    choices: tuple | None = None
+    metavar: str | None = None
+    unset: bool = False
+    """The parser leaves it None (no "default" in --help): a preset or the run derives it."""
+    range: str | None = None
+    """The numeric flag's range rule (`diffmeg.training.arguments.RANGES`: ">= 1", ">= 0", ...)."""
+    group: str | None = None
+    """The parser group it is listed in, where not its own class's (`--override-opt-param-scheduler`, an
+    optimizer field, among the checkpointing flags)."""
+
+
+def flag(default: Any = dataclasses.MISSING, **declaration: Any) -> Any:
+    """A field with its command-line flag (`Flag`'s keywords)."""
+    return field(default=default, metadata={_DECL: Flag(**declaration)})
+
+
+def declared(cls: type) -> list[tuple[dataclasses.Field, Flag]]:
+    """The fields of a group that declare a flag, in declaration order (the parser's and --help's)."""
+    return [(f, f.metadata[_DECL]) for f in dataclasses.fields(cls) if _DECL in f.metadata]
+
+
 SHAPE_SIZES = (
     "num_layers",
     "hidden_size",
@@ -196,48 +228,92 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    override_opt_param_scheduler: bool = False
+    override_opt_param_scheduler: bool = flag(
+        False,
+        group="checkpointing",
+        help="resuming: the learning-rate schedule of these flags (--lr, --min-lr, --lr-warmup-iters, "
+        "--lr-decay-iters, --lr-decay-style, --weight-decay) from the checkpoint's iteration on, where they "
+        "differ from the checkpoint's (without it or the next flag such a difference is refused)",
+    )
     """Resuming: this run's schedule where it differs from the checkpoint's (Megatron-LM's flag)."""
-    use_checkpoint_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False,
+        group="checkpointing",
+        help="resuming: keep the checkpoint's learning-rate schedule, whatever these flags say",
+    )
     """Resuming: the checkpoint's schedule, whatever this run's flags say (Megatron-LM's flag)."""
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where the tokens come from."""
+    """Where the tokens come from (the parser's "data" group: each field's flag is declared here)."""
 
-    data_path: list[str] | None = None
+    data_path: list[str] | None = flag(None, help="prefix, or 'w1 p1 w2 p2 ...', or 'builtin'")
     """Prefixes (`w1 p1 w2 p2 ...`), or ["builtin"]; None with mock data."""
-    mock_data: bool = False
-    split: str = "969,30,1"
-    data_cache_path: str | None = None
-    tokenizer_file: str | None = None
-    tokenizer_type: str = "cl100k_base"
-    tokenizer_model: str | None = None
+    mock_data: bool = flag(False, help="synthetic data (no tokenizer needed)")
+    split: str = flag("969,30,1", help="train,valid,test weights of every dataset")
+    data_cache_path: str | None = flag(
+        None,
+        help="where dataset index caches go (default: cache/ beside the first dataset, or "
+        "$DIFFMEG_CACHE_DIR/datasets/ when that folder is read-only; multi-node without a shared home: "
+        "set it)",
+    )
+    tokenizer_file: str | None = flag(None, help="local cl100k_base BPE file (else $DIFFMEG_TOKENIZER_FILE)")
+    tokenizer_type: str = flag(
+        "cl100k_base",
+        unset=True,
+        choices=("cl100k_base", "HuggingFaceTokenizer", "null"),
+        help="null: the data are token ids below --vocab-size with no tokenizer (generated corpora; "
+        "the default with --mock-data); HuggingFaceTokenizer: the folder --tokenizer-model (a model "
+        "imported or upcycled from Hugging Face keeps its tokenizer)",
+    )
+    tokenizer_model: str | None = flag(
+        None, help="Hugging Face tokenizer folder (with --tokenizer-type HuggingFaceTokenizer)"
+    )
     """The Hugging Face tokenizer folder of `--tokenizer-type HuggingFaceTokenizer`."""
     tokenizer_fingerprint: str | None = None
     """Derived: sha256 of that tokenizer's vocabulary (checked against checkpoints and datasets)."""
-    num_workers: int = 0
+    num_workers: int = flag(0, help="data-loader worker processes", range=">= 0")
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    """Saving and resuming."""
+    """Saving and resuming (the parser's "checkpointing" group, with two flags of `OptimizerConfig`)."""
 
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    async_save: bool = False
+    save: str | None = flag(None, help="checkpoint folder (default: nothing saved)")
+    load: str | None = flag(
+        None, help="checkpoint folder to resume from (its latest iteration, or --ckpt-step)"
+    )
+    save_interval: int | None = flag(
+        None, help="iterations between checkpoints (default: only at the end)", range=">= 1"
+    )
+    async_save: bool = flag(
+        False,
+        help="write checkpoints in the background while training continues (Megatron-LM's flag; the "
+        "tracker names a checkpoint once every rank's files are written)",
+    )
     """Write checkpoints in the background (megatron-core's async torch_dist save) while training goes on."""
-    ckpt_step: int | None = None
-    """Resume from this iteration of --load instead of the tracker's (Megatron-LM's --ckpt-step)."""
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    pretrained_checkpoint: str | None = None
+    no_load_optim: bool = flag(False, help="resume the weights without the optimizer state")
+    no_load_rng: bool = flag(False, help="resume without the random-number state")
+    finetune: bool = flag(False, help="load weights only; reset iteration, optimizer and scheduler")
+    pretrained_checkpoint: str | None = flag(
+        None,
+        help="initialise weights from this checkpoint when --load holds none yet (continued training, "
+        "e.g. the 64K extension); a requeued job then resumes from --load",
+    )
     """Weights to start from when --load holds no checkpoint yet (continued training)."""
-    use_checkpoint_args: bool = False
+    use_checkpoint_args: bool = flag(
+        False,
+        help="take the model's shape and tokenizer from the args.json of the checkpoint the run starts from "
+        "(--load's latest, else --pretrained-checkpoint's), e.g. an upcycled or imported model; flags win",
+    )
     """The model's shape and tokenizer came from the checkpoint the run starts from (args.json)."""
+    ckpt_step: int | None = flag(
+        None,
+        help="resume from this iteration of --load instead of the latest (e.g. when the latest is damaged)",
+        range=">= 1",
+    )
+    """Resume from this iteration of --load instead of the tracker's (Megatron-LM's --ckpt-step)."""
 
 
 @dataclass(kw_only=True)

@@ -7,6 +7,7 @@ Flags covered by presets therefore default to `None` in the parser and are fille
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -24,7 +25,7 @@ from diffmeg.fusions import grad_accum
 from diffmeg.parallel import cp_attention_available
 from diffmeg.parallel.validation import validate_cp
 from diffmeg.presets import PADDED_VOCAB_SIZE, PRESETS, get_preset, swiglu_ffn_size
-from diffmeg.run_config import SHAPE_SIZES
+from diffmeg.run_config import SHAPE_SIZES, CheckpointConfig, DataConfig, OptimizerConfig, declared
 from diffmeg.runtime import transformer_engine_available
 from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
@@ -87,15 +88,6 @@ HELP = {
     "recompute_method": "which layers full recomputation covers (default uniform)",
     "recompute_num_layers": "layers per recomputed group (default 1)",
     "seed": "random seed of weights and data order",
-    "split": "train,valid,test weights of every dataset",
-    "data_cache_path": "where dataset index caches go (default: cache/ beside the first dataset, or "
-    "$DIFFMEG_CACHE_DIR/datasets/ when that folder is read-only; multi-node without a shared home: set it)",
-    "num_workers": "data-loader worker processes",
-    "save": "checkpoint folder (default: nothing saved)",
-    "load": "checkpoint folder to resume from (its latest iteration, or --ckpt-step)",
-    "save_interval": "iterations between checkpoints (default: only at the end)",
-    "no_load_optim": "resume the weights without the optimizer state",
-    "no_load_rng": "resume without the random-number state",
     "log_interval": "iterations between log lines",
     "eval_interval": "iterations between validation passes",
     "eval_iters": "validation batches per pass (0: none)",
@@ -142,6 +134,37 @@ def _add_registry_flags(parser: argparse.ArgumentParser) -> None:
     for s in registry.flagged():
         text = f"{s.purpose}; auto: {' then '.join(s.auto)}, the first that runs here"
         g.add_argument(s.flag, default=registry.AUTO, choices=registry.choices(s.name), help=text)
+
+
+_TYPES = {"int": int, "float": float, "str": None}
+DECLARED = (DataConfig, CheckpointConfig, OptimizerConfig)
+"""The `RunConfig` groups whose fields declare flags (`_add_declared`); the other flags are still
+`add_argument` calls in `build_parser`."""
+
+
+def _add_declared(group: argparse._ArgumentGroup, home: type, *guests: type) -> None:
+    """The flags a `RunConfig` group's fields declare (`diffmeg.run_config.flag`), then those of `guests`'
+    fields listed in this group: the type and nargs from the field's annotation, the default from the
+    field's (None where a preset or the run fills it)."""
+    rows = [(f, d) for f, d in declared(home) if d.group in (None, group.title)]
+    rows += [(f, d) for cls in guests for f, d in declared(cls) if d.group == group.title]
+    for f, decl in rows:
+        option = "--" + f.name.replace("_", "-")
+        kind = f.type.removesuffix(" | None")
+        default = None if decl.unset or f.default is dataclasses.MISSING else f.default
+        if kind == "bool":
+            group.add_argument(option, action="store_true", help=decl.help)
+            continue
+        options: dict[str, object] = {"default": default, "help": decl.help}
+        if kind == "list[str]":
+            options["nargs"] = "*"
+        elif _TYPES[kind] is not None:
+            options["type"] = _TYPES[kind]
+        if decl.choices is not None:
+            options["choices"] = list(decl.choices)
+        if decl.metavar is not None:
+            options["metavar"] = decl.metavar
+        group.add_argument(option, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -355,68 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--exit-interval", type=int, help="exit (after saving) at this iteration")
 
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", help="prefix, or 'w1 p1 w2 p2 ...', or 'builtin'")
-    g.add_argument("--mock-data", action="store_true", help="synthetic data (no tokenizer needed)")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path")
-    g.add_argument("--tokenizer-file", help="local cl100k_base BPE file (else $DIFFMEG_TOKENIZER_FILE)")
-    g.add_argument(
-        "--tokenizer-type",
-        choices=["cl100k_base", "HuggingFaceTokenizer", "null"],
-        help="null: the data are token ids below --vocab-size with no tokenizer (generated corpora; "
-        "the default with --mock-data); HuggingFaceTokenizer: the folder --tokenizer-model (a model "
-        "imported or upcycled from Hugging Face keeps its tokenizer)",
-    )
-    g.add_argument(
-        "--tokenizer-model",
-        help="Hugging Face tokenizer folder (with --tokenizer-type HuggingFaceTokenizer)",
-    )
-    g.add_argument("--num-workers", type=int, default=0)
+    _add_declared(p.add_argument_group("data"), DataConfig)
 
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save")
-    g.add_argument("--load")
-    g.add_argument("--save-interval", type=int)
-    g.add_argument(
-        "--async-save",
-        action="store_true",
-        help="write checkpoints in the background while training continues (Megatron-LM's flag; the "
-        "tracker names a checkpoint once every rank's files are written)",
-    )
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument(
-        "--finetune", action="store_true", help="load weights only; reset iteration, optimizer and scheduler"
-    )
-    g.add_argument(
-        "--pretrained-checkpoint",
-        help="initialise weights from this checkpoint when --load holds none yet (continued training, "
-        "e.g. the 64K extension); a requeued job then resumes from --load",
-    )
-    g.add_argument(
-        "--use-checkpoint-args",
-        action="store_true",
-        help="take the model's shape and tokenizer from the args.json of the checkpoint the run starts from "
-        "(--load's latest, else --pretrained-checkpoint's), e.g. an upcycled or imported model; flags win",
-    )
-    g.add_argument(
-        "--ckpt-step",
-        type=int,
-        help="resume from this iteration of --load instead of the latest (e.g. when the latest is damaged)",
-    )
-    g.add_argument(
-        "--override-opt-param-scheduler",
-        action="store_true",
-        help="resuming: the learning-rate schedule of these flags (--lr, --min-lr, --lr-warmup-iters, "
-        "--lr-decay-iters, --lr-decay-style, --weight-decay) from the checkpoint's iteration on, where they "
-        "differ from the checkpoint's (without it or the next flag such a difference is refused)",
-    )
-    g.add_argument(
-        "--use-checkpoint-opt-param-scheduler",
-        action="store_true",
-        help="resuming: keep the checkpoint's learning-rate schedule, whatever these flags say",
-    )
+    _add_declared(p.add_argument_group("checkpointing"), CheckpointConfig, OptimizerConfig)
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=10)
@@ -541,8 +505,6 @@ RANGES: dict[str, Range] = {
             "lr_decay_iters",
             "recompute_num_layers",
             "exit_interval",
-            "save_interval",
-            "ckpt_step",
             "log_interval",
             "eval_interval",
         ),
@@ -563,13 +525,13 @@ RANGES: dict[str, Range] = {
             "adam_eps",
             "clip_grad",
             "seed",
-            "num_workers",
             "eval_iters",
         ),
         Range(">= 0"),
     ),
     **dict.fromkeys(("rotary_base", "norm_epsilon", "gpu_memory_gib"), Range("> 0")),
     **dict.fromkeys(("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"), Range("in [0, 1)")),
+    **{f.name: Range(decl.range) for cls in DECLARED for f, decl in declared(cls) if decl.range},
 }
 """Every numeric flag's range (a test holds every int/float flag of the parser to a row here): a value out
 of it fails here in one line naming the flag, not deep inside model building or as a silent no-op."""
