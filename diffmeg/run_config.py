@@ -318,19 +318,32 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    """What is reported, where and how often (evaluation included)."""
+    """What is reported, where and how often (evaluation included; the parser's "logging and evaluation"
+    group, the dry run's flags too)."""
 
-    log_interval: int = 10
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    tensorboard_dir: str | None = None
-    metrics_file: str | None = None
-    wandb_project: str | None = None
+    log_interval: int = flag(10, help="iterations between log lines", range=">= 1")
+    eval_interval: int = flag(1000, help="iterations between validation passes", range=">= 1")
+    eval_iters: int = flag(10, help="validation batches per pass (0: none)", range=">= 0")
+    tensorboard_dir: str | None = flag(None, help="write TensorBoard scalars there (default: none)")
+    metrics_file: str | None = flag(None, help="also write every logged iteration as a JSON line")
+    wandb_project: str | None = flag(
+        None, help="also log to Weights & Biases, in this project (default: no W&B)"
+    )
     """W&B logging (`diffmeg.training.wandb_sink`) when given."""
-    wandb_exp_name: str | None = None
-    wandb_save_dir: str | None = None
-    wandb_entity: str | None = None
-    verbose: bool = False
+    wandb_exp_name: str | None = flag(None, help="the W&B run's name (default: W&B's)")
+    wandb_save_dir: str | None = flag(
+        None, help="where the W&B run (offline: WANDB_MODE=offline) and its id go (default: <--save>/wandb)"
+    )
+    wandb_entity: str | None = flag(None, help="the W&B team or user the project belongs to (default: yours)")
+    dry_run: bool = flag(False, help="print the resolved configuration as JSON and exit")
+    gpu_memory_gib: float = flag(
+        80.0,
+        help="GPU memory the run targets: --dry-run warns when its per-GPU memory plan does not fit",
+        range="> 0",
+    )
+    verbose: bool = flag(
+        False, help="print every resolved argument at start (always written to arguments.json beside --save)"
+    )
     """Print the full resolved arguments at start (they are always written to the run directory)."""
 
 

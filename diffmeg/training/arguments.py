@@ -25,7 +25,14 @@ from diffmeg.fusions import grad_accum
 from diffmeg.parallel import cp_attention_available
 from diffmeg.parallel.validation import validate_cp
 from diffmeg.presets import PADDED_VOCAB_SIZE, PRESETS, get_preset, swiglu_ffn_size
-from diffmeg.run_config import SHAPE_SIZES, CheckpointConfig, DataConfig, OptimizerConfig, declared
+from diffmeg.run_config import (
+    SHAPE_SIZES,
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    declared,
+)
 from diffmeg.runtime import transformer_engine_available
 from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
@@ -88,10 +95,6 @@ HELP = {
     "recompute_method": "which layers full recomputation covers (default uniform)",
     "recompute_num_layers": "layers per recomputed group (default 1)",
     "seed": "random seed of weights and data order",
-    "log_interval": "iterations between log lines",
-    "eval_interval": "iterations between validation passes",
-    "eval_iters": "validation batches per pass (0: none)",
-    "tensorboard_dir": "write TensorBoard scalars there (default: none)",
 }
 """Help for the flags whose `add_argument` has none (`build_parser` fills them in; a test keeps every flag
 documented)."""
@@ -137,7 +140,7 @@ def _add_registry_flags(parser: argparse.ArgumentParser) -> None:
 
 
 _TYPES = {"int": int, "float": float, "str": None}
-DECLARED = (DataConfig, CheckpointConfig, OptimizerConfig)
+DECLARED = (DataConfig, CheckpointConfig, OptimizerConfig, LoggingConfig)
 """The `RunConfig` groups whose fields declare flags (`_add_declared`); the other flags are still
 `add_argument` calls in `build_parser`."""
 
@@ -382,31 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_declared(p.add_argument_group("checkpointing"), CheckpointConfig, OptimizerConfig)
 
-    g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--tensorboard-dir")
-    g.add_argument("--metrics-file", help="also write every logged iteration as a JSON line")
-    g.add_argument("--wandb-project", help="also log to Weights & Biases, in this project (default: no W&B)")
-    g.add_argument("--wandb-exp-name", help="the W&B run's name (default: W&B's)")
-    g.add_argument(
-        "--wandb-save-dir",
-        help="where the W&B run (offline: WANDB_MODE=offline) and its id go (default: <--save>/wandb)",
-    )
-    g.add_argument("--wandb-entity", help="the W&B team or user the project belongs to (default: yours)")
-    g.add_argument("--dry-run", action="store_true", help="print the resolved configuration as JSON and exit")
-    g.add_argument(
-        "--gpu-memory-gib",
-        type=float,
-        default=80.0,
-        help="GPU memory the run targets: --dry-run warns when its per-GPU memory plan does not fit",
-    )
-    g.add_argument(
-        "--verbose",
-        action="store_true",
-        help="print every resolved argument at start (always written to arguments.json beside --save)",
-    )
+    _add_declared(p.add_argument_group("logging and evaluation"), LoggingConfig)
     for action in p._actions:
         if action.option_strings and not action.help:
             action.help = HELP.get(action.dest)
@@ -505,8 +484,6 @@ RANGES: dict[str, Range] = {
             "lr_decay_iters",
             "recompute_num_layers",
             "exit_interval",
-            "log_interval",
-            "eval_interval",
         ),
         Range(">= 1"),
     ),
@@ -525,11 +502,10 @@ RANGES: dict[str, Range] = {
             "adam_eps",
             "clip_grad",
             "seed",
-            "eval_iters",
         ),
         Range(">= 0"),
     ),
-    **dict.fromkeys(("rotary_base", "norm_epsilon", "gpu_memory_gib"), Range("> 0")),
+    **dict.fromkeys(("rotary_base", "norm_epsilon"), Range("> 0")),
     **dict.fromkeys(("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"), Range("in [0, 1)")),
     **{f.name: Range(decl.range) for cls in DECLARED for f, decl in declared(cls) if decl.range},
 }
