@@ -45,8 +45,9 @@ class Flag:
     metavar: str | None = None
     unset: bool = False
     """The parser leaves it None (no "default" in --help): a preset or the run derives it."""
-    range: str | None = None
-    """The numeric flag's range rule (`diffmeg.training.arguments.RANGES`: ">= 1", ">= 0", ...)."""
+    range: str | tuple[str, ...] | None = None
+    """The numeric flag's range (`diffmeg.training.arguments.Range`): its rule (">= 1", ">= 0", ...), or
+    the rule, the unit it counts and a hint."""
     group: str | None = None
     """The parser group it is listed in, where not its own class's (`--override-opt-param-scheduler`, an
     optimizer field, among the checkpointing flags)."""
@@ -136,23 +137,52 @@ class ModelConfig:
 class ParallelConfig:
     """How the job is split: model-parallel sizes (data parallel is what remains of the world)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    cp_comm_type: str | None = None
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
+    tensor_model_parallel_size: int = flag(1, help="tensor-parallel ranks", range=">= 1")
+    pipeline_model_parallel_size: int = flag(1, help="pipeline stages", range=">= 1")
+    context_parallel_size: int = flag(
+        1, help="context-parallel ranks (the sequence split over them)", range=">= 1"
+    )
+    cp_comm_type: str | None = flag(
+        None,
+        choices=("ulysses", "p2p", "all_gather", "a2a", "a2a+p2p"),
+        help="context-parallel attention: ulysses (DIFF default; diffmeg's all-to-all, any backend, no TE) "
+        "or megatron-core's Transformer Engine CP: p2p (ring; baseline default), all_gather, a2a",
+    )
+    sequence_parallel: bool = flag(
+        False, help="split activations over the tensor-parallel ranks (needs TP > 1)"
+    )
+    use_distributed_optimizer: bool = flag(False, help="shard the optimizer state over data-parallel ranks")
+    overlap_grad_reduce: bool = flag(
+        False, help="reduce gradients bucket by bucket during backward (megatron-core DDP), not after it"
+    )
     """Reduce gradients in buckets during backward (megatron-core DDP's `overlap_grad_reduce`)."""
-    overlap_param_gather: bool = False
+    overlap_param_gather: bool = flag(
+        False,
+        help="all-gather the distributed optimizer's updated parameters bucket by bucket during the next "
+        "forward, not after the optimizer step (needs --use-distributed-optimizer and --overlap-grad-reduce)",
+    )
     """All-gather the distributed optimizer's parameters in buckets during the next forward."""
-    ddp_bucket_size: int | None = None
+    ddp_bucket_size: int | None = flag(
+        None,
+        help="parameters per data-parallel communication bucket with --overlap-grad-reduce (default: "
+        "megatron-core's max(40M, 1M x DP))",
+        range=(">= 1", "parameter"),
+    )
     """Parameters per DDP bucket with overlap (None: megatron-core's default, max(40M, 1M x DP))."""
-    num_layers_per_virtual_pipeline_stage: int | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        None,
+        help="interleaved 1F1B pipeline schedule: each pipeline rank holds (layers / PP) / this model chunks "
+        "(virtual stages); its bubble shrinks by that factor",
+        range=">= 1",
+    )
     virtual_pipeline_model_parallel_size: int | None = None
     """Derived by validation: model chunks per pipeline rank of the interleaved schedule (None: one)."""
-    distributed_backend: str = "auto"
-    distributed_timeout_minutes: int = 10
+    distributed_backend: str = flag(
+        "auto",
+        choices=("auto", "nccl", "gloo"),
+        help="torch.distributed backend (auto: nccl on GPU, gloo on CPU)",
+    )
+    distributed_timeout_minutes: int = flag(10, help="collective timeout", range=">= 1")
     data_parallel_size: int = 1
     """Derived by validation from the world size."""
 

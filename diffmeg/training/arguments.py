@@ -31,6 +31,7 @@ from diffmeg.run_config import (
     DataConfig,
     LoggingConfig,
     OptimizerConfig,
+    ParallelConfig,
     declared,
 )
 from diffmeg.runtime import transformer_engine_available
@@ -70,13 +71,6 @@ HELP = {
     "hidden_dropout": "dropout after attention and MLP",
     "attention_dropout": "dropout on attention probabilities",
     "lambda_std": "standard deviation of the lambda vectors' init",
-    "tensor_model_parallel_size": "tensor-parallel ranks",
-    "pipeline_model_parallel_size": "pipeline stages",
-    "context_parallel_size": "context-parallel ranks (the sequence split over them)",
-    "sequence_parallel": "split activations over the tensor-parallel ranks (needs TP > 1)",
-    "use_distributed_optimizer": "shard the optimizer state over data-parallel ranks",
-    "distributed_backend": "torch.distributed backend (auto: nccl on GPU, gloo on CPU)",
-    "distributed_timeout_minutes": "collective timeout",
     "micro_batch_size": "samples per rank per forward pass (default 1, or the preset's)",
     "global_batch_size": "samples per optimizer step (default: --micro-batch-size x data-parallel ranks)",
     "train_iters": "optimizer steps (or give --train-tokens)",
@@ -140,7 +134,7 @@ def _add_registry_flags(parser: argparse.ArgumentParser) -> None:
 
 
 _TYPES = {"int": int, "float": float, "str": None}
-DECLARED = (DataConfig, CheckpointConfig, OptimizerConfig, LoggingConfig)
+DECLARED = (ParallelConfig, DataConfig, CheckpointConfig, OptimizerConfig, LoggingConfig)
 """The `RunConfig` groups whose fields declare flags (`_add_declared`); the other flags are still
 `add_argument` calls in `build_parser`."""
 
@@ -261,43 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_registry_flags(p)
 
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument(
-        "--cp-comm-type",
-        choices=["ulysses", "p2p", "all_gather", "a2a", "a2a+p2p"],
-        help="context-parallel attention: ulysses (DIFF default; diffmeg's all-to-all, any backend, no TE) "
-        "or megatron-core's Transformer Engine CP: p2p (ring; baseline default), all_gather, a2a",
-    )
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument(
-        "--overlap-grad-reduce",
-        action="store_true",
-        help="reduce gradients bucket by bucket during backward (megatron-core DDP), not after it",
-    )
-    g.add_argument(
-        "--overlap-param-gather",
-        action="store_true",
-        help="all-gather the distributed optimizer's updated parameters bucket by bucket during the next "
-        "forward, not after the optimizer step (needs --use-distributed-optimizer and --overlap-grad-reduce)",
-    )
-    g.add_argument(
-        "--ddp-bucket-size",
-        type=int,
-        help="parameters per data-parallel communication bucket with --overlap-grad-reduce (default: "
-        "megatron-core's max(40M, 1M x DP))",
-    )
-    g.add_argument(
-        "--num-layers-per-virtual-pipeline-stage",
-        type=int,
-        help="interleaved 1F1B pipeline schedule: each pipeline rank holds (layers / PP) / this model chunks "
-        "(virtual stages); its bubble shrinks by that factor",
-    )
-    g.add_argument("--distributed-backend", default="auto", choices=["auto", "nccl", "gloo"])
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    _add_declared(p.add_argument_group("parallelism"), ParallelConfig)
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int)
@@ -476,11 +434,6 @@ RANGES: dict[str, Range] = {
             "max_position_embeddings",
             "micro_batch_size",
             "global_batch_size",
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "num_layers_per_virtual_pipeline_stage",
-            "distributed_timeout_minutes",
             "lr_decay_iters",
             "recompute_num_layers",
             "exit_interval",
@@ -490,7 +443,6 @@ RANGES: dict[str, Range] = {
     "train_iters": Range(">= 1", hint="a run of no iterations trains nothing"),
     "train_tokens": Range(">= 1", hint="a run of no tokens trains nothing"),
     "cross_entropy_chunk_size": Range(">= 1", "token", "leave it out for the unchunked loss"),
-    "ddp_bucket_size": Range(">= 1", "parameter"),
     **dict.fromkeys(
         (
             "lr",
@@ -507,7 +459,12 @@ RANGES: dict[str, Range] = {
     ),
     **dict.fromkeys(("rotary_base", "norm_epsilon"), Range("> 0")),
     **dict.fromkeys(("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"), Range("in [0, 1)")),
-    **{f.name: Range(decl.range) for cls in DECLARED for f, decl in declared(cls) if decl.range},
+    **{
+        f.name: Range(*([decl.range] if isinstance(decl.range, str) else decl.range))
+        for cls in DECLARED
+        for f, decl in declared(cls)
+        if decl.range
+    },
 }
 """Every numeric flag's range (a test holds every int/float flag of the parser to a row here): a value out
 of it fails here in one line naming the flag, not deep inside model building or as a silent no-op."""
