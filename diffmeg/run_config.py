@@ -43,8 +43,11 @@ class Flag:
     help: str | None = None
     choices: tuple | None = None
     metavar: str | None = None
+    preset: bool = False
+    """A `--model` preset may set it: the parser leaves it None (no "default" in --help), and its field's
+    default (if any) fills it where neither a flag nor the preset did (`arguments.DEFAULTS`)."""
     unset: bool = False
-    """The parser leaves it None (no "default" in --help): a preset or the run derives it."""
+    """The parser leaves it None (no "default" in --help): the run derives it."""
     range: str | tuple[str, ...] | None = None
     """The numeric flag's range (`diffmeg.training.arguments.Range`): its rule (">= 1", ">= 0", ...), or
     the rule, the unit it counts and a hint."""
@@ -62,6 +65,8 @@ def declared(cls: type) -> list[tuple[dataclasses.Field, Flag]]:
     """The fields of a group that declare a flag, in declaration order (the parser's and --help's)."""
     return [(f, f.metadata[_DECL]) for f in dataclasses.fields(cls) if _DECL in f.metadata]
 
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 SHAPE_SIZES = (
     "num_layers",
@@ -205,35 +210,102 @@ class ParallelConfig:
 class TrainingConfig:
     """Batches, length of the run, precision, recomputation and the seed."""
 
-    micro_batch_size: int = 1
-    global_batch_size: int
-    train_iters: int
-    train_tokens: int | None = None
-    seed: int = 1234
-    exit_interval: int | None = None
-    """Save and exit at the first iteration divisible by this."""
-    bf16: bool = False
-    fp16: bool = False
-    fp8_format: str | None = None
-    fp8_recipe: str = "delayed"
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    cross_entropy_chunk_size: int | None = None
+    micro_batch_size: int = flag(
+        1, preset=True, help="samples per rank per forward pass (default 1, or the preset's)", range=">= 1"
+    )
+    global_batch_size: int = flag(
+        preset=True,
+        help="samples per optimizer step (default: --micro-batch-size x data-parallel ranks)",
+        range=">= 1",
+    )
+    train_iters: int = flag(
+        preset=True,
+        help="optimizer steps (or give --train-tokens)",
+        range=(">= 1", "", "a run of no iterations trains nothing"),
+    )
+    train_tokens: int | None = flag(
+        None,
+        preset=True,
+        help="alternative to --train-iters: total training tokens",
+        range=(">= 1", "", "a run of no tokens trains nothing"),
+    )
+    # (the parser lists OptimizerConfig's flags here: diffmeg.training.arguments.build_parser)
+    bf16: bool = flag(False, help="bfloat16 mixed precision")
+    fp16: bool = flag(False, help="float16 mixed precision with loss scaling")
+    fp8_format: str | None = flag(
+        None,
+        choices=("e4m3", "hybrid"),
+        help="FP8 linears: Transformer Engine's on its spec; torchao's on the local spec (an Ada/Hopper GPU, "
+        "with --fp8-recipe tensorwise)",
+    )
+    fp8_recipe: str = flag(
+        "delayed",
+        choices=("delayed", "tensorwise"),
+        help="FP8 scaling (Transformer Engine's recipes; torchao's FP8 on the local spec is tensorwise)",
+    )
+    recompute_granularity: str | None = flag(
+        None,
+        choices=("full", "selective"),
+        help="activation recomputation: full layers or selective (attention only)",
+    )
+    recompute_method: str | None = flag(
+        None, choices=("uniform", "block"), help="which layers full recomputation covers (default uniform)"
+    )
+    recompute_num_layers: int | None = flag(
+        None, help="layers per recomputed group (default 1)", range=">= 1"
+    )
+    cross_entropy_chunk_size: int | None = flag(
+        None,
+        metavar="TOKENS",
+        help="compute the output layer and the loss over this many tokens at a time, recomputing each "
+        "chunk's logits in backward: the whole [tokens, vocab] logits never exist (long context). "
+        "Default: megatron-core's loss over the whole logits",
+        range=(">= 1", "token", "leave it out for the unchunked loss"),
+    )
     """Tokens per chunk of the output layer + loss (`diffmeg.fusions.cross_entropy`); None: whole logits."""
-    cross_entropy_loss_fusion: bool = False
+    cross_entropy_loss_fusion: bool = flag(
+        False,
+        help="megatron-core's native fused cross entropy (its steps compiled, the softmax made in place of "
+        "the fp32 logits; bf16 gradients, so --bf16 only). Default: megatron-core's unfused loss",
+    )
     """megatron-core's native fused cross entropy (the registry's `loss` entry `fused`; bf16 runs)."""
-    gradient_accumulation_fusion: bool = False
+    compile_layers: bool = flag(
+        False,
+        help="wrap each transformer layer in torch.compile (static shapes, one graph a layer) once the model "
+        "is built; compile time goes into the first steps (GPU: diffmeg disables torch.compile on CPU)",
+    )
+    """Each transformer layer wrapped in `torch.compile` once built (`diffmeg.training.graphs`; GPU)."""
+    cuda_graph_impl: str = flag(
+        "none",
+        choices=("none", "local"),
+        help="megatron-core's CUDA graphs: local captures each transformer layer's forward and backward "
+        "after its warmup steps and replays them (GPU; not with full recomputation or --compile-layers)",
+    )
+    """megatron-core's CUDA graphs: "none", or "local" (its per-layer graphs, captured after warmup)."""
+    gradient_accumulation_fusion: bool = flag(
+        False,
+        help="add each weight gradient of megatron-core's linears straight into DDP's fp32 main_grad in one "
+        "GEMM (no bf16 weight gradient, no separate add): apex's extension where installed, else torch's "
+        "fp32-output addmm (diffmeg.fusions.grad_accum). CUDA only; not with torchao's FP8. Default: off",
+    )
     """Weight gradients of megatron-core's linears added straight into DDP's fp32 main_grad in one GEMM
     (megatron-core's `gradient_accumulation_fusion`; `diffmeg.fusions.grad_accum` where apex is absent)."""
-    deterministic_mode: bool = False
-    """Deterministic kernels: megatron-core's own choices read it from the model config."""
-    compile_layers: bool = False
-    """Each transformer layer wrapped in `torch.compile` once built (`diffmeg.training.graphs`; GPU)."""
-    cuda_graph_impl: str = "none"
-    """megatron-core's CUDA graphs: "none", or "local" (its per-layer graphs, captured after warmup)."""
-    no_memory_guard: bool = False
+    no_memory_guard: bool = flag(
+        False,
+        help="start even when the memory plan (--dry-run shows it) does not fit the device: the GPU's free "
+        "memory, or on a CPU the memory available to the process and its cgroup (diffmeg's guard refuses "
+        "such a run before building the model)",
+    )
     """Start even when the memory plan does not fit the device (`diffmeg.training.memory`)."""
+    seed: int = flag(1234, help="random seed of weights and data order", range=">= 0")
+    deterministic_mode: bool = flag(
+        False,
+        help="deterministic kernels (torch.use_deterministic_algorithms, a fixed cuBLAS workspace, "
+        "megatron-core's deterministic embedding): bit-exact reruns and resumes, somewhat slower",
+    )
+    """Deterministic kernels: megatron-core's own choices read it from the model config."""
+    exit_interval: int | None = flag(None, help="exit (after saving) at this iteration", range=">= 1")
+    """Save and exit at the first iteration divisible by this."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -248,16 +320,43 @@ class TrainingConfig:
 class OptimizerConfig:
     """AdamW and the learning-rate schedule."""
 
-    lr: float
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int
-    lr_decay_style: str = "linear"
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr: float = flag(
+        preset=True,
+        group="training",
+        help="peak learning rate (required unless the preset sets one)",
+        range=">= 0",
+    )
+    min_lr: float = flag(
+        0.0,
+        preset=True,
+        group="training",
+        help="learning rate at the end of the decay (default 0)",
+        range=">= 0",
+    )
+    lr_warmup_iters: int = flag(
+        0, preset=True, group="training", help="linear warmup steps (default 0)", range=">= 0"
+    )
+    lr_decay_iters: int = flag(
+        group="training", help="default: --train-iters (at least warmup + 1)", range=">= 1"
+    )
+    lr_decay_style: str = flag(
+        "linear",
+        preset=True,
+        group="training",
+        choices=LR_DECAY_STYLES,
+        help="learning-rate schedule after warmup (default linear)",
+    )
+    weight_decay: float = flag(
+        0.01, preset=True, group="training", help="AdamW weight decay (default 0.01)", range=">= 0"
+    )
+    adam_beta1: float = flag(
+        0.9, preset=True, group="training", help="AdamW beta1 (default 0.9)", range="in [0, 1)"
+    )
+    adam_beta2: float = flag(
+        0.999, preset=True, group="training", help="AdamW beta2 (default 0.999)", range="in [0, 1)"
+    )
+    adam_eps: float = flag(1e-8, group="training", help="AdamW epsilon", range=">= 0")
+    clip_grad: float = flag(1.0, group="training", help="gradient-norm clipping (0: none)", range=">= 0")
     override_opt_param_scheduler: bool = flag(
         False,
         group="checkpointing",

@@ -32,6 +32,7 @@ from diffmeg.run_config import (
     LoggingConfig,
     OptimizerConfig,
     ParallelConfig,
+    TrainingConfig,
     declared,
 )
 from diffmeg.runtime import transformer_engine_available
@@ -40,22 +41,22 @@ from diffmeg.training.checkpoint_args import checkpoint_model_args
 from diffmeg.training.config_file import read_config
 from diffmeg.training.distributed import launch_world_size
 
+DECLARED = (ParallelConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoggingConfig)
+"""The `RunConfig` groups whose fields declare flags (`_add_declared`); the other flags are still
+`add_argument` calls in `build_parser`."""
+
 # Defaults of the flags a preset may set (Megatron-LM's where it has one; the others' is None). The parser
 # leaves them unset, so a preset sits between the default and what the user types.
 DEFAULTS: dict[str, object] = {
     "diff_attention": True,
     "diff_version": 1,
-    "micro_batch_size": 1,
-    "min_lr": 0.0,
-    "lr_warmup_iters": 0,
-    "lr_decay_style": "linear",
-    "adam_beta1": 0.9,
-    "adam_beta2": 0.999,
-    "weight_decay": 0.01,
+    **{
+        f.name: f.default
+        for cls in DECLARED
+        for f, decl in declared(cls)
+        if decl.preset and f.default is not dataclasses.MISSING and f.default is not None
+    },
 }
-
-
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
 HELP = {
@@ -71,24 +72,6 @@ HELP = {
     "hidden_dropout": "dropout after attention and MLP",
     "attention_dropout": "dropout on attention probabilities",
     "lambda_std": "standard deviation of the lambda vectors' init",
-    "micro_batch_size": "samples per rank per forward pass (default 1, or the preset's)",
-    "global_batch_size": "samples per optimizer step (default: --micro-batch-size x data-parallel ranks)",
-    "train_iters": "optimizer steps (or give --train-tokens)",
-    "lr": "peak learning rate (required unless the preset sets one)",
-    "min_lr": "learning rate at the end of the decay (default 0)",
-    "lr_warmup_iters": "linear warmup steps (default 0)",
-    "lr_decay_style": "learning-rate schedule after warmup (default linear)",
-    "weight_decay": "AdamW weight decay (default 0.01)",
-    "adam_beta1": "AdamW beta1 (default 0.9)",
-    "adam_beta2": "AdamW beta2 (default 0.999)",
-    "adam_eps": "AdamW epsilon",
-    "clip_grad": "gradient-norm clipping (0: none)",
-    "bf16": "bfloat16 mixed precision",
-    "fp16": "float16 mixed precision with loss scaling",
-    "recompute_granularity": "activation recomputation: full layers or selective (attention only)",
-    "recompute_method": "which layers full recomputation covers (default uniform)",
-    "recompute_num_layers": "layers per recomputed group (default 1)",
-    "seed": "random seed of weights and data order",
 }
 """Help for the flags whose `add_argument` has none (`build_parser` fills them in; a test keeps every flag
 documented)."""
@@ -134,21 +117,21 @@ def _add_registry_flags(parser: argparse.ArgumentParser) -> None:
 
 
 _TYPES = {"int": int, "float": float, "str": None}
-DECLARED = (ParallelConfig, DataConfig, CheckpointConfig, OptimizerConfig, LoggingConfig)
-"""The `RunConfig` groups whose fields declare flags (`_add_declared`); the other flags are still
-`add_argument` calls in `build_parser`."""
 
 
-def _add_declared(group: argparse._ArgumentGroup, home: type, *guests: type) -> None:
-    """The flags a `RunConfig` group's fields declare (`diffmeg.run_config.flag`), then those of `guests`'
-    fields listed in this group: the type and nargs from the field's annotation, the default from the
-    field's (None where a preset or the run fills it)."""
+def _add_declared(
+    group: argparse._ArgumentGroup, home: type, *guests: type, guests_after: str | None = None
+) -> None:
+    """The flags a `RunConfig` group's fields declare (`diffmeg.run_config.flag`), with those of `guests`'
+    fields listed in this group after `guests_after`'s (default: last): the type and nargs from the field's
+    annotation, the default from the field's (None where a preset or the run fills it)."""
     rows = [(f, d) for f, d in declared(home) if d.group in (None, group.title)]
-    rows += [(f, d) for cls in guests for f, d in declared(cls) if d.group == group.title]
+    at = len(rows) if guests_after is None else 1 + [f.name for f, _ in rows].index(guests_after)
+    rows[at:at] = [(f, d) for cls in guests for f, d in declared(cls) if d.group == group.title]
     for f, decl in rows:
         option = "--" + f.name.replace("_", "-")
         kind = f.type.removesuffix(" | None")
-        default = None if decl.unset or f.default is dataclasses.MISSING else f.default
+        default = None if decl.unset or decl.preset or f.default is dataclasses.MISSING else f.default
         if kind == "bool":
             group.add_argument(option, action="store_true", help=decl.help)
             continue
@@ -257,88 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_declared(p.add_argument_group("parallelism"), ParallelConfig)
 
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int)
-    g.add_argument("--global-batch-size", type=int)
-    g.add_argument("--train-iters", type=int)
-    g.add_argument("--train-tokens", type=int, help="alternative to --train-iters: total training tokens")
-    g.add_argument("--lr", type=float)
-    g.add_argument("--min-lr", type=float)
-    g.add_argument("--lr-warmup-iters", type=int)
-    g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters (at least warmup + 1)")
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES)
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--adam-beta1", type=float)
-    g.add_argument("--adam-beta2", type=float)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument(
-        "--fp8-format",
-        choices=["e4m3", "hybrid"],
-        help="FP8 linears: Transformer Engine's on its spec; torchao's on the local spec (an Ada/Hopper GPU, "
-        "with --fp8-recipe tensorwise)",
+    _add_declared(
+        p.add_argument_group("training"), TrainingConfig, OptimizerConfig, guests_after="train_tokens"
     )
-    g.add_argument(
-        "--fp8-recipe",
-        choices=["delayed", "tensorwise"],
-        default="delayed",
-        help="FP8 scaling (Transformer Engine's recipes; torchao's FP8 on the local spec is tensorwise)",
-    )
-    g.add_argument("--recompute-granularity", choices=["full", "selective"])
-    g.add_argument("--recompute-method", choices=["uniform", "block"])
-    g.add_argument("--recompute-num-layers", type=int)
-    g.add_argument(
-        "--cross-entropy-chunk-size",
-        type=int,
-        metavar="TOKENS",
-        help="compute the output layer and the loss over this many tokens at a time, recomputing each "
-        "chunk's logits in backward: the whole [tokens, vocab] logits never exist (long context). "
-        "Default: megatron-core's loss over the whole logits",
-    )
-    g.add_argument(
-        "--cross-entropy-loss-fusion",
-        action="store_true",
-        help="megatron-core's native fused cross entropy (its steps compiled, the softmax made in place of "
-        "the fp32 logits; bf16 gradients, so --bf16 only). Default: megatron-core's unfused loss",
-    )
-    g.add_argument(
-        "--compile-layers",
-        action="store_true",
-        help="wrap each transformer layer in torch.compile (static shapes, one graph a layer) once the model "
-        "is built; compile time goes into the first steps (GPU: diffmeg disables torch.compile on CPU)",
-    )
-    g.add_argument(
-        "--cuda-graph-impl",
-        choices=["none", "local"],
-        default="none",
-        help="megatron-core's CUDA graphs: local captures each transformer layer's forward and backward "
-        "after its warmup steps and replays them (GPU; not with full recomputation or --compile-layers)",
-    )
-    g.add_argument(
-        "--gradient-accumulation-fusion",
-        action="store_true",
-        help="add each weight gradient of megatron-core's linears straight into DDP's fp32 main_grad in one "
-        "GEMM (no bf16 weight gradient, no separate add): apex's extension where installed, else torch's "
-        "fp32-output addmm (diffmeg.fusions.grad_accum). CUDA only; not with torchao's FP8. Default: off",
-    )
-    g.add_argument(
-        "--no-memory-guard",
-        action="store_true",
-        help="start even when the memory plan (--dry-run shows it) does not fit the device: the GPU's free "
-        "memory, or on a CPU the memory available to the process and its cgroup (diffmeg's guard refuses "
-        "such a run before building the model)",
-    )
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument(
-        "--deterministic-mode",
-        action="store_true",
-        help="deterministic kernels (torch.use_deterministic_algorithms, a fixed cuBLAS workspace, "
-        "megatron-core's deterministic embedding): bit-exact reruns and resumes, somewhat slower",
-    )
-    g.add_argument("--exit-interval", type=int, help="exit (after saving) at this iteration")
-
     _add_declared(p.add_argument_group("data"), DataConfig)
 
     _add_declared(p.add_argument_group("checkpointing"), CheckpointConfig, OptimizerConfig)
@@ -427,38 +331,10 @@ _RULES = {
 }
 
 RANGES: dict[str, Range] = {
-    **dict.fromkeys(
-        (
-            *SHAPE_SIZES,
-            "seq_length",
-            "max_position_embeddings",
-            "micro_batch_size",
-            "global_batch_size",
-            "lr_decay_iters",
-            "recompute_num_layers",
-            "exit_interval",
-        ),
-        Range(">= 1"),
-    ),
-    "train_iters": Range(">= 1", hint="a run of no iterations trains nothing"),
-    "train_tokens": Range(">= 1", hint="a run of no tokens trains nothing"),
-    "cross_entropy_chunk_size": Range(">= 1", "token", "leave it out for the unchunked loss"),
-    **dict.fromkeys(
-        (
-            "lr",
-            "min_lr",
-            "lr_warmup_iters",
-            "weight_decay",
-            "init_method_std",
-            "lambda_std",
-            "adam_eps",
-            "clip_grad",
-            "seed",
-        ),
-        Range(">= 0"),
-    ),
+    **dict.fromkeys((*SHAPE_SIZES, "seq_length", "max_position_embeddings"), Range(">= 1")),
+    **dict.fromkeys(("init_method_std", "lambda_std"), Range(">= 0")),
     **dict.fromkeys(("rotary_base", "norm_epsilon"), Range("> 0")),
-    **dict.fromkeys(("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"), Range("in [0, 1)")),
+    **dict.fromkeys(("hidden_dropout", "attention_dropout"), Range("in [0, 1)")),
     **{
         f.name: Range(*([decl.range] if isinstance(decl.range, str) else decl.range))
         for cls in DECLARED

@@ -1,7 +1,8 @@
 """What `pretrain_diff.py`'s parser was before its flags were declared once (issue 45): a committed snapshot.
 
 Every option of `build_parser()` with its dest, default, choices, nargs, type, help text, metavar and argument
-group, and the `--help` text itself at a fixed width; tests/fixtures/parser_snapshot.json holds what the
+group, the `--help` text itself at a fixed width, every numeric flag's range (`RANGES`) and the defaults
+under the presets (`DEFAULTS`); tests/fixtures/parser_snapshot.json holds what the
 parser built with `add_argument` calls measured, written by
 
     python3 -m tests.training.parser_snapshot --write
@@ -64,7 +65,15 @@ def snapshot() -> dict:
                 "group": groups.get(id(action)),
             }
         )
-    return {"prog": parser.prog, "options": options, "help_text": text.splitlines()}
+    from diffmeg.training.arguments import DEFAULTS, RANGES
+
+    return {
+        "prog": parser.prog,
+        "options": options,
+        "help_text": text.splitlines(),
+        "ranges": {name: list(rule) for name, rule in sorted(RANGES.items())},
+        "defaults": {name: _plain(value) for name, value in sorted(DEFAULTS.items())},
+    }
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """The parser against its committed snapshot (tests/training/parser_snapshot.py): every flag's spelling,
-dest, default, choices, nargs, type, help and group, and the `--help` text, as they were."""
+dest, default, choices, nargs, type, help and group, the `--help` text, the flags' ranges and the defaults
+under the presets, as they were."""
 
 from __future__ import annotations
 
@@ -16,3 +17,4 @@ def test_the_parser_matches_its_snapshot():
     for mine, theirs in zip(got["options"], want["options"], strict=True):
         assert mine == theirs, mine["option_strings"]
     assert got["help_text"] == want["help_text"]
+    assert got["ranges"] == want["ranges"] and got["defaults"] == want["defaults"]
