@@ -4,15 +4,18 @@
 `RunConfig.from_args` converts it once, and everything after the entry point (the Trainer, checkpointing,
 the builders) reads typed groups: `run.model.hidden_size`, `run.optim.lr`, `run.checkpoint.save`.
 
-Every field is named as its flag (`--hidden-size` -> `hidden_size`), so `to_args()` gives the flat form
+Every flag is declared here, once, on its field (`flag(...)`: help, choices, range, whether a preset may
+set it; type and default are the field's own), and the parser is built from these declarations
+(`diffmeg.training.arguments.build_parser`): adding a flag is adding a field. Every field is named as its
+flag (`--hidden-size` -> `hidden_size`), so `to_args()` gives the flat form
 back exactly: it is used only to write `args.json` (and the run directory's arguments.json), from which
 the offline readers (single-rank models of checkpoints, conversion) build a RunConfig again
 (`from_args(args, partial=True)`); the model config (`diffmeg.model.transformer_config`), the FLOPs and
 memory estimates, the data and the dry run read the typed groups; the implementation choices are one
 dict, `impls`, keyed by the flags the registry's slots declare (`diffmeg.registry.flagged`). It stands
 below the model (nothing here imports more than torch and the registry's table), so every floor that
-builds a model can hold one. Flags no group knows (`--dry-run` and its options, or a flag added before a
-group names it) travel in `extra`, so nothing resolved is ever dropped.
+builds a model can hold one. Resolved values no group knows (`explicit_flags`, `dropped_flags`, ...)
+travel in `extra`, so nothing resolved is ever dropped.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class Flag:
     range: str | tuple[str, ...] | None = None
     """The numeric flag's range (`diffmeg.training.arguments.Range`): its rule (">= 1", ">= 0", ...), or
     the rule, the unit it counts and a hint."""
+    parser_default: Any = None
+    """The parser's default where it is not the field's (`--transformer-impl auto`, which the run resolves);
+    None: the field's."""
     group: str | None = None
     """The parser group it is listed in, where not its own class's (`--override-opt-param-scheduler`, an
     optimizer field, among the checkpointing flags)."""
@@ -82,7 +88,7 @@ SHAPE_SIZES = (
 SHAPE_FIELDS = (*SHAPE_SIZES, "diff_attention", "diff_version", "mlp_activation")
 """Everything that sets a model's tensor shapes and names (every iteration of a run has the same; PolyNorm's
 weights are not SwiGLU's): the one list the
-checks of a checkpoint against a run, `--use-checkpoint-args` and the flags' range checks read."""
+checks of a checkpoint against a run and `--use-checkpoint-args` read."""
 
 
 @dataclass(kw_only=True)
@@ -91,40 +97,95 @@ class ModelConfig:
 
     preset: str | None = field(default=None, metadata={_FLAG: "model"})
     """The `--model` preset the sizes came from (None: all given as flags)."""
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
+    num_layers: int = flag(preset=True, help="transformer layers (else the --model preset's)", range=">= 1")
+    hidden_size: int = flag(preset=True, help="model width (else the preset's)", range=">= 1")
+    ffn_hidden_size: int = flag(
+        preset=True,
+        help="SwiGLU inner width (default: the preset's, else 8/3 x hidden rounded up to 64)",
+        range=">= 1",
+    )
+    num_attention_heads: int = flag(
+        preset=True,
+        help="DIFF: differential heads h (each 2 sub-heads of kv-channels, V of 2x); baseline: heads",
+        range=">= 1",
+    )
     """DIFF: differential heads (2 sub-heads of `kv_channels` each); baseline: heads."""
-    num_query_groups: int
-    kv_channels: int
-    seq_length: int
-    max_position_embeddings: int
-    vocab_size: int
-    """Padded vocabulary size."""
-    group_query_attention: bool = False
-    rotary_base: float = 10000.0
-    init_method_std: float = 0.02
-    norm_epsilon: float = 1e-5
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    diff_attention: bool = True
-    """False: the FLOP-matched Transformer baseline."""
-    diff_version: int = 1
-    """1: the paper's differential attention; 2: DIFF V2."""
-    num_noise_heads: int | None = None
+    group_query_attention: bool = flag(False, help="use --num-query-groups KV groups (Megatron-LM's flag)")
+    num_query_groups: int = flag(preset=True, help="DIFF: differential KV heads (K1/K2 pairs)", range=">= 1")
+    num_noise_heads: int | None = flag(
+        None,
+        preset=True,
+        help="grouped differential attention (GDA, Motif's): n noise heads shared by the "
+        "--num-attention-heads signal heads, h / n each (a multiple of --num-query-groups, whose default "
+        "it becomes). Default: as many as the signal heads (the classic 1:1 DIFF; the gda-* presets set 4:1)",
+        range=">= 1",
+    )
     """n: noise heads of grouped differential attention, dividing the h differential heads (Motif's name);
     h (the command line's default) is the 1:1 DIFF. None: h, as in runs that predate the flag, and the
     Transformer baseline, which has none."""
-    lambda_init: str = "exp"
-    lambda_std: float = 0.1
-    mlp_activation: str = "swiglu"
+    kv_channels: int = flag(
+        preset=True, help="head dim d (default hidden / (2h) for DIFF, hidden / h else)", range=">= 1"
+    )
+    seq_length: int = flag(preset=True, help="tokens per sample (else the preset's)", range=">= 1")
+    max_position_embeddings: int = flag(
+        preset=True, help="positions the model is built for (default: --seq-length)", range=">= 1"
+    )
+    vocab_size: int = flag(
+        preset=True, help="padded vocabulary size (default: the tokenizer's, 100288)", range=">= 1"
+    )
+    """Padded vocabulary size."""
+    rotary_base: float = flag(10000.0, help="RoPE base", range="> 0")
+    init_method_std: float = flag(0.02, help="standard deviation of the weight init", range=">= 0")
+    norm_epsilon: float = flag(1e-5, help="RMSNorm epsilon", range="> 0")
+    hidden_dropout: float = flag(0.0, help="dropout after attention and MLP", range="in [0, 1)")
+    attention_dropout: float = flag(0.0, help="dropout on attention probabilities", range="in [0, 1)")
+    diff_attention: bool = flag(
+        True,
+        preset=True,
+        help="differential attention (the default, except for the transformer-* presets); "
+        "--no-diff-attention builds the FLOP-matched Transformer baseline instead",
+    )
+    """False: the FLOP-matched Transformer baseline."""
+    diff_version: int = flag(
+        1,
+        preset=True,
+        choices=(1, 2),
+        help="differential attention version: 1, the paper's (default); 2, DIFF V2 (2h query heads over "
+        "ordinary GQA attention, per-token sigmoid lambda, no head norm). The diff2-* presets set 2",
+    )
+    """1: the paper's differential attention; 2: DIFF V2."""
+    lambda_init: str = flag(
+        "exp",
+        help="'exp' (the paper's layer-wise schedule), 'motif' (Motif's checkpoints' schedule, one layer "
+        "later: lambda_init from their 0-based layer_idx - 1) or a constant in [0, 1)",
+    )
+    mlp_activation: str = flag(
+        "swiglu",
+        choices=("swiglu", "poly_norm"),
+        help="the gated MLP's activation: swiglu, or poly_norm (Motif's PolyNorm: w0 norm(z^3) + "
+        "w1 norm(z^2) + w2 norm(z) + b over the FFN dimension)",
+    )
     """The gated MLP's activation: swiglu, or Motif's poly_norm."""
-    transformer_impl: str = "local"
-    tie_embeddings_and_output_weights: bool = False
+    lambda_std: float = flag(0.1, help="standard deviation of the lambda vectors' init", range=">= 0")
+    transformer_impl: str = flag(
+        "local",
+        parser_default="auto",
+        choices=("auto", "local", "transformer_engine"),
+        help="auto: Transformer Engine when installed and on GPU, else megatron-core local",
+    )
+    """What the run resolved `auto` to (an args.json without the field: local)."""
+    tie_embeddings_and_output_weights: bool = flag(
+        False,
+        help="one matrix for the word embedding and the output layer (Llama 3.2 1B/3B, many small models; "
+        "an upcycled or imported tied model records it). Default: untied, as every preset",
+    )
     """One matrix for the word embedding and the output layer (False, the default and what an args.json
     without the field means: the output layer is its own matrix)."""
-    untie_embeddings_and_output_weights: bool = False
+    untie_embeddings_and_output_weights: bool = flag(
+        False,
+        help="Megatron-LM's flag for diffmeg's default: the output layer is a matrix of its own (wins over "
+        "a tie taken from --use-checkpoint-args, for a checkpoint of its own)",
+    )
     """Megatron-LM's flag for the default (untied); refused together with the tie flag."""
 
     @property

@@ -1,7 +1,10 @@
 """Command-line arguments: Megatron-LM's flag names, `--model` presets, one-line validation errors.
 
-Resolution order for every value: an explicit flag, else the `--model` preset, else the default here.
-Flags covered by presets therefore default to `None` in the parser and are filled in `resolve_args`.
+Every flag is declared once, on its `diffmeg.run_config` field (name, type, default, choices, range, help,
+whether a preset may set it); `build_parser` builds the parser from those declarations. Resolution order
+for every value: an explicit flag (or a `--config` file's), else the `--model` preset, else the field's
+default. Flags covered by presets therefore default to `None` in the parser and are filled in
+`resolve_args`.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from diffmeg.parallel import cp_attention_available
 from diffmeg.parallel.validation import validate_cp
 from diffmeg.presets import PADDED_VOCAB_SIZE, PRESETS, get_preset, swiglu_ffn_size
 from diffmeg.run_config import (
-    SHAPE_SIZES,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
+    ModelConfig,
     OptimizerConfig,
     ParallelConfig,
     TrainingConfig,
@@ -41,40 +44,26 @@ from diffmeg.training.checkpoint_args import checkpoint_model_args
 from diffmeg.training.config_file import read_config
 from diffmeg.training.distributed import launch_world_size
 
-DECLARED = (ParallelConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoggingConfig)
-"""The `RunConfig` groups whose fields declare flags (`_add_declared`); the other flags are still
-`add_argument` calls in `build_parser`."""
+DECLARED = (
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+    OptimizerConfig,
+    DataConfig,
+    CheckpointConfig,
+    LoggingConfig,
+)
+"""The `RunConfig` groups, whose fields declare the flags (`diffmeg.run_config.flag`): `build_parser` adds
+them group by group (`_add_declared`); only `--config`, `--model` and the registry's flags are its own."""
 
-# Defaults of the flags a preset may set (Megatron-LM's where it has one; the others' is None). The parser
-# leaves them unset, so a preset sits between the default and what the user types.
 DEFAULTS: dict[str, object] = {
-    "diff_attention": True,
-    "diff_version": 1,
-    **{
-        f.name: f.default
-        for cls in DECLARED
-        for f, decl in declared(cls)
-        if decl.preset and f.default is not dataclasses.MISSING and f.default is not None
-    },
+    f.name: f.default
+    for cls in DECLARED
+    for f, decl in declared(cls)
+    if decl.preset and f.default is not dataclasses.MISSING and f.default is not None
 }
-
-
-HELP = {
-    "num_layers": "transformer layers (else the --model preset's)",
-    "hidden_size": "model width (else the preset's)",
-    "ffn_hidden_size": "SwiGLU inner width (default: the preset's, else 8/3 x hidden rounded up to 64)",
-    "group_query_attention": "use --num-query-groups KV groups (Megatron-LM's flag)",
-    "seq_length": "tokens per sample (else the preset's)",
-    "max_position_embeddings": "positions the model is built for (default: --seq-length)",
-    "rotary_base": "RoPE base",
-    "init_method_std": "standard deviation of the weight init",
-    "norm_epsilon": "RMSNorm epsilon",
-    "hidden_dropout": "dropout after attention and MLP",
-    "attention_dropout": "dropout on attention probabilities",
-    "lambda_std": "standard deviation of the lambda vectors' init",
-}
-"""Help for the flags whose `add_argument` has none (`build_parser` fills them in; a test keeps every flag
-documented)."""
+"""Defaults of the flags a preset may set, from their fields (Megatron-LM's where it has one; the others'
+is None). The parser leaves them unset, so a preset sits between the default and what the user types."""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -132,6 +121,15 @@ def _add_declared(
         option = "--" + f.name.replace("_", "-")
         kind = f.type.removesuffix(" | None")
         default = None if decl.unset or decl.preset or f.default is dataclasses.MISSING else f.default
+        if decl.parser_default is not None:
+            default = decl.parser_default
+        if (
+            kind == "bool" and decl.preset
+        ):  # --x / --no-x, and no parser default: the preset or DEFAULTS decide
+            group.add_argument(
+                option, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=decl.help
+            )
+            continue
         if kind == "bool":
             group.add_argument(option, action="store_true", help=decl.help)
             continue
@@ -161,81 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", help=f"preset: {', '.join(sorted(PRESETS))}")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--ffn-hidden-size", type=int)
-    g.add_argument(
-        "--num-attention-heads",
-        type=int,
-        help="DIFF: differential heads h (each 2 sub-heads of kv-channels, V of 2x); baseline: heads",
-    )
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, help="DIFF: differential KV heads (K1/K2 pairs)")
-    g.add_argument(
-        "--num-noise-heads",
-        type=int,
-        help="grouped differential attention (GDA, Motif's): n noise heads shared by the "
-        "--num-attention-heads signal heads, h / n each (a multiple of --num-query-groups, whose default "
-        "it becomes). Default: as many as the signal heads (the classic 1:1 DIFF; the gda-* presets set 4:1)",
-    )
-    g.add_argument(
-        "--kv-channels", type=int, help="head dim d (default hidden / (2h) for DIFF, hidden / h else)"
-    )
-    g.add_argument("--seq-length", type=int)
-    g.add_argument("--max-position-embeddings", type=int)
-    g.add_argument("--vocab-size", type=int, help="padded vocabulary size (default: the tokenizer's, 100288)")
-    g.add_argument("--rotary-base", type=float, default=10000.0)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    # No parser default (SUPPRESS): the preset or DEFAULTS decide, and --help shows no "(default: ...)".
-    g.add_argument(
-        "--diff-attention",
-        action=argparse.BooleanOptionalAction,
-        default=argparse.SUPPRESS,
-        help="differential attention (the default, except for the transformer-* presets); "
-        "--no-diff-attention builds the FLOP-matched Transformer baseline instead",
-    )
-    g.add_argument(
-        "--diff-version",
-        type=int,
-        choices=[1, 2],
-        help="differential attention version: 1, the paper's (default); 2, DIFF V2 (2h query heads over "
-        "ordinary GQA attention, per-token sigmoid lambda, no head norm). The diff2-* presets set 2",
-    )
-    g.add_argument(
-        "--lambda-init",
-        default="exp",
-        help="'exp' (the paper's layer-wise schedule), 'motif' (Motif's checkpoints' schedule, one layer "
-        "later: lambda_init from their 0-based layer_idx - 1) or a constant in [0, 1)",
-    )
-    g.add_argument(
-        "--mlp-activation",
-        default="swiglu",
-        choices=["swiglu", "poly_norm"],
-        help="the gated MLP's activation: swiglu, or poly_norm (Motif's PolyNorm: w0 norm(z^3) + "
-        "w1 norm(z^2) + w2 norm(z) + b over the FFN dimension)",
-    )
-    g.add_argument("--lambda-std", type=float, default=0.1)
-    g.add_argument(
-        "--transformer-impl",
-        default="auto",
-        choices=["auto", "local", "transformer_engine"],
-        help="auto: Transformer Engine when installed and on GPU, else megatron-core local",
-    )
-    g.add_argument(
-        "--tie-embeddings-and-output-weights",
-        action="store_true",
-        help="one matrix for the word embedding and the output layer (Llama 3.2 1B/3B, many small models; "
-        "an upcycled or imported tied model records it). Default: untied, as every preset",
-    )
-    g.add_argument(
-        "--untie-embeddings-and-output-weights",
-        action="store_true",
-        help="Megatron-LM's flag for diffmeg's default: the output layer is a matrix of its own (wins over "
-        "a tie taken from --use-checkpoint-args, for a checkpoint of its own)",
-    )
+    _add_declared(g, ModelConfig)
     _add_registry_flags(p)
 
     _add_declared(p.add_argument_group("parallelism"), ParallelConfig)
@@ -248,9 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_declared(p.add_argument_group("checkpointing"), CheckpointConfig, OptimizerConfig)
 
     _add_declared(p.add_argument_group("logging and evaluation"), LoggingConfig)
-    for action in p._actions:
-        if action.option_strings and not action.help:
-            action.help = HELP.get(action.dest)
     return p
 
 
@@ -331,16 +252,10 @@ _RULES = {
 }
 
 RANGES: dict[str, Range] = {
-    **dict.fromkeys((*SHAPE_SIZES, "seq_length", "max_position_embeddings"), Range(">= 1")),
-    **dict.fromkeys(("init_method_std", "lambda_std"), Range(">= 0")),
-    **dict.fromkeys(("rotary_base", "norm_epsilon"), Range("> 0")),
-    **dict.fromkeys(("hidden_dropout", "attention_dropout"), Range("in [0, 1)")),
-    **{
-        f.name: Range(*([decl.range] if isinstance(decl.range, str) else decl.range))
-        for cls in DECLARED
-        for f, decl in declared(cls)
-        if decl.range
-    },
+    f.name: Range(*([decl.range] if isinstance(decl.range, str) else decl.range))
+    for cls in DECLARED
+    for f, decl in declared(cls)
+    if decl.range
 }
 """Every numeric flag's range (a test holds every int/float flag of the parser to a row here): a value out
 of it fails here in one line naming the flag, not deep inside model building or as a silent no-op."""
