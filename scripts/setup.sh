@@ -42,7 +42,7 @@ else
         "$PY" -m pip install -q "torch==2.13.0"
     fi
     # harness: lm-eval for tools/eval_harness.py and its tests (~2.5 min the first time; keeps the torch).
-    "$PY" -m pip install -q -c scripts/constraints.txt -e ".[dev,mpi,hf,eval,harness,wandb]"
+    "$PY" -m pip install -q -c scripts/constraints.txt -e ".[dev,mpi,hf,eval,harness,wandb,yaml]"
     # deepspeed (FLOPs-profiler cross-check; Ulysses reference design) without compiling its CUDA ops.
     "$PY" -c "import deepspeed" 2>/dev/null \
         || DS_BUILD_OPS=0 "$PY" -m pip install -q -c scripts/constraints.txt "deepspeed>=0.15"

@@ -59,6 +59,10 @@
 #   SRUN_ARGS          extra srun flags, e.g. "--cpu-bind=none --mpi=pmix"
 #   AUTO_REQUEUE=1     when training stopped early (SIGUSR1 before the time limit, --exit-interval) with
 #                      progress saved, requeue this job; it resumes from the checkpoint. MAX_RESTARTS=100
+#   CONFIG             a TOML, YAML or JSON file of pretrain_diff.py flags (--config; a run's saved
+#                      arguments.json is one): what the recipe does not set, e.g. data, W&B, the schedule.
+#                      The recipe's flags and EXTRA_ARGS override it, as every command-line flag does;
+#                      each job keeps a copy in jobs/<job id>/
 #   EXTRA_ARGS         appended last to pretrain_diff.py's arguments, so they override the recipe's
 #                      (flags only; split on whitespace)
 #   DIFFMEG_ROOT       the checkout (found automatically, see above)
@@ -165,6 +169,12 @@ diffmeg_launch() {
     ckpt=$(_dm_abs "${CKPT_DIR:-$run_dir/checkpoints}")
     tb=$(_dm_abs "${TB_DIR:-$run_dir/tensorboard}")
     [ -z "${INIT_CKPT:-}" ] || INIT_CKPT=$(_dm_abs "$INIT_CKPT")
+    local config_args=() config=
+    if [ -n "${CONFIG:-}" ]; then
+        config=$(_dm_abs "$CONFIG")
+        [ -f "$config" ] || _dm_die "CONFIG=$CONFIG: no such file (a TOML, YAML or JSON file of flags)"
+        config_args=(--config "$config")
+    fi
 
     local data_args=() words=() word
     if [ -n "${DATA_PATH:-}" ]; then
@@ -212,7 +222,7 @@ diffmeg_launch() {
         fi
     fi
 
-    local args=(pretrain_diff.py "${recipe_args[@]}"
+    local args=(pretrain_diff.py "${config_args[@]}" "${recipe_args[@]}"
         --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp"
         --context-parallel-size "$cp" --micro-batch-size "$mb")
     if [ "${SEQUENCE_PARALLEL:-1}" = 1 ] && ((run_tp > 1)); then
@@ -282,13 +292,14 @@ diffmeg_launch() {
         echo "recipe: $RECIPE_FILE ($RECIPE_NAME)"
     } >"$job_dir/git.txt"
     [ "$dirty" = 0 ] || git -C "$root" diff HEAD >"$job_dir/git.diff" 2>/dev/null || true
+    [ -z "$config" ] || cp "$config" "$job_dir/"  # a record of the file this job read
     printf '%q ' "${cmd[@]}" >"$job_dir/command.sh"
     echo >>"$job_dir/command.sh"
     local knobs='NODES|GPUS_PER_NODE|TP|PP|CP|DP|MICRO_BATCH|SEQUENCE_PARALLEL|DIST_OPTIMIZER|PRECISION'
     knobs+='|GPU_MEMORY_GIB|CE_CHUNK_SIZE'
     knobs+='|OVERLAP|ASYNC_SAVE'
     knobs+='|RECOMPUTE|DATA_PATH|RUNS_ROOT|RUN_NAME|RUN_DIR|CKPT_DIR|TB_DIR|INIT_CKPT|CONTAINER_[A-Z_]*|PYTHON'
-    knobs+='|SRUN_ARGS|EXTRA_ARGS|AUTO_REQUEUE|MAX_RESTARTS|[A-Z]*_INTERVAL|EVAL_ITERS|ARCH|DIFFMEG_[A-Z_]*'
+    knobs+='|SRUN_ARGS|CONFIG|EXTRA_ARGS|AUTO_REQUEUE|MAX_RESTARTS|[A-Z]*_INTERVAL|EVAL_ITERS|ARCH|DIFFMEG_[A-Z_]*'
     knobs+='|SLURM_[A-Z_]*'
     env | grep -E "^($knobs)=" | sort >"$job_dir/env.txt" || true
 

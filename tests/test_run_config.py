@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
+from diffmeg import registry
 from diffmeg.errors import DiffmegError
 from diffmeg.run_config import RunConfig
 from diffmeg.training.arguments import resolve_args
@@ -47,7 +49,7 @@ def test_groups_are_typed_and_unknown_flags_travel_in_extra():
     assert (run.checkpoint.load, run.checkpoint.ckpt_step) == ("/c", 7)
     assert run.tokens_per_step == args.global_batch_size * args.seq_length
     assert run.num_microbatches == args.global_batch_size // (args.micro_batch_size * 8)
-    assert {"dry_run", "explicit_flags"} <= set(run.extra)
+    assert "explicit_flags" in run.extra and run.logging.dry_run is False
     assert "hidden_size" not in run.extra
 
 
@@ -61,3 +63,24 @@ def test_missing_fields_are_an_error_unless_partial():
     run = RunConfig.from_args(old, partial=True)  # e.g. an args.json from before a field existed
     assert run.parallel.cp_comm_type is None and run.model.num_layers is None
     assert vars(run.to_args()) == vars(old)  # what was read, nothing added
+
+
+def test_every_flag_is_one_declared_field():
+    """The parser is the declarations: each declared field is a flag of its type and default, and every flag
+    but --config, --model and the registry's is a declared field (adding a field adds the flag)."""
+    from diffmeg.run_config import declared
+    from diffmeg.training.arguments import DECLARED, build_parser
+
+    actions = {a.dest: a for a in build_parser()._actions if a.option_strings and a.dest != "help"}
+    fields = {f.name: (f, d) for cls in DECLARED for f, d in declared(cls)}
+    own = {"config", "model", *(s.field for s in registry.flagged())}
+    assert set(actions) - own == set(fields)
+    for name, (f, decl) in fields.items():
+        action = actions[name]
+        assert action.option_strings[0] == "--" + name.replace("_", "-")
+        assert action.help == decl.help and bool(action.help), name
+        if decl.choices is not None:
+            assert list(action.choices) == list(decl.choices), name
+        if not (decl.preset or decl.unset or decl.parser_default is not None):
+            missing = f.default is dataclasses.MISSING  # required, derived when not given
+            assert action.default == (None if missing else f.default), name

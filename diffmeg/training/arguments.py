@@ -1,12 +1,16 @@
 """Command-line arguments: Megatron-LM's flag names, `--model` presets, one-line validation errors.
 
-Resolution order for every value: an explicit flag, else the `--model` preset, else the default here.
-Flags covered by presets therefore default to `None` in the parser and are filled in `resolve_args`.
+Every flag is declared once, on its `diffmeg.run_config` field (name, type, default, choices, range, help,
+whether a preset may set it); `build_parser` builds the parser from those declarations. Resolution order
+for every value: an explicit flag (or a `--config` file's), else the `--model` preset, else the field's
+default. Flags covered by presets therefore default to `None` in the parser and are filled in
+`resolve_args`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -24,84 +28,42 @@ from diffmeg.fusions import grad_accum
 from diffmeg.parallel import cp_attention_available
 from diffmeg.parallel.validation import validate_cp
 from diffmeg.presets import PADDED_VOCAB_SIZE, PRESETS, get_preset, swiglu_ffn_size
-from diffmeg.run_config import SHAPE_SIZES
+from diffmeg.run_config import (
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+    declared,
+)
 from diffmeg.runtime import transformer_engine_available
 from diffmeg.training import graphs
 from diffmeg.training.checkpoint_args import checkpoint_model_args
+from diffmeg.training.config_file import read_config
 from diffmeg.training.distributed import launch_world_size
 
-# Defaults of the flags a preset may set (Megatron-LM's where it has one; the others' is None). The parser
-# leaves them unset, so a preset sits between the default and what the user types.
+DECLARED = (
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+    OptimizerConfig,
+    DataConfig,
+    CheckpointConfig,
+    LoggingConfig,
+)
+"""The `RunConfig` groups, whose fields declare the flags (`diffmeg.run_config.flag`): `build_parser` adds
+them group by group (`_add_declared`); only `--config`, `--model` and the registry's flags are its own."""
+
 DEFAULTS: dict[str, object] = {
-    "diff_attention": True,
-    "diff_version": 1,
-    "micro_batch_size": 1,
-    "min_lr": 0.0,
-    "lr_warmup_iters": 0,
-    "lr_decay_style": "linear",
-    "adam_beta1": 0.9,
-    "adam_beta2": 0.999,
-    "weight_decay": 0.01,
+    f.name: f.default
+    for cls in DECLARED
+    for f, decl in declared(cls)
+    if decl.preset and f.default is not dataclasses.MISSING and f.default is not None
 }
-
-
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-
-
-HELP = {
-    "num_layers": "transformer layers (else the --model preset's)",
-    "hidden_size": "model width (else the preset's)",
-    "ffn_hidden_size": "SwiGLU inner width (default: the preset's, else 8/3 x hidden rounded up to 64)",
-    "group_query_attention": "use --num-query-groups KV groups (Megatron-LM's flag)",
-    "seq_length": "tokens per sample (else the preset's)",
-    "max_position_embeddings": "positions the model is built for (default: --seq-length)",
-    "rotary_base": "RoPE base",
-    "init_method_std": "standard deviation of the weight init",
-    "norm_epsilon": "RMSNorm epsilon",
-    "hidden_dropout": "dropout after attention and MLP",
-    "attention_dropout": "dropout on attention probabilities",
-    "lambda_std": "standard deviation of the lambda vectors' init",
-    "tensor_model_parallel_size": "tensor-parallel ranks",
-    "pipeline_model_parallel_size": "pipeline stages",
-    "context_parallel_size": "context-parallel ranks (the sequence split over them)",
-    "sequence_parallel": "split activations over the tensor-parallel ranks (needs TP > 1)",
-    "use_distributed_optimizer": "shard the optimizer state over data-parallel ranks",
-    "distributed_backend": "torch.distributed backend (auto: nccl on GPU, gloo on CPU)",
-    "distributed_timeout_minutes": "collective timeout",
-    "micro_batch_size": "samples per rank per forward pass (default 1, or the preset's)",
-    "global_batch_size": "samples per optimizer step (default: --micro-batch-size x data-parallel ranks)",
-    "train_iters": "optimizer steps (or give --train-tokens)",
-    "lr": "peak learning rate (required unless the preset sets one)",
-    "min_lr": "learning rate at the end of the decay (default 0)",
-    "lr_warmup_iters": "linear warmup steps (default 0)",
-    "lr_decay_style": "learning-rate schedule after warmup (default linear)",
-    "weight_decay": "AdamW weight decay (default 0.01)",
-    "adam_beta1": "AdamW beta1 (default 0.9)",
-    "adam_beta2": "AdamW beta2 (default 0.999)",
-    "adam_eps": "AdamW epsilon",
-    "clip_grad": "gradient-norm clipping (0: none)",
-    "bf16": "bfloat16 mixed precision",
-    "fp16": "float16 mixed precision with loss scaling",
-    "recompute_granularity": "activation recomputation: full layers or selective (attention only)",
-    "recompute_method": "which layers full recomputation covers (default uniform)",
-    "recompute_num_layers": "layers per recomputed group (default 1)",
-    "seed": "random seed of weights and data order",
-    "split": "train,valid,test weights of every dataset",
-    "data_cache_path": "where dataset index caches go (default: cache/ beside the first dataset, or "
-    "$DIFFMEG_CACHE_DIR/datasets/ when that folder is read-only; multi-node without a shared home: set it)",
-    "num_workers": "data-loader worker processes",
-    "save": "checkpoint folder (default: nothing saved)",
-    "load": "checkpoint folder to resume from (its latest iteration, or --ckpt-step)",
-    "save_interval": "iterations between checkpoints (default: only at the end)",
-    "no_load_optim": "resume the weights without the optimizer state",
-    "no_load_rng": "resume without the random-number state",
-    "log_interval": "iterations between log lines",
-    "eval_interval": "iterations between validation passes",
-    "eval_iters": "validation batches per pass (0: none)",
-    "tensorboard_dir": "write TensorBoard scalars there (default: none)",
-}
-"""Help for the flags whose `add_argument` has none (`build_parser` fills them in; a test keeps every flag
-documented)."""
+"""Defaults of the flags a preset may set, from their fields (Megatron-LM's where it has one; the others'
+is None). The parser leaves them unset, so a preset sits between the default and what the user types."""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -143,309 +105,73 @@ def _add_registry_flags(parser: argparse.ArgumentParser) -> None:
         g.add_argument(s.flag, default=registry.AUTO, choices=registry.choices(s.name), help=text)
 
 
+_TYPES = {"int": int, "float": float, "str": None}
+
+
+def _add_declared(
+    group: argparse._ArgumentGroup, home: type, *guests: type, guests_after: str | None = None
+) -> None:
+    """The flags a `RunConfig` group's fields declare (`diffmeg.run_config.flag`), with those of `guests`'
+    fields listed in this group after `guests_after`'s (default: last): the type and nargs from the field's
+    annotation, the default from the field's (None where a preset or the run fills it)."""
+    rows = [(f, d) for f, d in declared(home) if d.group in (None, group.title)]
+    at = len(rows) if guests_after is None else 1 + [f.name for f, _ in rows].index(guests_after)
+    rows[at:at] = [(f, d) for cls in guests for f, d in declared(cls) if d.group == group.title]
+    for f, decl in rows:
+        option = "--" + f.name.replace("_", "-")
+        kind = f.type.removesuffix(" | None")
+        default = None if decl.unset or decl.preset or f.default is dataclasses.MISSING else f.default
+        if decl.parser_default is not None:
+            default = decl.parser_default
+        if (
+            kind == "bool" and decl.preset
+        ):  # --x / --no-x, and no parser default: the preset or DEFAULTS decide
+            group.add_argument(
+                option, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=decl.help
+            )
+            continue
+        if kind == "bool":
+            group.add_argument(option, action="store_true", help=decl.help)
+            continue
+        options: dict[str, object] = {"default": default, "help": decl.help}
+        if kind == "list[str]":
+            options["nargs"] = "*"
+        elif _TYPES[kind] is not None:
+            options["type"] = _TYPES[kind]
+        if decl.choices is not None:
+            options["choices"] = list(decl.choices)
+        if decl.metavar is not None:
+            options["metavar"] = decl.metavar
+        group.add_argument(option, **options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="pretrain_diff.py",
         description="Pretrain a Differential Transformer (or its Transformer baseline) on megatron-core.",
         formatter_class=_HelpFormatter,
     )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="take flags from a TOML, YAML or JSON file (keys: the flags' names, flat or in sections named "
+        "after the groups below; a run's saved arguments.json is one); flags given here win. docs/config.md",
+    )
     g = p.add_argument_group("model")
     g.add_argument("--model", help=f"preset: {', '.join(sorted(PRESETS))}")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--ffn-hidden-size", type=int)
-    g.add_argument(
-        "--num-attention-heads",
-        type=int,
-        help="DIFF: differential heads h (each 2 sub-heads of kv-channels, V of 2x); baseline: heads",
-    )
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, help="DIFF: differential KV heads (K1/K2 pairs)")
-    g.add_argument(
-        "--num-noise-heads",
-        type=int,
-        help="grouped differential attention (GDA, Motif's): n noise heads shared by the "
-        "--num-attention-heads signal heads, h / n each (a multiple of --num-query-groups, whose default "
-        "it becomes). Default: as many as the signal heads (the classic 1:1 DIFF; the gda-* presets set 4:1)",
-    )
-    g.add_argument(
-        "--kv-channels", type=int, help="head dim d (default hidden / (2h) for DIFF, hidden / h else)"
-    )
-    g.add_argument("--seq-length", type=int)
-    g.add_argument("--max-position-embeddings", type=int)
-    g.add_argument("--vocab-size", type=int, help="padded vocabulary size (default: the tokenizer's, 100288)")
-    g.add_argument("--rotary-base", type=float, default=10000.0)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    # No parser default (SUPPRESS): the preset or DEFAULTS decide, and --help shows no "(default: ...)".
-    g.add_argument(
-        "--diff-attention",
-        action=argparse.BooleanOptionalAction,
-        default=argparse.SUPPRESS,
-        help="differential attention (the default, except for the transformer-* presets); "
-        "--no-diff-attention builds the FLOP-matched Transformer baseline instead",
-    )
-    g.add_argument(
-        "--diff-version",
-        type=int,
-        choices=[1, 2],
-        help="differential attention version: 1, the paper's (default); 2, DIFF V2 (2h query heads over "
-        "ordinary GQA attention, per-token sigmoid lambda, no head norm). The diff2-* presets set 2",
-    )
-    g.add_argument(
-        "--lambda-init",
-        default="exp",
-        help="'exp' (the paper's layer-wise schedule), 'motif' (Motif's checkpoints' schedule, one layer "
-        "later: lambda_init from their 0-based layer_idx - 1) or a constant in [0, 1)",
-    )
-    g.add_argument(
-        "--mlp-activation",
-        default="swiglu",
-        choices=["swiglu", "poly_norm"],
-        help="the gated MLP's activation: swiglu, or poly_norm (Motif's PolyNorm: w0 norm(z^3) + "
-        "w1 norm(z^2) + w2 norm(z) + b over the FFN dimension)",
-    )
-    g.add_argument("--lambda-std", type=float, default=0.1)
-    g.add_argument(
-        "--transformer-impl",
-        default="auto",
-        choices=["auto", "local", "transformer_engine"],
-        help="auto: Transformer Engine when installed and on GPU, else megatron-core local",
-    )
-    g.add_argument(
-        "--tie-embeddings-and-output-weights",
-        action="store_true",
-        help="one matrix for the word embedding and the output layer (Llama 3.2 1B/3B, many small models; "
-        "an upcycled or imported tied model records it). Default: untied, as every preset",
-    )
-    g.add_argument(
-        "--untie-embeddings-and-output-weights",
-        action="store_true",
-        help="Megatron-LM's flag for diffmeg's default: the output layer is a matrix of its own (wins over "
-        "a tie taken from --use-checkpoint-args, for a checkpoint of its own)",
-    )
+    _add_declared(g, ModelConfig)
     _add_registry_flags(p)
 
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument(
-        "--cp-comm-type",
-        choices=["ulysses", "p2p", "all_gather", "a2a", "a2a+p2p"],
-        help="context-parallel attention: ulysses (DIFF default; diffmeg's all-to-all, any backend, no TE) "
-        "or megatron-core's Transformer Engine CP: p2p (ring; baseline default), all_gather, a2a",
-    )
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument(
-        "--overlap-grad-reduce",
-        action="store_true",
-        help="reduce gradients bucket by bucket during backward (megatron-core DDP), not after it",
-    )
-    g.add_argument(
-        "--overlap-param-gather",
-        action="store_true",
-        help="all-gather the distributed optimizer's updated parameters bucket by bucket during the next "
-        "forward, not after the optimizer step (needs --use-distributed-optimizer and --overlap-grad-reduce)",
-    )
-    g.add_argument(
-        "--ddp-bucket-size",
-        type=int,
-        help="parameters per data-parallel communication bucket with --overlap-grad-reduce (default: "
-        "megatron-core's max(40M, 1M x DP))",
-    )
-    g.add_argument(
-        "--num-layers-per-virtual-pipeline-stage",
-        type=int,
-        help="interleaved 1F1B pipeline schedule: each pipeline rank holds (layers / PP) / this model chunks "
-        "(virtual stages); its bubble shrinks by that factor",
-    )
-    g.add_argument("--distributed-backend", default="auto", choices=["auto", "nccl", "gloo"])
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    _add_declared(p.add_argument_group("parallelism"), ParallelConfig)
 
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int)
-    g.add_argument("--global-batch-size", type=int)
-    g.add_argument("--train-iters", type=int)
-    g.add_argument("--train-tokens", type=int, help="alternative to --train-iters: total training tokens")
-    g.add_argument("--lr", type=float)
-    g.add_argument("--min-lr", type=float)
-    g.add_argument("--lr-warmup-iters", type=int)
-    g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters (at least warmup + 1)")
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES)
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--adam-beta1", type=float)
-    g.add_argument("--adam-beta2", type=float)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument(
-        "--fp8-format",
-        choices=["e4m3", "hybrid"],
-        help="FP8 linears: Transformer Engine's on its spec; torchao's on the local spec (an Ada/Hopper GPU, "
-        "with --fp8-recipe tensorwise)",
+    _add_declared(
+        p.add_argument_group("training"), TrainingConfig, OptimizerConfig, guests_after="train_tokens"
     )
-    g.add_argument(
-        "--fp8-recipe",
-        choices=["delayed", "tensorwise"],
-        default="delayed",
-        help="FP8 scaling (Transformer Engine's recipes; torchao's FP8 on the local spec is tensorwise)",
-    )
-    g.add_argument("--recompute-granularity", choices=["full", "selective"])
-    g.add_argument("--recompute-method", choices=["uniform", "block"])
-    g.add_argument("--recompute-num-layers", type=int)
-    g.add_argument(
-        "--cross-entropy-chunk-size",
-        type=int,
-        metavar="TOKENS",
-        help="compute the output layer and the loss over this many tokens at a time, recomputing each "
-        "chunk's logits in backward: the whole [tokens, vocab] logits never exist (long context). "
-        "Default: megatron-core's loss over the whole logits",
-    )
-    g.add_argument(
-        "--cross-entropy-loss-fusion",
-        action="store_true",
-        help="megatron-core's native fused cross entropy (its steps compiled, the softmax made in place of "
-        "the fp32 logits; bf16 gradients, so --bf16 only). Default: megatron-core's unfused loss",
-    )
-    g.add_argument(
-        "--compile-layers",
-        action="store_true",
-        help="wrap each transformer layer in torch.compile (static shapes, one graph a layer) once the model "
-        "is built; compile time goes into the first steps (GPU: diffmeg disables torch.compile on CPU)",
-    )
-    g.add_argument(
-        "--cuda-graph-impl",
-        choices=["none", "local"],
-        default="none",
-        help="megatron-core's CUDA graphs: local captures each transformer layer's forward and backward "
-        "after its warmup steps and replays them (GPU; not with full recomputation or --compile-layers)",
-    )
-    g.add_argument(
-        "--gradient-accumulation-fusion",
-        action="store_true",
-        help="add each weight gradient of megatron-core's linears straight into DDP's fp32 main_grad in one "
-        "GEMM (no bf16 weight gradient, no separate add): apex's extension where installed, else torch's "
-        "fp32-output addmm (diffmeg.fusions.grad_accum). CUDA only; not with torchao's FP8. Default: off",
-    )
-    g.add_argument(
-        "--no-memory-guard",
-        action="store_true",
-        help="start even when the memory plan (--dry-run shows it) does not fit the device: the GPU's free "
-        "memory, or on a CPU the memory available to the process and its cgroup (diffmeg's guard refuses "
-        "such a run before building the model)",
-    )
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument(
-        "--deterministic-mode",
-        action="store_true",
-        help="deterministic kernels (torch.use_deterministic_algorithms, a fixed cuBLAS workspace, "
-        "megatron-core's deterministic embedding): bit-exact reruns and resumes, somewhat slower",
-    )
-    g.add_argument("--exit-interval", type=int, help="exit (after saving) at this iteration")
+    _add_declared(p.add_argument_group("data"), DataConfig)
 
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", help="prefix, or 'w1 p1 w2 p2 ...', or 'builtin'")
-    g.add_argument("--mock-data", action="store_true", help="synthetic data (no tokenizer needed)")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path")
-    g.add_argument("--tokenizer-file", help="local cl100k_base BPE file (else $DIFFMEG_TOKENIZER_FILE)")
-    g.add_argument(
-        "--tokenizer-type",
-        choices=["cl100k_base", "HuggingFaceTokenizer", "null"],
-        help="null: the data are token ids below --vocab-size with no tokenizer (generated corpora; "
-        "the default with --mock-data); HuggingFaceTokenizer: the folder --tokenizer-model (a model "
-        "imported or upcycled from Hugging Face keeps its tokenizer)",
-    )
-    g.add_argument(
-        "--tokenizer-model",
-        help="Hugging Face tokenizer folder (with --tokenizer-type HuggingFaceTokenizer)",
-    )
-    g.add_argument("--num-workers", type=int, default=0)
+    _add_declared(p.add_argument_group("checkpointing"), CheckpointConfig, OptimizerConfig)
 
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save")
-    g.add_argument("--load")
-    g.add_argument("--save-interval", type=int)
-    g.add_argument(
-        "--async-save",
-        action="store_true",
-        help="write checkpoints in the background while training continues (Megatron-LM's flag; the "
-        "tracker names a checkpoint once every rank's files are written)",
-    )
-    g.add_argument(
-        "--export-hf-at-end",
-        metavar="DIR",
-        help="when training ends (the last iteration, a SIGTERM or --exit-interval stop), also write the "
-        "final checkpoint as a Hugging Face folder DIR (mcore-to-hf's export; an earlier export's files "
-        "in DIR are replaced, others stay); a failed export is one warning and leaves the checkpoint as is",
-    )
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument(
-        "--finetune", action="store_true", help="load weights only; reset iteration, optimizer and scheduler"
-    )
-    g.add_argument(
-        "--pretrained-checkpoint",
-        help="initialise weights from this checkpoint when --load holds none yet (continued training, "
-        "e.g. the 64K extension); a requeued job then resumes from --load",
-    )
-    g.add_argument(
-        "--use-checkpoint-args",
-        action="store_true",
-        help="take the model's shape and tokenizer from the args.json of the checkpoint the run starts from "
-        "(--load's latest, else --pretrained-checkpoint's), e.g. an upcycled or imported model; flags win",
-    )
-    g.add_argument(
-        "--ckpt-step",
-        type=int,
-        help="resume from this iteration of --load instead of the latest (e.g. when the latest is damaged)",
-    )
-    g.add_argument(
-        "--override-opt-param-scheduler",
-        action="store_true",
-        help="resuming: the learning-rate schedule of these flags (--lr, --min-lr, --lr-warmup-iters, "
-        "--lr-decay-iters, --lr-decay-style, --weight-decay) from the checkpoint's iteration on, where they "
-        "differ from the checkpoint's (without it or the next flag such a difference is refused)",
-    )
-    g.add_argument(
-        "--use-checkpoint-opt-param-scheduler",
-        action="store_true",
-        help="resuming: keep the checkpoint's learning-rate schedule, whatever these flags say",
-    )
-
-    g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--tensorboard-dir")
-    g.add_argument("--metrics-file", help="also write every logged iteration as a JSON line")
-    g.add_argument("--wandb-project", help="also log to Weights & Biases, in this project (default: no W&B)")
-    g.add_argument("--wandb-exp-name", help="the W&B run's name (default: W&B's)")
-    g.add_argument(
-        "--wandb-save-dir",
-        help="where the W&B run (offline: WANDB_MODE=offline) and its id go (default: <--save>/wandb)",
-    )
-    g.add_argument("--wandb-entity", help="the W&B team or user the project belongs to (default: yours)")
-    g.add_argument("--dry-run", action="store_true", help="print the resolved configuration as JSON and exit")
-    g.add_argument(
-        "--gpu-memory-gib",
-        type=float,
-        default=80.0,
-        help="GPU memory the run targets: --dry-run warns when its per-GPU memory plan does not fit",
-    )
-    g.add_argument(
-        "--verbose",
-        action="store_true",
-        help="print every resolved argument at start (always written to arguments.json beside --save)",
-    )
-    for action in p._actions:
-        if action.option_strings and not action.help:
-            action.help = HELP.get(action.dest)
+    _add_declared(p.add_argument_group("logging and evaluation"), LoggingConfig)
     return p
 
 
@@ -470,12 +196,22 @@ def resolve_args(
     parser = build_parser()
     ns = parser.parse_args(argv)
     explicit = _explicit(argv)
+    explicit.pop("config", None)
+    recorded: dict[str, object] = {}
+    if ns.config is not None:  # the file's values count as typed, below the command line's
+        config = read_config(ns.config, parser)
+        explicit = {**config.typed_values, **explicit}
+        recorded = config.recorded_values  # a saved run's resolved values: where a preset's sit, above it
+    for name, value in {**recorded, **explicit}.items():
+        setattr(ns, name, value)  # --model, --load, --use-checkpoint-args ... as the file and flags say
     values: dict[str, object] = dict(vars(ns))
+    del values["config"]  # the file's values are the run's own: its arguments record them, not the file
     values.update({k: v for k, v in DEFAULTS.items() if values.get(k) is None})
     if ns.model is not None:
         values.update(get_preset(ns.model))
     if ns.use_checkpoint_args:
         values.update(checkpoint_model_args(ns.load, ns.pretrained_checkpoint, typed=explicit))
+    values.update(recorded)
     values.update(explicit)
     untie, tie = "untie_embeddings_and_output_weights", "tie_embeddings_and_output_weights"
     if explicit.get(untie) and not explicit.get(tie):
@@ -516,50 +252,10 @@ _RULES = {
 }
 
 RANGES: dict[str, Range] = {
-    **dict.fromkeys(
-        (
-            *SHAPE_SIZES,
-            "seq_length",
-            "max_position_embeddings",
-            "micro_batch_size",
-            "global_batch_size",
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "num_layers_per_virtual_pipeline_stage",
-            "distributed_timeout_minutes",
-            "lr_decay_iters",
-            "recompute_num_layers",
-            "exit_interval",
-            "save_interval",
-            "ckpt_step",
-            "log_interval",
-            "eval_interval",
-        ),
-        Range(">= 1"),
-    ),
-    "train_iters": Range(">= 1", hint="a run of no iterations trains nothing"),
-    "train_tokens": Range(">= 1", hint="a run of no tokens trains nothing"),
-    "cross_entropy_chunk_size": Range(">= 1", "token", "leave it out for the unchunked loss"),
-    "ddp_bucket_size": Range(">= 1", "parameter"),
-    **dict.fromkeys(
-        (
-            "lr",
-            "min_lr",
-            "lr_warmup_iters",
-            "weight_decay",
-            "init_method_std",
-            "lambda_std",
-            "adam_eps",
-            "clip_grad",
-            "seed",
-            "num_workers",
-            "eval_iters",
-        ),
-        Range(">= 0"),
-    ),
-    **dict.fromkeys(("rotary_base", "norm_epsilon", "gpu_memory_gib"), Range("> 0")),
-    **dict.fromkeys(("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"), Range("in [0, 1)")),
+    f.name: Range(*([decl.range] if isinstance(decl.range, str) else decl.range))
+    for cls in DECLARED
+    for f, decl in declared(cls)
+    if decl.range
 }
 """Every numeric flag's range (a test holds every int/float flag of the parser to a row here): a value out
 of it fails here in one line naming the flag, not deep inside model building or as a silent no-op."""
