@@ -108,6 +108,13 @@ def is_disk_full(exc: BaseException) -> bool:
     )
 
 
+def paths_overlap(a: str, b: str) -> bool:
+    """Whether two paths are the same folder or one lies inside the other (symlinks resolved): an output
+    that would be written into its own source, or around it."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
+
+
 def _read_only(path: str) -> bool:
     try:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)

@@ -147,6 +147,25 @@ def _motif_layout_from_args(args: argparse.Namespace, noise: int | None) -> Moti
     return MotifLayout(**_layout_sizes(args), num_noise_heads=noise)
 
 
+def _llama_keys(layout: ModelLayout, hidden_act: str, initializer_range: float) -> dict[str, Any]:
+    """The Llama-family shape keys every exported config.json holds, in their usual order (the DIFF
+    formats count sub-heads: `hf_attention_heads`)."""
+    heads, kv_heads = layout.hf_attention_heads()
+    return {
+        "vocab_size": layout.vocab_size,
+        "hidden_size": layout.hidden_size,
+        "intermediate_size": layout.ffn_hidden_size,
+        "num_hidden_layers": layout.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": layout.head_dim,
+        "hidden_act": hidden_act,
+        "max_position_embeddings": layout.max_position_embeddings,
+        "initializer_range": initializer_range,
+        "rms_norm_eps": layout.norm_eps,
+    }
+
+
 def hf_config_dict(
     layout: ModelLayout,
     *,
@@ -160,20 +179,9 @@ def hf_config_dict(
     "bfloat16"; `lambda_std` only for DiffLlama). Motif's: `motif_config_dict`."""
     if isinstance(layout, MotifLayout):
         raise DiffmegError("a Motif config.json is written by motif_config_dict")
-    heads, kv_heads = layout.hf_attention_heads()  # DiffLlama counts the 2h sub-heads
     config = {
         "architectures": [layout.architecture],
-        "vocab_size": layout.vocab_size,
-        "hidden_size": layout.hidden_size,
-        "intermediate_size": layout.ffn_hidden_size,
-        "num_hidden_layers": layout.num_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": layout.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": layout.max_position_embeddings,
-        "initializer_range": initializer_range,
-        "rms_norm_eps": layout.norm_eps,
+        **_llama_keys(layout, "silu", initializer_range),
         "use_cache": True,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
@@ -387,23 +395,13 @@ def motif_config_dict(
     were, and a key it left out is not added where Motif's default already gives the model's value. So an
     import's export is its folder's config.json; a bos / eos id the tokenizer does not give stays the
     source's."""
-    heads, kv_heads = layout.hf_attention_heads()
+    heads, _ = layout.hf_attention_heads()
     d = layout.head_dim
     values: dict[str, Any] = {
         "model_type": MotifLayout.model_type,
         "architectures": [MotifLayout.architecture],
         "auto_map": dict(MOTIF_AUTO_MAP),
-        "vocab_size": layout.vocab_size,
-        "hidden_size": layout.hidden_size,
-        "intermediate_size": layout.ffn_hidden_size,
-        "num_hidden_layers": layout.num_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": d,
-        "hidden_act": "poly_norm",
-        "max_position_embeddings": layout.max_position_embeddings,
-        "initializer_range": initializer_range,
-        "rms_norm_eps": layout.norm_eps,
+        **_llama_keys(layout, "poly_norm", initializer_range),
         "attn_rms_norm_eps": default_head_norm_eps() if head_norm_eps is None else head_norm_eps,
         "rope_theta": layout.rotary_base,
         "k_ratio": 1,

@@ -59,7 +59,6 @@ def export_checkpoint(
     no_tokenizer: bool = False,
     max_shard_size: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
-    progress: bool = True,
     log: Callable[[str], None] = stderr,
 ) -> str:
     """Export iteration `iteration` (default: the latest complete one) of the checkpoint folder `load`
@@ -113,14 +112,13 @@ def export_checkpoint(
             writer.add({GLOBALS[key]: tensor.to(dtype)})  # tied: no output layer, no lm_head
             del tensor
             release_freed_memory()
-        layers = Progress("mcore-to-hf", layout.num_layers) if progress else None
+        progress = Progress("mcore-to-hf", layout.num_layers)
         for index in range(layout.num_layers):
             hf_layer = mcore_layer_to_hf(reader.read_layer(layout, index), layout, dtype)
             writer.add({HF_LAYER_PREFIX.format(index) + k: v for k, v in hf_layer.items()})
             del hf_layer
             release_freed_memory()
-            if layers is not None:
-                layers.layer_done(index + 1)
+            progress.layer_done(index + 1)
         shards = writer.close()
         if isinstance(layout, MotifLayout):
             write_json(os.path.join(out, "config.json"), motif_config)

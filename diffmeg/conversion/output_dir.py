@@ -35,7 +35,7 @@ from diffmeg.data.hf_tokenizer import TOKENIZER_FILES
 from diffmeg.data.indexed import pid_alive
 from diffmeg.errors import DiffmegError
 from diffmeg.folder_lock import LOCK_FILE, FolderLock
-from diffmeg.storage import check_output, is_disk_full
+from diffmeg.storage import check_output, is_disk_full, paths_overlap
 
 _TEMPORARY = re.compile(r"\.convert-(?:new|old)-(\d+)-")
 """The temporary folders a conversion makes inside an existing output: `.convert-new-<pid>-...`."""
@@ -94,8 +94,7 @@ def check_output_path(output: str, overwrite: bool, source: str, files: OutputFi
     """Refuse an output overlapping the source, an existing non-empty output without --overwrite, and (for
     `files` that keep nothing else) an output holding entries the conversion does not write. Returns the
     entries of an existing output that the conversion will leave in place."""
-    out, src = os.path.realpath(output), os.path.realpath(source)
-    if out == src or out.startswith(src + os.sep) or src.startswith(out + os.sep):
+    if paths_overlap(output, source):
         raise DiffmegError(f"--save {output} overlaps --load {source}; write the conversion elsewhere")
     others: list[str] = []
     if os.path.lexists(output):

@@ -508,12 +508,11 @@ def validate_args(args: argparse.Namespace, world_size: int, world_source: str =
 def _check_export_target(target: str, save: str | None) -> None:
     """--export-hf-at-end DIR is refused at the start, not after a week of training, when it cannot be
     written or would share a folder with the checkpoints."""
-    from diffmeg.storage import check_output
+    from diffmeg.storage import check_output, paths_overlap
 
     if save is None:
         raise DiffmegError("--export-hf-at-end exports the final checkpoint: it needs --save")
-    out, ckpt = os.path.realpath(target), os.path.realpath(save)
-    if out == ckpt or out.startswith(ckpt + os.sep) or ckpt.startswith(out + os.sep):
+    if paths_overlap(target, save):
         raise DiffmegError(
             f"--export-hf-at-end {target} overlaps --save {save}: a Hugging Face folder and the checkpoints "
             "cannot share a folder; pick a folder beside them (e.g. RUN/hf)"

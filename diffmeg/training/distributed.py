@@ -148,12 +148,13 @@ def _joined_store(env: dict[str, str], patience_s: float, timeout: datetime.time
         f"`unset WORLD_SIZE RANK MASTER_ADDR MASTER_PORT` for a single process, or start all {world} ranks "
         f"with torchrun --nproc_per_node {world}"
     )
+    unreachable = (
+        f"rank {rank} could not reach rank 0's rendezvous at MASTER_ADDR {addr} MASTER_PORT {port} "
+        f"within {patience_s:g} s, and no launcher (torchrun, srun) started this process: {fix}"
+    )
     patience = datetime.timedelta(seconds=patience_s)
     if rank != 0 and not _reachable(addr, port, patience_s):  # before c10d's client: it logs every retry
-        raise DiffmegError(
-            f"rank {rank} could not reach rank 0's rendezvous at MASTER_ADDR {addr} MASTER_PORT {port} "
-            f"within {patience_s:g} s, and no launcher (torchrun, srun) started this process: {fix}"
-        )
+        raise DiffmegError(unreachable)
     try:
         store = torch.distributed.TCPStore(
             addr, port, world, rank == 0, timeout=patience, wait_for_workers=False, multi_tenant=True
@@ -161,10 +162,7 @@ def _joined_store(env: dict[str, str], patience_s: float, timeout: datetime.time
     except torch.distributed.DistError as exc:
         if "EADDRINUSE" in str(exc):
             raise  # initialize_distributed's line for a port in use
-        raise DiffmegError(
-            f"rank {rank} could not reach rank 0's rendezvous at MASTER_ADDR {addr} MASTER_PORT {port} "
-            f"within {patience_s:g} s, and no launcher (torchrun, srun) started this process: {fix}"
-        ) from None
+        raise DiffmegError(unreachable) from None
     joined = store.add("diffmeg/joined", 1)
     deadline = time.monotonic() + patience_s
     while joined < world and time.monotonic() < deadline:
